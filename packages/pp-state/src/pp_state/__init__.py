@@ -1,0 +1,90 @@
+"""pp-state: the process groups of pipeline-parallel training, as explicit objects.
+
+- `rank_layout`: which global ranks form each group (pure, no torch), equal to Megatron's.
+- `ParallelConfig` / `ParallelState`: every group of a job, built once and passed down.
+- `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
+
+Importing the package and calling `rank_layout` does not import torch; the names that need it
+load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
+
+from pp_state.layout import (
+    AXES,
+    DEFAULT_ORDER,
+    KINDS,
+    GroupKind,
+    find_group,
+    group_containing,
+    rank_layout,
+)
+
+if TYPE_CHECKING:
+    from pp_state import parallel_state
+    from pp_state.default import (
+        NotInitializedError,
+        get_default_state,
+        has_default_state,
+        reset_default_state,
+        set_default_state,
+    )
+    from pp_state.parallel_state import (
+        destroy_model_parallel,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+    from pp_state.state import ParallelConfig, ParallelState, StateDestroyedError
+
+__version__ = _version("pp-state")
+
+# Names backed by torch.distributed, and the module each comes from.
+_LAZY = {
+    "NotInitializedError": "pp_state.default",
+    "get_default_state": "pp_state.default",
+    "has_default_state": "pp_state.default",
+    "reset_default_state": "pp_state.default",
+    "set_default_state": "pp_state.default",
+    "destroy_model_parallel": "pp_state.parallel_state",
+    "initialize_model_parallel": "pp_state.parallel_state",
+    "model_parallel_is_initialized": "pp_state.parallel_state",
+    "ParallelConfig": "pp_state.state",
+    "ParallelState": "pp_state.state",
+    "StateDestroyedError": "pp_state.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "parallel_state":
+        return importlib.import_module("pp_state.parallel_state")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pp_state' has no attribute {name!r}")
+
+
+__all__ = [
+    "AXES",
+    "DEFAULT_ORDER",
+    "KINDS",
+    "GroupKind",
+    "NotInitializedError",
+    "ParallelConfig",
+    "ParallelState",
+    "StateDestroyedError",
+    "__version__",
+    "destroy_model_parallel",
+    "find_group",
+    "get_default_state",
+    "group_containing",
+    "has_default_state",
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
+    "parallel_state",
+    "rank_layout",
+    "reset_default_state",
+    "set_default_state",
+]

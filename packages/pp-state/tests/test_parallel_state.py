@@ -1,0 +1,223 @@
+"""The Megatron-compatible facade over the set-once default state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pp_state import (
+    GroupKind,
+    NotInitializedError,
+    ParallelConfig,
+    ParallelState,
+    reset_default_state,
+    set_default_state,
+)
+from pp_state import parallel_state as mpu
+from pp_testing import run_distributed
+
+
+@pytest.fixture(autouse=True)
+def _fresh_default_state() -> Iterator[None]:
+    reset_default_state()
+    yield
+    reset_default_state()
+
+
+def _group_getters(state: ParallelState) -> list[tuple[Callable[[], object], GroupKind]]:
+    getters: list[tuple[Callable[[], object], GroupKind]] = [
+        (mpu.get_tensor_model_parallel_group, "tp"),
+        (mpu.get_pipeline_model_parallel_group, "pp"),
+        (mpu.get_data_parallel_group, "dp"),
+        (lambda: mpu.get_data_parallel_group(with_context_parallel=True), "dp_cp"),
+        (mpu.get_context_parallel_group, "cp"),
+        (mpu.get_model_parallel_group, "mp"),
+        (mpu.get_embedding_group, "embedding"),
+        (mpu.get_tensor_and_data_parallel_group, "tp_dp"),
+        (lambda: mpu.get_tensor_and_data_parallel_group(with_context_parallel=True), "tp_dp_cp"),
+        (mpu.get_tensor_and_context_parallel_group, "tp_cp"),
+    ]
+    if state.in_group("position_embedding"):
+        getters.append((mpu.get_position_embedding_group, "position_embedding"))
+    return getters
+
+
+def _ported_megatron_code() -> dict[str, object]:
+    """What code written against megatron.core.parallel_state would do."""
+    state = mpu.initialize_model_parallel(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        distributed_timeout_minutes=0.5,
+    )
+    seen: dict[str, object] = {
+        "initialized": (mpu.model_parallel_is_initialized(), mpu.is_initialized()),
+        "same_state": mpu.get_parallel_state() is state,
+        "sizes": (
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_data_parallel_world_size(),
+            mpu.get_data_parallel_world_size(with_context_parallel=True),
+            mpu.get_context_parallel_world_size(),
+            mpu.get_virtual_pipeline_model_parallel_world_size(),
+        ),
+        "ranks": (
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_data_parallel_rank(),
+            mpu.get_context_parallel_rank(),
+            mpu.get_virtual_pipeline_model_parallel_rank(),
+        ),
+        "pipeline": (
+            mpu.get_pipeline_model_parallel_first_rank(),
+            mpu.get_pipeline_model_parallel_last_rank(),
+            mpu.get_pipeline_model_parallel_prev_rank(),
+            mpu.get_pipeline_model_parallel_next_rank(),
+        ),
+        "src": (mpu.get_tensor_model_parallel_src_rank(), mpu.get_data_parallel_src_rank()),
+        "cp_ranks": mpu.get_context_parallel_global_ranks(),
+        "split": mpu.get_pipeline_model_parallel_split_rank(),
+        "groups": all(getter() is state.group(kind) for getter, kind in _group_getters(state)),
+    }
+    # The set virtual rank drives the predicates when no vp_stage is given, as in Megatron.
+    chunks = []
+    for chunk in range(2):
+        mpu.set_virtual_pipeline_model_parallel_rank(chunk)
+        chunks.append(
+            (
+                mpu.is_pipeline_first_stage(ignore_virtual=False),
+                mpu.is_pipeline_last_stage(ignore_virtual=False),
+                mpu.is_rank_in_embedding_group(ignore_virtual=False),
+            )
+        )
+    seen["chunks"] = chunks
+    seen["explicit_chunk"] = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
+    seen["physical"] = (mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage())
+    # The embedding group reaches exactly the first and last stage of the pipeline.
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value, group=mpu.get_embedding_group())
+    seen["embedding_sum"] = value.item()
+    # Overrides, as Megatron's tests use them.
+    mpu.set_pipeline_model_parallel_rank(0)
+    mpu.set_pipeline_model_parallel_world_size(1)
+    seen["overridden"] = (
+        mpu.get_pipeline_model_parallel_rank(),
+        mpu.is_pipeline_first_stage(),
+        mpu.is_pipeline_last_stage(),
+    )
+    try:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+    except RuntimeError as error:
+        seen["twice"] = str(error)
+    mpu.destroy_model_parallel()
+    seen["after_destroy"] = (
+        mpu.model_parallel_is_initialized(),
+        mpu.get_virtual_pipeline_model_parallel_rank(),
+    )
+    try:
+        mpu.get_pipeline_model_parallel_rank()
+    except NotInitializedError as error:
+        seen["getter_after_destroy"] = str(error)
+    # Initialise again after destroying: a new default.
+    again = mpu.initialize_model_parallel(
+        pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=1
+    )
+    seen["again"] = (
+        mpu.get_pipeline_model_parallel_world_size(),
+        again.data_parallel_size,
+        mpu.is_pipeline_stage_at_split(),
+    )
+    mpu.destroy_model_parallel()
+    return seen
+
+
+def test_ported_megatron_code_runs_on_the_facade() -> None:
+    for rank, seen in enumerate(run_distributed(_ported_megatron_code, 8, timeout=120)):
+        tp_rank, dp_rank, pp_rank = rank % 2, (rank // 2) % 2, rank // 4
+        assert seen["initialized"] == (True, True)
+        assert seen["same_state"] is True
+        assert seen["sizes"] == (2, 2, 2, 2, 1, 2)
+        assert seen["ranks"] == (tp_rank, pp_rank, dp_rank, 0, 0)
+        assert seen["pipeline"] == (rank % 4, rank % 4 + 4, (rank + 4) % 8, (rank + 4) % 8)
+        assert seen["src"] == (rank - tp_rank, rank - 2 * dp_rank)
+        assert seen["cp_ranks"] == [rank]
+        assert seen["split"] is None
+        assert seen["groups"] is True
+        first, last = pp_rank == 0, pp_rank == 1
+        assert seen["chunks"] == [(first, False, first), (False, last, last)]
+        assert seen["explicit_chunk"] is last
+        assert seen["physical"] == (first, last)
+        assert seen["embedding_sum"] == float(rank % 4 + rank % 4 + 4)
+        assert seen["overridden"] == (0, True, True)
+        assert "already initialized; call destroy_model_parallel() first" in str(seen["twice"])
+        assert seen["after_destroy"] == (False, None)
+        assert "not initialized: call pp_state.initialize_model_parallel" in str(
+            seen["getter_after_destroy"]
+        )
+        # pp 4 on 8 ranks, split at stage 1: stage 0 is the last encoder stage.
+        assert seen["again"] == (4, 2, rank // 2 == 0)
+
+
+@pytest.mark.parametrize(
+    "getter",
+    [
+        mpu.get_tensor_model_parallel_group,
+        mpu.get_pipeline_model_parallel_rank,
+        mpu.get_data_parallel_world_size,
+        mpu.get_embedding_group,
+        mpu.is_pipeline_first_stage,
+        mpu.get_pipeline_model_parallel_next_rank,
+        mpu.get_parallel_state,
+    ],
+)
+def test_a_getter_before_initialisation_says_what_to_call(getter: object) -> None:
+    assert callable(getter)
+    with pytest.raises(
+        NotInitializedError,
+        match=r"not initialized: call pp_state.initialize_model_parallel\(...\)",
+    ):
+        getter()
+
+
+def test_unchecked_group_getters_return_none_before_initialisation() -> None:
+    assert mpu.get_tensor_model_parallel_group(check_initialized=False) is None
+    assert mpu.get_data_parallel_group(with_context_parallel=True, check_initialized=False) is None
+    assert not mpu.model_parallel_is_initialized()
+    assert mpu.get_virtual_pipeline_model_parallel_world_size() is None
+
+
+def test_overrides_work_without_groups_and_reset_clears_them() -> None:
+    mpu.set_tensor_model_parallel_world_size(4)
+    mpu.set_tensor_model_parallel_rank(3)
+    mpu.set_pipeline_model_parallel_world_size(2)
+    mpu.set_pipeline_model_parallel_rank(1)
+    mpu.set_virtual_pipeline_model_parallel_world_size(2)
+    mpu.set_virtual_pipeline_model_parallel_rank(1)
+    assert mpu.get_tensor_model_parallel_world_size() == 4
+    assert mpu.get_tensor_model_parallel_rank() == 3
+    assert mpu.is_pipeline_last_stage()
+    assert mpu.is_pipeline_last_stage(ignore_virtual=False)
+    assert not mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0)
+    assert not mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=0)
+    with pytest.raises(ValueError, match="expected a non-negative int or None, got -1"):
+        mpu.set_pipeline_model_parallel_rank(-1)
+    mpu.set_virtual_pipeline_model_parallel_world_size(None)
+    assert mpu.get_virtual_pipeline_model_parallel_world_size() is None
+    reset_default_state()
+    assert mpu.get_virtual_pipeline_model_parallel_rank() is None
+    with pytest.raises(NotInitializedError):
+        mpu.get_tensor_model_parallel_world_size()
+
+
+def test_initialize_refuses_bad_sizes_before_touching_torch_distributed() -> None:
+    with pytest.raises(ValueError, match="needs pipeline_model_parallel_size of 2 or more, got 1"):
+        mpu.initialize_model_parallel(virtual_pipeline_model_parallel_size=2)
+    assert not mpu.model_parallel_is_initialized()
+
+
+def test_set_default_state_refuses_non_states() -> None:
+    with pytest.raises(TypeError, match="expected a ParallelState, got ParallelConfig"):
+        set_default_state(ParallelConfig())  # type: ignore[arg-type]

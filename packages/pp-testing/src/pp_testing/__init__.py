@@ -1,0 +1,21 @@
+"""Test helpers for the pp packages; no library imports this package.
+
+`run_distributed` runs a plain function on N CPU ranks over gloo with a hard timeout;
+`check_installed_alone` checks a package is installed as users get it.
+"""
+
+from importlib.metadata import version as _version
+
+from pp_testing.distributed import DistributedTestError, RankFailure, run_distributed
+from pp_testing.packaging import check_installed_alone, project_requirements
+
+__version__ = _version("pp-testing")
+
+__all__ = [
+    "DistributedTestError",
+    "RankFailure",
+    "__version__",
+    "check_installed_alone",
+    "project_requirements",
+    "run_distributed",
+]

@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pp_testing import DistributedTestError, run_distributed
+
+
+def _sum_of_ranks() -> tuple[int, int, float]:
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    return dist.get_rank(), torch.get_num_threads(), value.item()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_rank_runs_and_returns_in_rank_order(world_size: int) -> None:
+    results = run_distributed(_sum_of_ranks, world_size)
+    expected_sum = float(sum(range(world_size)))
+    assert results == [(rank, 1, expected_sum) for rank in range(world_size)]
+
+
+def _echo(a: int, b: str) -> str:
+    return f"{dist.get_rank()}:{a}:{b}:{os.environ['PP_TESTING_PROBE']}"
+
+
+def test_arguments_and_environment_reach_every_rank() -> None:
+    results = run_distributed(_echo, 2, 7, "x", env={"PP_TESTING_PROBE": "yes"})
+    assert results == ["0:7:x:yes", "1:7:x:yes"]
+
+
+def _rank_one_raises() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank one broke on purpose")
+    time.sleep(3600)  # the others would wait for rank one forever
+
+
+def test_a_raising_rank_fails_the_run_with_its_traceback_and_others_stop() -> None:
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_rank_one_raises, 3, pg_timeout=60, timeout=60)
+    message = str(caught.value)
+    assert "failed on rank(s)" in message
+    assert "--- rank 1: raised ---" in message
+    assert "rank one broke on purpose" in message
+    statuses = {failure.rank: failure.status for failure in caught.value.failures}
+    assert statuses[1] == "raised"
+    # The others are killed after the grace period ("killed", not "killed at timeout"), and
+    # the report says where they were stuck.
+    assert statuses[0] == "killed"
+    assert statuses[2] == "killed"
+    assert "_rank_one_raises" in caught.value.failures[0].detail
+
+
+def _sleep_forever() -> None:
+    time.sleep(3600)
+
+
+def test_a_hang_is_killed_at_the_timeout_with_each_rank_stack() -> None:
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_sleep_forever, 2, timeout=3)
+    message = str(caught.value)
+    assert "did not finish within 3 s" in message
+    for failure in caught.value.failures:
+        assert failure.status == "killed at timeout"
+        assert "_sleep_forever" in failure.detail
+
+
+def _unmatched_receive() -> None:
+    if dist.get_rank() == 0:
+        dist.recv(torch.empty(1), src=1)
+
+
+def test_the_process_group_timeout_turns_a_lost_receive_into_an_error() -> None:
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_unmatched_receive, 2, pg_timeout=2, timeout=60)
+    rank0 = caught.value.failures[0]
+    assert rank0.status == "raised"
+    assert "Traceback" in rank0.detail
+
+
+def _hard_exit() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+def test_a_rank_that_dies_is_reported_with_its_exit_code() -> None:
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_hard_exit, 2, timeout=30)
+    assert caught.value.failures[1].status == "exited with code 3"
+
+
+def test_bad_arguments_are_refused() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="module-level function"):
+        run_distributed(local, 2)
+    with pytest.raises(ValueError, match="world_size must be 1 or more, got 0"):
+        run_distributed(_sum_of_ranks, 0)
+    with pytest.raises(ValueError, match="timeouts must be positive"):
+        run_distributed(_sum_of_ranks, 2, timeout=0)
