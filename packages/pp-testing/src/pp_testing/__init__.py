@@ -7,6 +7,7 @@
 from importlib.metadata import version as _version
 
 from pp_testing.distributed import DistributedTestError, RankFailure, run_distributed
+from pp_testing.markers import cuda_device_count, requires_gpus
 from pp_testing.packaging import check_installed_alone, project_requirements
 
 __version__ = _version("pp-testing")
@@ -16,6 +17,8 @@ __all__ = [
     "RankFailure",
     "__version__",
     "check_installed_alone",
+    "cuda_device_count",
     "project_requirements",
+    "requires_gpus",
     "run_distributed",
 ]

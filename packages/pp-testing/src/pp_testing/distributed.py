@@ -88,7 +88,8 @@ def run_distributed(
         timeout: Seconds the whole run may take before every rank is killed.
         pg_timeout: Timeout of the process group: a collective or receive that waits longer
             raises inside the rank.
-        backend: torch.distributed backend ("gloo" on CPU).
+        backend: torch.distributed backend: "gloo" on CPU, or "nccl" (rank r then uses CUDA
+            device r modulo the device count).
         env: Extra environment variables for the ranks.
 
     Returns:
@@ -225,6 +226,9 @@ def _rank_main(spec: _RunSpec, rank: int) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if spec.backend == "nccl":
+            # NCCL needs one device per rank.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(spec.store_path, spec.world_size)
         dist.init_process_group(
             spec.backend,
