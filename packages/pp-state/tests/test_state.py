@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pp_state import KINDS, ParallelConfig, ParallelState, StateDestroyedError, rank_layout
-from pp_testing import DistributedTestError, run_distributed
+from pp_testing import DistributedTestError, requires_gpus, run_distributed
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -303,3 +303,21 @@ def test_config_is_frozen_and_keyword_only() -> None:
     with pytest.raises(TypeError):
         ParallelConfig(2)  # type: ignore[call-arg]
     assert config.layout(4) == rank_layout(4, tensor_model_parallel_size=2)
+
+
+def _nccl_groups_reach(config: ParallelConfig) -> dict[str, object]:
+    torch.set_default_device("cuda")
+    return _reach_of_every_group(config)
+
+
+@requires_gpus(4)
+def test_nccl_groups_hold_exactly_the_layout_ranks() -> None:
+    config = ParallelConfig(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, timeout=TIMEOUT
+    )
+    reports = run_distributed(_nccl_groups_reach, 4, config, backend="nccl", timeout=180)
+    layout = config.layout(4)
+    for rank, report in enumerate(reports):
+        for kind in KINDS:
+            expected = next((g for g in layout[kind] if rank in g), None)
+            assert (report[kind] or {}).get("reached") == (sorted(expected) if expected else None)

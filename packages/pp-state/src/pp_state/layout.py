@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_ORDER",
     "KINDS",
     "GroupKind",
+    "check_split_rank",
     "find_group",
     "group_containing",
     "parse_order",
@@ -172,7 +173,13 @@ def _position_embedding_ranks(pipeline: Sequence[int], split_rank: int | None) -
     return [pipeline[stage] for stage in stages]
 
 
-def _check_split_rank(split_rank: int | None, pp: int) -> None:
+def check_split_rank(split_rank: int | None, pp: int) -> None:
+    """Check an encoder-decoder split rank against a pipeline of `pp` stages.
+
+    Raises:
+        TypeError: It is neither an int nor None.
+        ValueError: It is outside 1 .. pp-1 (so a pipeline of 1 stage has no valid split).
+    """
     if split_rank is None:
         return
     if isinstance(split_rank, bool) or not isinstance(split_rank, int):
@@ -228,7 +235,7 @@ def rank_layout(
     dp = _data_parallel_size(world_size, tp, pp, cp)
     sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
     axes = parse_order(order, sizes)
-    _check_split_rank(pipeline_model_parallel_split_rank, pp)
+    check_split_rank(pipeline_model_parallel_split_rank, pp)
     layout: dict[GroupKind, list[list[int]]] = {}
     for kind in KINDS:
         if kind in _SPANS:

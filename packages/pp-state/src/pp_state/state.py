@@ -12,6 +12,7 @@ from pp_state.layout import (
     DEFAULT_ORDER,
     KINDS,
     GroupKind,
+    check_split_rank,
     find_group,
     group_containing,
     parse_order,
@@ -110,15 +111,7 @@ class ParallelConfig:
             0
         ):
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {self.timeout!r}")
-        # The split rank's range is pure arithmetic; check it now, not after groups exist.
-        rank_layout(
-            self.tensor_model_parallel_size * pp * self.context_parallel_size,
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=pp,
-            context_parallel_size=self.context_parallel_size,
-            order=self.order,
-            pipeline_model_parallel_split_rank=self.pipeline_model_parallel_split_rank,
-        )
+        check_split_rank(self.pipeline_model_parallel_split_rank, pp)
 
     def layout(self, world_size: int) -> dict[GroupKind, list[list[int]]]:
         """The rank layout of this config on `world_size` ranks (see `rank_layout`)."""
