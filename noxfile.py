@@ -114,8 +114,8 @@ def _install(session: nox.Session, dists: Iterable[str], *extra: str) -> None:
         session.install("--no-deps", "--force-reinstall", *paths)
 
 
-def _test_env(session: nox.Session) -> dict[str, str]:
-    return {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+# Ranks talk over loopback and use one thread each: they share the machine's cores.
+TEST_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
 @nox.session
@@ -131,9 +131,7 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """A package's unit tests, with only that package and its declared lower layers."""
     _install(session, [package, TEST_HELPERS], *TEST_TOOLS)
-    session.run(
-        "pytest", str(PACKAGES / package / "tests"), *session.posargs, env=_test_env(session)
-    )
+    session.run("pytest", str(PACKAGES / package / "tests"), *session.posargs, env=TEST_ENV)
 
 
 @nox.session
@@ -165,7 +163,18 @@ def layers(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """Tests across packages, with the whole stack installed."""
     _install(session, ALL_PACKAGES, *TEST_TOOLS)
-    session.run("pytest", str(ROOT / "integration_tests"), *session.posargs, env=_test_env(session))
+    # The >>> examples in docs/*.md and the package READMEs run as doctests, so the docs
+    # cannot drift from the code.
+    readmes = sorted(str(path) for path in PACKAGES.glob("*/README.md"))
+    session.run(
+        "pytest",
+        str(ROOT / "integration_tests"),
+        str(ROOT / "docs"),
+        *readmes,
+        "--doctest-glob=*.md",
+        *session.posargs,
+        env=TEST_ENV,
+    )
 
 
 @nox.session
@@ -185,5 +194,5 @@ def demo(session: nox.Session) -> None:
         "8",
         str(ROOT / "docs" / "examples" / "parallel_state_tour.py"),
         *args,
-        env=_test_env(session),
+        env=TEST_ENV,
     )
