@@ -14,14 +14,18 @@ from functools import cache
 from pathlib import Path
 
 import nox
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox itself depends on tomli before 3.11
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES = ROOT / "packages"
 # The CPU build of this exact version is what tests, CI and the demo run on; packages
 # themselves declare a range.
 TORCH = "torch==2.13.0"
-TEST_TOOLS = ("pytest>=8", "numpy")
+TEST_TOOLS = ("pytest>=8", "numpy", "tomli>=1.1; python_version < '3.11'")
 TEST_HELPERS = "pp-testing"
 
 nox.needs_version = ">=2024.3.2"

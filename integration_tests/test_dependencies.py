@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 PACKAGES = Path(__file__).resolve().parent.parent / "packages"
 DISTS = sorted(path.name for path in PACKAGES.iterdir() if (path / "pyproject.toml").is_file())

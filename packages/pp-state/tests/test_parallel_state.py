@@ -82,54 +82,76 @@ def _ported_megatron_code() -> dict[str, object]:
         "split": mpu.get_pipeline_model_parallel_split_rank(),
         "groups": all(getter() is state.group(kind) for getter, kind in _group_getters(state)),
     }
-    # The set virtual rank drives the predicates when no vp_stage is given, as in Megatron.
+    # As in Megatron, a virtual stage must be named when interleaving; the stored virtual
+    # rank is for the caller's own bookkeeping.
     chunks = []
     for chunk in range(2):
         mpu.set_virtual_pipeline_model_parallel_rank(chunk)
         chunks.append(
             (
-                mpu.is_pipeline_first_stage(ignore_virtual=False),
-                mpu.is_pipeline_last_stage(ignore_virtual=False),
-                mpu.is_rank_in_embedding_group(ignore_virtual=False),
+                mpu.get_virtual_pipeline_model_parallel_rank(),
+                mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk),
+                mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk),
+                mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=chunk),
             )
         )
     seen["chunks"] = chunks
+    try:
+        mpu.is_pipeline_first_stage(ignore_virtual=False)
+    except ValueError as error:
+        seen["unnamed_chunk"] = str(error)
     seen["explicit_chunk"] = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
     seen["physical"] = (mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage())
     # The embedding group reaches exactly the first and last stage of the pipeline.
     value = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(value, group=mpu.get_embedding_group())
     seen["embedding_sum"] = value.item()
-    # Overrides, as Megatron's tests use them.
+    # Overrides, as Megatron's tests use them: neighbours follow the overridden rank.
+    mpu.set_pipeline_model_parallel_rank(1)
+    seen["overridden_neighbours"] = (
+        mpu.get_pipeline_model_parallel_next_rank(),
+        mpu.get_pipeline_model_parallel_prev_rank(),
+        mpu.is_pipeline_last_stage(),
+    )
     mpu.set_pipeline_model_parallel_rank(0)
     mpu.set_pipeline_model_parallel_world_size(1)
     seen["overridden"] = (
         mpu.get_pipeline_model_parallel_rank(),
         mpu.is_pipeline_first_stage(),
         mpu.is_pipeline_last_stage(),
+        mpu.get_pipeline_model_parallel_last_rank(),
     )
     try:
         mpu.initialize_model_parallel(tensor_model_parallel_size=2)
     except RuntimeError as error:
         seen["twice"] = str(error)
+    state_before = mpu.get_parallel_state()
     mpu.destroy_model_parallel()
     seen["after_destroy"] = (
         mpu.model_parallel_is_initialized(),
         mpu.get_virtual_pipeline_model_parallel_rank(),
+        state_before.destroyed,
     )
     try:
         mpu.get_pipeline_model_parallel_rank()
     except NotInitializedError as error:
         seen["getter_after_destroy"] = str(error)
-    # Initialise again after destroying: a new default.
+    # Initialise again after destroying: a new default, and no override survives.
+    mpu.set_pipeline_model_parallel_rank(3)
     again = mpu.initialize_model_parallel(
         pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=1
     )
     seen["again"] = (
         mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_pipeline_model_parallel_rank(),
         again.data_parallel_size,
         mpu.is_pipeline_stage_at_split(),
+        mpu.get_virtual_pipeline_model_parallel_rank(),
     )
+    try:
+        mpu.is_pipeline_stage_before_split(4)
+    except ValueError as error:
+        seen["bad_stage"] = str(error)
     mpu.destroy_model_parallel()
     return seen
 
@@ -147,18 +169,26 @@ def test_ported_megatron_code_runs_on_the_facade() -> None:
         assert seen["split"] is None
         assert seen["groups"] is True
         first, last = pp_rank == 0, pp_rank == 1
-        assert seen["chunks"] == [(first, False, first), (False, last, last)]
+        assert seen["chunks"] == [(0, first, False, first), (1, False, last, last)]
+        assert "interleaved over 2 virtual stages: pass vp_stage (one of [0, 1])" in str(
+            seen["unnamed_chunk"]
+        )
         assert seen["explicit_chunk"] is last
         assert seen["physical"] == (first, last)
         assert seen["embedding_sum"] == float(rank % 4 + rank % 4 + 4)
-        assert seen["overridden"] == (0, True, True)
+        # Overridden to pipeline rank 1 of 2: next and prev are both stage 0 of this pipeline.
+        assert seen["overridden_neighbours"] == (rank % 4, rank % 4, True)
+        assert seen["overridden"] == (0, True, True, rank % 4)
         assert "already initialized; call destroy_model_parallel() first" in str(seen["twice"])
-        assert seen["after_destroy"] == (False, None)
+        assert seen["after_destroy"] == (False, None, True)
         assert "not initialized: call pp_state.initialize_model_parallel" in str(
             seen["getter_after_destroy"]
         )
         # pp 4 on 8 ranks, split at stage 1: stage 0 is the last encoder stage.
-        assert seen["again"] == (4, 2, rank // 2 == 0)
+        assert seen["again"] == (4, rank // 2, 2, rank // 2 == 0, None)
+        assert "pipeline rank 4 is outside the pipeline; valid: [0, 1, 2, 3]" in str(
+            seen["bad_stage"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -199,11 +229,15 @@ def test_overrides_work_without_groups_and_reset_clears_them() -> None:
     assert mpu.get_tensor_model_parallel_world_size() == 4
     assert mpu.get_tensor_model_parallel_rank() == 3
     assert mpu.is_pipeline_last_stage()
-    assert mpu.is_pipeline_last_stage(ignore_virtual=False)
+    with pytest.raises(ValueError, match="pass vp_stage"):
+        mpu.is_pipeline_last_stage(ignore_virtual=False)
     assert not mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0)
     assert not mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=0)
-    with pytest.raises(ValueError, match="expected a non-negative int or None, got -1"):
+    assert mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
+    with pytest.raises(ValueError, match="expected an int of at least 0, or None; got -1"):
         mpu.set_pipeline_model_parallel_rank(-1)
+    with pytest.raises(ValueError, match="expected an int of at least 1, or None; got 0"):
+        mpu.set_tensor_model_parallel_world_size(0)
     mpu.set_virtual_pipeline_model_parallel_world_size(None)
     assert mpu.get_virtual_pipeline_model_parallel_world_size() is None
     reset_default_state()
@@ -221,3 +255,56 @@ def test_initialize_refuses_bad_sizes_before_touching_torch_distributed() -> Non
 def test_set_default_state_refuses_non_states() -> None:
     with pytest.raises(TypeError, match="expected a ParallelState, got ParallelConfig"):
         set_default_state(ParallelConfig())  # type: ignore[arg-type]
+
+
+def _context_parallel_facade() -> tuple[object, ...]:
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    seen = (
+        mpu.get_context_parallel_world_size(),
+        mpu.get_context_parallel_rank(),
+        mpu.get_context_parallel_global_ranks(),
+        mpu.get_data_parallel_world_size(),
+        mpu.get_data_parallel_world_size(with_context_parallel=True),
+        mpu.get_data_parallel_rank(with_context_parallel=True),
+        mpu.get_data_parallel_src_rank(with_context_parallel=True),
+        mpu.get_tensor_and_data_parallel_world_size(with_context_parallel=True),
+        mpu.get_tensor_and_context_parallel_world_size(),
+        mpu.get_tensor_and_context_parallel_rank(),
+        mpu.get_tensor_and_data_parallel_rank(),
+    )
+    mpu.destroy_model_parallel()
+    return seen
+
+
+def test_context_parallel_getters() -> None:
+    # 8 ranks, tp 2, cp 2, dp 2, order tp-cp-dp-pp: cp partners are 2 apart, dp partners 4.
+    for rank, seen in enumerate(run_distributed(_context_parallel_facade, 8, timeout=120)):
+        tp_rank, cp_rank, dp_rank = rank % 2, (rank // 2) % 2, rank // 4
+        assert seen == (
+            2, cp_rank, [rank - 2 * cp_rank, rank - 2 * cp_rank + 2],
+            2, 4, cp_rank + 2 * dp_rank, tp_rank,
+            8, 4, tp_rank + 2 * cp_rank, tp_rank + 2 * dp_rank,
+        )  # fmt: skip
+
+
+def _set_once() -> tuple[str, bool, bool]:
+    first = ParallelState.create(ParallelConfig(tensor_model_parallel_size=2))
+    set_default_state(first)
+    second = ParallelState.create(ParallelConfig(tensor_model_parallel_size=2))
+    try:
+        set_default_state(second)
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    reset_default_state(destroy=False)
+    kept_alive = not first.destroyed
+    set_default_state(second)
+    reset_default_state()
+    return refused, kept_alive, second.destroyed
+
+
+def test_the_default_is_set_once_and_reset_may_keep_the_groups() -> None:
+    for refused, kept_alive, destroyed in run_distributed(_set_once, 2, timeout=60):
+        assert "already set (model parallel is initialized)" in refused
+        assert kept_alive
+        assert destroyed

@@ -200,12 +200,28 @@ def _misuse(config: ParallelConfig) -> list[str]:
             attempt()
         except ValueError as error:
             messages.append(str(error))
+    tp_group = state.group("tp")
     state.destroy()
     state.destroy()  # twice is harmless
+    after: list[Callable[[], object]] = [
+        lambda: state.group("tp"),
+        lambda: state.pipeline_next_rank,
+        state.is_pipeline_last_stage,
+    ]
+    for attempt in after:
+        try:
+            attempt()
+        except StateDestroyedError as error:
+            messages.append(str(error))
+    # torch.distributed no longer knows the group; the world group still works.
     try:
-        state.group("tp")
-    except StateDestroyedError as error:
-        messages.append(str(error))
+        dist.get_process_group_ranks(tp_group)
+        messages.append("destroyed group still registered")
+    except (KeyError, RuntimeError, ValueError):
+        pass
+    world = torch.ones(1)
+    dist.all_reduce(world)
+    messages.append(f"world {world.item():g}")
     return messages
 
 
@@ -226,7 +242,8 @@ def test_misuse_raises_clear_errors_and_destroy_is_final() -> None:
                 f"rank {rank} is in no embedding group: its pipeline's embedding ranks are [0, 3]"
                 in rank_messages[4]
             )
-        assert "was destroyed" in rank_messages[-1]
+        assert rank_messages[-4:-1] == ["this ParallelState was destroyed; create a new one"] * 3
+        assert rank_messages[-1] == "world 4"
 
 
 def _world_does_not_fit() -> None:
@@ -286,7 +303,9 @@ def test_create_needs_torch_distributed() -> None:
         ({"pipeline_model_parallel_size": 2, "order": "tp-dp"}, ValueError, "leaves out 'pp'"),
         ({"pipeline_model_parallel_size": 4, "pipeline_model_parallel_split_rank": 7}, ValueError,
          r"split_rank 7 is outside the pipeline of 4 stages: the decoder's first stage must be one of \[1, 2, 3\]"),
-        ({"timeout": datetime.timedelta(0)}, ValueError, "timeout must be a positive datetime.timedelta"),
+        ({"timeout": datetime.timedelta(0)}, ValueError, "timeout must be positive, got 0:00:00"),
+        ({"timeout": 30}, TypeError, "timeout must be a datetime.timedelta, got 30"),
+        ({"backend": 1}, TypeError, "backend must be a name such as 'gloo' or 'nccl', or None; got 1"),
     ],
 )  # fmt: skip
 def test_config_refuses_bad_input_up_front(

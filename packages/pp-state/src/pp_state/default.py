@@ -44,6 +44,8 @@ def set_default_state(state: ParallelState) -> None:
             "call destroy_model_parallel() before initializing again"
         )
     _DEFAULT = state
+    # Overrides belong to the state they were set on.
+    _OVERRIDES.clear()
 
 
 def get_default_state() -> ParallelState:

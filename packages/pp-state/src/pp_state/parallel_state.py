@@ -6,8 +6,10 @@ process-wide default state that `initialize_model_parallel` sets once; new code 
 `ParallelState` (or just the groups it needs) instead.
 
 Differences from Megatron: a getter before initialisation raises `NotInitializedError` with a
-hint instead of an assertion; `destroy_model_parallel` resets everything, overrides included;
-expert, hierarchical-context and distributed-optimizer-instance groups do not exist here.
+hint instead of an assertion; `destroy_model_parallel` resets everything, overrides included,
+and a new default state starts without overrides; `is_pipeline_stage_at_split` is False when
+there is no split; expert, hierarchical-context and distributed-optimizer-instance groups do
+not exist here.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pp_state.stages import (
     after_split,
     at_split,
     before_split,
+    checked_stage,
     first_stage,
     in_embedding_group,
     last_stage,
@@ -57,7 +60,11 @@ __all__ = [
     "get_pipeline_model_parallel_world_size",
     "get_position_embedding_group",
     "get_tensor_and_context_parallel_group",
+    "get_tensor_and_context_parallel_rank",
+    "get_tensor_and_context_parallel_world_size",
     "get_tensor_and_data_parallel_group",
+    "get_tensor_and_data_parallel_rank",
+    "get_tensor_and_data_parallel_world_size",
     "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_src_rank",
@@ -91,16 +98,17 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    *,
     pipeline_model_parallel_split_rank: int | None = None,
     context_parallel_size: int = 1,
-    *,
     distributed_timeout_minutes: float = 30,
     order: str = DEFAULT_ORDER,
     backend: str | None = None,
 ) -> ParallelState:
     """Create every model-parallel group and make it the default state, as Megatron does.
 
-    Call it on every rank after ``torch.distributed.init_process_group``.
+    Call it on every rank after ``torch.distributed.init_process_group``. Arguments after the
+    first three are keyword-only: Megatron's positional order has changed between releases.
 
     Args:
         tensor_model_parallel_size: tp.
@@ -137,9 +145,9 @@ def initialize_model_parallel(
         backend=backend,
     )
     state = ParallelState.create(config)
-    if virtual_pipeline_model_parallel_size is not None:
-        _default._OVERRIDES[_VP_RANK] = 0
     set_default_state(state)
+    if virtual_pipeline_model_parallel_size is not None:
+        _default._OVERRIDES[_VP_RANK] = 0  # Megatron starts at chunk 0
     return state
 
 
@@ -270,6 +278,26 @@ def get_context_parallel_rank() -> int:
     return get_default_state().context_parallel_rank
 
 
+def get_tensor_and_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Size of the tensor x data (x context) parallel group."""
+    return get_default_state().group_size("tp_dp_cp" if with_context_parallel else "tp_dp")
+
+
+def get_tensor_and_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """This rank's position in the tensor x data (x context) parallel group."""
+    return get_default_state().group_rank("tp_dp_cp" if with_context_parallel else "tp_dp")
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Size of the tensor x context parallel group."""
+    return get_default_state().group_size("tp_cp")
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """This rank's position in the tensor x context parallel group."""
+    return get_default_state().group_rank("tp_cp")
+
+
 def get_context_parallel_global_ranks() -> list[int]:
     """Global ranks of this rank's context-parallel group."""
     return get_default_state().group_ranks("cp")
@@ -285,24 +313,31 @@ def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     return get_default_state().src_rank("dp_cp" if with_context_parallel else "dp")
 
 
+def _pipeline_rank_at(offset: int) -> int:
+    """Global rank `offset` stages from this one, with Megatron's override-aware arithmetic."""
+    ranks = get_default_state().group_ranks("pp")
+    size = get_pipeline_model_parallel_world_size()
+    return ranks[(get_pipeline_model_parallel_rank() + offset) % size]
+
+
 def get_pipeline_model_parallel_first_rank() -> int:
     """Global rank of this pipeline's first stage."""
-    return get_default_state().pipeline_first_rank
+    return get_default_state().group_ranks("pp")[0]
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
-    """Global rank of this pipeline's last stage."""
-    return get_default_state().pipeline_last_rank
+    """Global rank of this pipeline's last stage (override-aware, as in Megatron)."""
+    return get_default_state().group_ranks("pp")[get_pipeline_model_parallel_world_size() - 1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next stage (the last stage's next is the first)."""
-    return get_default_state().pipeline_next_rank
+    return _pipeline_rank_at(1)
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     """Global rank of the previous stage (the first stage's previous is the last)."""
-    return get_default_state().pipeline_prev_rank
+    return _pipeline_rank_at(-1)
 
 
 def get_pipeline_model_parallel_split_rank() -> int | None:
@@ -310,9 +345,11 @@ def get_pipeline_model_parallel_split_rank() -> int | None:
     return get_default_state().pipeline_model_parallel_split_rank
 
 
-def _set(name: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"expected a non-negative int or None, got {value!r}")
+def _set(name: str, value: int | None, *, least: int = 0) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < least
+    ):
+        raise ValueError(f"expected an int of at least {least}, or None; got {value!r}")
     if value is None:
         _default._OVERRIDES.pop(name, None)
     else:
@@ -321,7 +358,7 @@ def _set(name: str, value: int | None) -> None:
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
     """Override the tensor-parallel size the getters report (None removes the override)."""
-    _set(_TP_SIZE, world_size)
+    _set(_TP_SIZE, world_size, least=1)
 
 
 def set_tensor_model_parallel_rank(rank: int | None) -> None:
@@ -331,7 +368,7 @@ def set_tensor_model_parallel_rank(rank: int | None) -> None:
 
 def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Override the pipeline size the getters and stage predicates use."""
-    _set(_PP_SIZE, world_size)
+    _set(_PP_SIZE, world_size, least=1)
 
 
 def set_pipeline_model_parallel_rank(rank: int | None) -> None:
@@ -350,41 +387,41 @@ def get_virtual_pipeline_model_parallel_world_size() -> int | None:
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
     """Override the virtual pipeline size."""
-    _set(_VP_SIZE, world_size)
+    _set(_VP_SIZE, world_size, least=1)
     if world_size is None:  # an explicit "not interleaving", unlike removing the override
         _default._OVERRIDES[_VP_SIZE] = None
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
-    """The model chunk the stage predicates assume when given no `vp_stage`, or None."""
+    """The model chunk last set with `set_virtual_pipeline_model_parallel_rank`, or None.
+
+    The stage predicates do not read it: pass ``vp_stage`` to them.
+    """
     return _default._OVERRIDES.get(_VP_RANK)
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
-    """Set the model chunk the stage predicates assume when given no `vp_stage`.
+    """Record the model chunk being run, for ported code that reads it back.
 
-    Prefer passing ``vp_stage`` to the predicates: this is hidden, mutable state.
+    The stage predicates ignore it, as Megatron's do: pass ``vp_stage`` to them.
     """
     _set(_VP_RANK, rank)
 
 
 # ------------------------------------------------------------------------------ predicates
-def _vp_stage(ignore_virtual: bool, vp_stage: int | None) -> int | None:
-    if vp_stage is None and not ignore_virtual:
-        return get_virtual_pipeline_model_parallel_rank()
-    return vp_stage
-
-
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the first stage (chunk 0 of stage 0 when not `ignore_virtual`).
 
-    Without `vp_stage`, the rank set by `set_virtual_pipeline_model_parallel_rank` is used.
+    When interleaving with `ignore_virtual` False, `vp_stage` is required, as in Megatron.
+
+    Raises:
+        ValueError: `vp_stage` is missing or out of range.
     """
     return first_stage(
         get_pipeline_model_parallel_rank(),
         get_virtual_pipeline_model_parallel_world_size(),
         ignore_virtual=ignore_virtual,
-        vp_stage=_vp_stage(ignore_virtual, vp_stage),
+        vp_stage=vp_stage,
     )
 
 
@@ -395,7 +432,7 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = N
         get_pipeline_model_parallel_world_size(),
         get_virtual_pipeline_model_parallel_world_size(),
         ignore_virtual=ignore_virtual,
-        vp_stage=_vp_stage(ignore_virtual, vp_stage),
+        vp_stage=vp_stage,
     )
 
 
@@ -409,7 +446,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
         pp_size=get_pipeline_model_parallel_world_size(),
         vp_size=get_virtual_pipeline_model_parallel_world_size(),
         ignore_virtual=ignore_virtual,
-        vp_stage=_vp_stage(ignore_virtual, vp_stage),
+        vp_stage=vp_stage,
     )
 
 
@@ -418,9 +455,15 @@ def is_rank_in_position_embedding_group() -> bool:
     return get_default_state().is_rank_in_position_embedding_group()
 
 
+def _stage(rank: int | None) -> int:
+    if rank is None:
+        return get_pipeline_model_parallel_rank()
+    return checked_stage(rank, get_pipeline_model_parallel_world_size())
+
+
 def is_pipeline_stage_before_split(rank: int | None = None) -> bool:
     """Whether pipeline stage `rank` (this rank's by default) is an encoder stage."""
-    stage = get_pipeline_model_parallel_rank() if rank is None else rank
+    stage = _stage(rank)
     return before_split(
         stage, get_pipeline_model_parallel_world_size(), get_pipeline_model_parallel_split_rank()
     )
@@ -428,7 +471,7 @@ def is_pipeline_stage_before_split(rank: int | None = None) -> bool:
 
 def is_pipeline_stage_after_split(rank: int | None = None) -> bool:
     """Whether pipeline stage `rank` (this rank's by default) is a decoder stage."""
-    stage = get_pipeline_model_parallel_rank() if rank is None else rank
+    stage = _stage(rank)
     return after_split(
         stage, get_pipeline_model_parallel_world_size(), get_pipeline_model_parallel_split_rank()
     )

@@ -107,10 +107,14 @@ class ParallelConfig:
             self.order,
             {"tp": self.tensor_model_parallel_size, "pp": pp, "cp": self.context_parallel_size},
         )
-        if not isinstance(self.timeout, datetime.timedelta) or self.timeout <= datetime.timedelta(
-            0
-        ):
-            raise ValueError(f"timeout must be a positive datetime.timedelta, got {self.timeout!r}")
+        if not isinstance(self.timeout, datetime.timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {self.timeout!r}")
+        if self.timeout <= datetime.timedelta(0):
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError(
+                f"backend must be a name such as 'gloo' or 'nccl', or None; got {self.backend!r}"
+            )
         check_split_rank(self.pipeline_model_parallel_split_rank, pp)
 
     def layout(self, world_size: int) -> dict[GroupKind, list[list[int]]]:
@@ -211,9 +215,11 @@ class ParallelState:
 
     # ----------------------------------------------------------------------------- lifecycle
     def destroy(self) -> None:
-        """Destroy the process groups this state created; any later use raises.
+        """Destroy the process groups this state created.
 
-        Calling it twice is harmless. The default (world) group is left alone.
+        Afterwards every question about groups, ranks or stages raises `StateDestroyedError`
+        (the config and sizes stay readable). Calling it twice is harmless. The default
+        (world) group is left alone.
         """
         if self._destroyed:
             return
@@ -306,6 +312,7 @@ class ParallelState:
         return {kind: [list(g) for g in groups] for kind, groups in self._layout.items()}
 
     def _member(self, kind: str) -> list[int]:
+        self._alive()
         ranks = self._mine[_check_kind(kind)]
         if ranks is None:
             raise ValueError(

@@ -112,7 +112,7 @@ def run_distributed(
         workdir = Path(tmp)
         spec = _RunSpec(
             target=target,
-            args=args,
+            args=pickle.dumps(args),
             world_size=world_size,
             store_path=str(workdir / "store"),
             workdir=str(workdir),
@@ -121,7 +121,9 @@ def run_distributed(
             env=dict(env or {}),
         )
         processes = [
-            context.Process(target=_rank_main, args=(spec, rank), name=f"rank{rank}", daemon=True)
+            # Not daemonic, so a test body may start processes of its own (DataLoader
+            # workers); every rank is killed in the finally below either way.
+            context.Process(target=_rank_main, args=(spec, rank), name=f"rank{rank}")
             for rank in range(world_size)
         ]
         try:
@@ -185,7 +187,10 @@ class _FunctionRef:
 @dataclasses.dataclass(frozen=True)
 class _RunSpec:
     target: _FunctionRef
-    args: tuple[Any, ...]
+    # Pickled here and unpickled inside the rank's error handling, after the target's module
+    # is loaded: an argument whose class lives in a test module then unpickles, and one that
+    # cannot is reported with its traceback.
+    args: bytes
     world_size: int
     store_path: str
     workdir: str
@@ -216,12 +221,11 @@ def _stack_path(workdir: Path | str, rank: int) -> Path:
 
 def _rank_main(spec: _RunSpec, rank: int) -> None:
     """Body of one rank's process: set up, run the target, write the outcome to a file."""
-    os.environ.update(spec.env)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    stack_file = open(_stack_path(spec.workdir, rank), "w")  # noqa: SIM115 - open until exit
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     outcome: tuple[str, Any]
     try:
+        _arm_stack_dumps(spec.workdir, rank)
+        os.environ.update(spec.env)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist
 
@@ -229,6 +233,8 @@ def _rank_main(spec: _RunSpec, rank: int) -> None:
         if spec.backend == "nccl":
             # NCCL needs one device per rank.
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        target = spec.target.resolve()
+        args = pickle.loads(spec.args)
         store = dist.FileStore(spec.store_path, spec.world_size)
         dist.init_process_group(
             spec.backend,
@@ -238,7 +244,7 @@ def _rank_main(spec: _RunSpec, rank: int) -> None:
             timeout=datetime.timedelta(seconds=spec.pg_timeout),
         )
         try:
-            outcome = ("ok", spec.target.resolve()(*spec.args))
+            outcome = ("ok", target(*args))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -257,11 +263,27 @@ def _rank_main(spec: _RunSpec, rank: int) -> None:
     os._exit(0 if outcome[0] == "ok" else 1)
 
 
-def _failed(process: multiprocessing.process.BaseProcess, workdir: Path, rank: int) -> bool:
+def _arm_stack_dumps(workdir: str, rank: int) -> None:
+    """Make SIGUSR1 (sent on timeout) and fatal signals write this rank's stack to a file.
+
+    The file appears under its final name only once the handler is installed, so the parent
+    never signals a rank that would die of SIGUSR1 instead of reporting.
+    """
+    pending = _stack_path(workdir, rank).with_suffix(".arming")
+    stack_file = open(pending, "w")  # noqa: SIM115 - stays open until the process exits
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    pending.rename(_stack_path(workdir, rank))
+
+
+def _outcome(process: multiprocessing.process.BaseProcess, workdir: Path, rank: int) -> str:
+    """The rank's state: "running", "ok" or "failed"."""
     if process.exitcode not in (None, 0):
-        return True
+        return "failed"
     path = _result_path(workdir, rank)
-    return path.exists() and pickle.loads(path.read_bytes())[0] != "ok"
+    if not path.exists():
+        return "running"
+    return "ok" if pickle.loads(path.read_bytes())[0] == "ok" else "failed"
 
 
 def _wait(
@@ -270,25 +292,38 @@ def _wait(
     """Wait until every rank exits; returns True when it had to give up."""
     deadline = time.monotonic() + timeout
     failure_deadline: float | None = None
+    succeeded: set[int] = set()  # read each finished rank's result once
     while any(process.is_alive() for process in processes):
         now = time.monotonic()
-        if failure_deadline is None and any(
-            _failed(process, workdir, rank) for rank, process in enumerate(processes)
-        ):
-            failure_deadline = now + _GRACE_AFTER_FAILURE_S
+        if failure_deadline is None:
+            for rank, process in enumerate(processes):
+                if rank in succeeded:
+                    continue
+                outcome = _outcome(process, workdir, rank)
+                if outcome == "ok":
+                    succeeded.add(rank)
+                elif outcome == "failed":
+                    failure_deadline = now + _GRACE_AFTER_FAILURE_S
+                    break
         if now >= deadline or (failure_deadline is not None and now >= failure_deadline):
-            _dump_stacks(processes)
+            _dump_stacks(processes, workdir)
             return now >= deadline
         time.sleep(_POLL_S)
     return False
 
 
-def _dump_stacks(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
-    alive = [process for process in processes if process.is_alive() and process.pid is not None]
-    for process in alive:
-        assert process.pid is not None
-        os.kill(process.pid, signal.SIGUSR1)
-    if alive:
+def _dump_stacks(processes: Sequence[multiprocessing.process.BaseProcess], workdir: Path) -> None:
+    signalled = False
+    for rank, process in enumerate(processes):
+        armed = _stack_path(workdir, rank).exists()
+        if process.pid is None or not armed or not process.is_alive():
+            continue
+        try:
+            os.kill(process.pid, signal.SIGUSR1)
+            signalled = True
+        except ProcessLookupError:  # it exited after is_alive()
+            pass
+    if signalled:
         time.sleep(_STACK_DUMP_WAIT_S)
 
 
