@@ -179,6 +179,15 @@ class _FunctionRef:
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        # pickle finds classes through __import__, which walks the dotted name's parents
+        # ("packages.pp-testing.tests.test_x" under importlib mode): give them placeholders.
+        parts = self.module.split(".")
+        for depth in range(1, len(parts)):
+            parent = ".".join(parts[:depth])
+            if parent not in sys.modules:
+                placeholder = ModuleType(parent)
+                placeholder.__path__ = []
+                sys.modules[parent] = placeholder
         sys.modules[self.module] = module
         spec.loader.exec_module(module)
         return module
