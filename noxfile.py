@@ -181,6 +181,30 @@ def integration(session: nox.Session) -> None:
     )
 
 
+BENCHMARKS = [
+    # (package, script, arguments, ranks)
+    ("pp-comm", "p2p_overhead.py", [], 2),
+    ("pp-comm", "p2p_overhead.py", ["--unbatched"], 2),
+]
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: each prints JSON lines of ratios measured side by side in one run."""
+    _install(session, LIBRARIES)
+    for package, script, arguments, ranks in BENCHMARKS:
+        session.run(
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            str(PACKAGES / package / "benchmarks" / script),
+            *arguments,
+            *session.posargs,
+            env=TEST_ENV,
+        )
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a pipeline-parallel layout on 8 CPU ranks under torchrun (gloo)."""

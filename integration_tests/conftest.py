@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Torchrun = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def torchrun() -> Torchrun:
+    """Run a script under torchrun on N local CPU ranks; returns the finished process."""
+
+    def run(
+        script: Path, ranks: int, *args: str, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+        ]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        return subprocess.run(
+            [*command, str(script), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            check=False,
+        )
+
+    return run

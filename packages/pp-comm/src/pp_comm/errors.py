@@ -1,0 +1,34 @@
+"""Errors that say which rank, peer, operation and microbatch a transfer failed in."""
+
+from __future__ import annotations
+
+__all__ = ["P2PError", "P2PMismatchError", "P2PTimeoutError"]
+
+
+class P2PError(RuntimeError):
+    """A transfer between pipeline stages failed.
+
+    Attributes:
+        rank: Global rank that raised.
+        peer: Global rank of the other side.
+        operation: The communicator operation, such as "send_forward_recv_backward".
+        microbatch: The microbatch the caller named, or None.
+    """
+
+    def __init__(
+        self, message: str, *, rank: int, peer: int, operation: str, microbatch: int | None
+    ) -> None:
+        """Stores the context next to the message."""
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+        self.operation = operation
+        self.microbatch = microbatch
+
+
+class P2PTimeoutError(P2PError, TimeoutError):
+    """A send or receive did not complete within the communicator's timeout."""
+
+
+class P2PMismatchError(P2PError):
+    """The two sides disagree on the shape or dtype of a message (found in debug mode)."""

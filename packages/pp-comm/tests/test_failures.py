@@ -1,0 +1,199 @@
+"""No silent hang, no silent mismatch: failures name the rank, peer, operation and microbatch."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pp_comm import CommConfig, P2PCommunicator, P2PError, P2PMismatchError, P2PTimeoutError
+from pp_testing import DistributedTestError, run_distributed
+
+
+def _lost_receive(batched: bool) -> dict[str, object]:
+    config = CommConfig(batch_p2p_comm=batched, timeout=datetime.timedelta(seconds=1.5))
+    comm = P2PCommunicator(dist.group.WORLD, config=config)
+    if comm.stage != 2:
+        time.sleep(4)  # stay alive but never send: stage 2 must time out, not see a dead peer
+        return {}
+    try:
+        comm.recv_forward((4, 2, 8), microbatch=7)
+    except P2PTimeoutError as error:
+        broken = ""
+        try:
+            comm.recv_forward((4, 2, 8))
+        except ValueError as again:
+            broken = str(again)
+        return {
+            "message": str(error),
+            "fields": (error.rank, error.peer, error.operation, error.microbatch),
+            "broken": broken,
+        }
+    return {"message": "no error"}
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_receive_that_never_completes_times_out_with_its_context(batched: bool) -> None:
+    report = run_distributed(_lost_receive, 4, batched, timeout=60)[2]
+    message = str(report["message"])
+    assert "rank 2 (stage 2 of 4) timed out after 1.5 s in recv_forward (microbatch 7)" in message
+    assert "receiving from rank 1 (stage 1) a float32 tensor of shape (4, 2, 8)" in message
+    assert report["fields"] == (2, 1, "recv_forward", 7)
+    # A communicator with transfers left pending refuses further use.
+    assert "broken by an earlier failure" in str(report["broken"])
+
+
+def _peer_dies() -> None:
+    comm = P2PCommunicator(
+        dist.group.WORLD, config=CommConfig(timeout=datetime.timedelta(seconds=20))
+    )
+    if comm.stage == 1:
+        import os
+
+        os._exit(0)  # dies without sending
+    try:
+        comm.recv_backward((3,), microbatch=0)
+    except P2PError as error:
+        # Surface the report through the harness, which shows each rank's traceback.
+        raise AssertionError(f"REPORT {type(error).__name__}: {error}") from None
+
+
+def test_a_dead_peer_is_reported_as_a_failure_naming_it() -> None:
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_peer_dies, 2, timeout=60)
+    assert caught.value.failures[1].status == "exited with code 0"
+    report = caught.value.failures[0].detail
+    assert (
+        "REPORT P2PError: rank 0 (stage 0 of 2) failed in recv_backward (microbatch 0): "
+        "receiving from rank 1 (stage 1) a float32 tensor of shape (3,). Cause:" in report
+    )
+
+
+def _shape_mismatch(batched: bool) -> str:
+    config = CommConfig(batch_p2p_comm=batched, debug=True, timeout=datetime.timedelta(seconds=20))
+    comm = P2PCommunicator(dist.group.WORLD, config=config)
+    if comm.is_first_stage:
+        # The sender is not left hanging: the receiver drains the message before raising.
+        comm.send_forward(torch.ones(3, 4), microbatch=5)
+        return "sent"
+    try:
+        comm.recv_forward((2, 4), microbatch=5)
+    except P2PMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_debug_mode_reports_a_shape_mismatch_on_the_receiving_side(batched: bool) -> None:
+    sender, receiver = run_distributed(_shape_mismatch, 2, batched, timeout=60)
+    assert sender == "sent"
+    assert receiver == (
+        "rank 1 (stage 1) in recv_forward (microbatch 5): expected a float32 tensor of shape (2, 4) "
+        "from rank 0 (stage 0), but it sent a float32 tensor of shape (3, 4)"
+    )
+
+
+def _dtype_and_count_mismatch() -> list[str]:
+    comm = P2PCommunicator(
+        dist.group.WORLD, config=CommConfig(debug=True, timeout=datetime.timedelta(seconds=20))
+    )
+    if comm.is_first_stage:
+        comm.send_forward(torch.ones(2, dtype=torch.float16))
+        comm.send_forward([torch.ones(2), torch.ones(1)])
+        received = comm.recv_backward((1,), is_last_stage=False)
+        assert isinstance(received, torch.Tensor)
+        return [str(received.tolist())]
+    errors = []
+    for shapes in ((2,), (2,)):
+        try:
+            comm.recv_forward(shapes)
+        except P2PMismatchError as error:
+            errors.append(str(error))
+    # Mismatched messages were drained whole: the communicator still works.
+    comm.send_backward(torch.ones(1))
+    return errors
+
+
+def test_debug_mode_reports_dtype_and_tensor_count_mismatches() -> None:
+    after, errors = run_distributed(_dtype_and_count_mismatch, 2, timeout=60)
+    assert after == ["[1.0]"]
+    assert (
+        "expected a float32 tensor of shape (2,) from rank 0 (stage 0), but it sent a float16 tensor"
+        in errors[0]
+    )
+    assert "but it sent [float32 tensor of shape (2,), float32 tensor of shape (1,)]" in errors[1]
+
+
+def _bad_calls() -> list[str]:
+    comm = P2PCommunicator(
+        dist.group.WORLD, config=CommConfig(timeout=datetime.timedelta(seconds=20))
+    )
+    errors = []
+    attempts: list[Callable[[], object]] = [
+        lambda: comm.recv_forward(None, is_first_stage=False),
+        lambda: comm.send_forward([torch.ones(1), "x"], is_last_stage=False),  # type: ignore[list-item]
+        lambda: comm.recv_forward([(2,), (3,)], is_first_stage=False, dtypes=[torch.float32]),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+        except (TypeError, ValueError) as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_bad_calls_fail_before_anything_is_posted() -> None:
+    for errors in run_distributed(_bad_calls, 2, timeout=60):
+        assert errors == [
+            "recv_forward: receiving needs tensor_shapes, unless the communicator is configured with "
+            "variable_seq_lengths=True",
+            "send_forward: can only send tensors, got str",
+            "recv_forward: 1 dtypes for 2 tensors; give one dtype or one per tensor",
+        ]
+
+
+def _one_stage() -> list[object]:
+    comm = P2PCommunicator(dist.group.WORLD)
+    seen: list[object] = [
+        comm.recv_forward((2,)),
+        comm.recv_backward((2,)),
+        comm.next_rank,
+        comm.prev_rank,
+    ]
+    try:
+        comm.send_forward_recv_forward(torch.ones(2), True, (2,))
+    except ValueError as error:
+        seen.append(str(error))
+    return seen
+
+
+def test_a_one_stage_pipeline_has_no_peer() -> None:
+    (seen,) = run_distributed(_one_stage, 1)
+    assert seen == [
+        None,
+        None,
+        0,
+        0,
+        "rank 0: send_forward_recv_forward on a pipeline of 1 stage: there is no peer",
+    ]
+
+
+def _not_a_member() -> str:
+    group = dist.new_group([0, 1])
+    if dist.get_rank() != 2:
+        return ""
+    try:
+        P2PCommunicator(group)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_rank_outside_the_group_is_refused() -> None:
+    assert (
+        run_distributed(_not_a_member, 3)[2] == "rank 2 is not a member of the pipeline group given"
+    )
