@@ -1,0 +1,240 @@
+"""Schedule generators: the per-rank order of forward and backward steps, as data.
+
+Each generator returns, for every pipeline rank, its compute actions in execution order. For
+every configuration Megatron-LM accepts, the order equals Megatron's (checked against data
+recorded from Megatron itself); configurations Megatron refuses raise a ValueError that states
+the rule and suggests valid values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pp_schedules.actions import Action
+
+__all__ = [
+    "SCHEDULES",
+    "gpipe",
+    "interleaved_1f1b",
+    "interleaved_table",
+    "no_pipelining",
+    "one_f_one_b",
+    "plan",
+]
+
+Plan = list[list[Action]]
+
+
+def _check_int(name: str, value: int, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be {least} or more, got {value}")
+
+
+def no_pipelining(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Plan:
+    """One stage: forward then backward of each microbatch in turn (Megatron's no-pipelining).
+
+    Raises:
+        ValueError: `pp_size` is not 1 (use "1f1b" or "gpipe" for a pipeline).
+    """
+    if pp_size != 1:
+        raise ValueError(
+            f"no_pipelining runs one stage, but pp_size is {pp_size}; use '1f1b' or 'gpipe'"
+        )
+    actions: list[Action] = []
+    for microbatch in range(num_microbatches):
+        actions.append(Action("F", microbatch))
+        if not forward_only:
+            actions.append(Action("B", microbatch))
+    return [actions]
+
+
+def gpipe(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Plan:
+    """Every rank: all forwards, then all backwards (in microbatch order)."""
+    forwards = [Action("F", m) for m in range(num_microbatches)]
+    backwards = [] if forward_only else [Action("B", m) for m in range(num_microbatches)]
+    return [forwards + backwards for _ in range(pp_size)]
+
+
+def one_f_one_b(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Plan:
+    """Megatron's non-interleaved 1F1B: warmup forwards, steady one-forward-one-backward, cooldown.
+
+    Rank r runs min(pp_size - r - 1, m) warmup forwards, so it holds at most pp_size - r
+    microbatches' activations at once.
+    """
+    plan: Plan = []
+    for rank in range(pp_size):
+        if forward_only:
+            plan.append([Action("F", m) for m in range(num_microbatches)])
+            continue
+        warmup = min(pp_size - rank - 1, num_microbatches)
+        actions = [Action("F", m) for m in range(warmup)]
+        for step in range(num_microbatches - warmup):
+            actions.append(Action("F", warmup + step))
+            actions.append(Action("B", step))
+        actions.extend(Action("B", m) for m in range(num_microbatches - warmup, num_microbatches))
+        plan.append(actions)
+    return plan
+
+
+def _valid_group_sizes(pp_size: int, num_microbatches: int) -> list[int]:
+    return [
+        n
+        for n in range(pp_size, num_microbatches + 1)
+        if num_microbatches % n == 0 or num_microbatches % n >= pp_size
+    ]
+
+
+def _check_interleaving(pp_size: int, num_microbatches: int, vp_size: int, group: int) -> None:
+    if pp_size < 2:
+        raise ValueError(f"interleaved_1f1b needs pp_size of 2 or more, got {pp_size}")
+    if vp_size < 2:
+        raise ValueError(
+            f"interleaved_1f1b needs vp_size of 2 or more, got {vp_size}; with one chunk use '1f1b'"
+        )
+    valid = _valid_group_sizes(pp_size, num_microbatches)
+    hint = f"valid values for {num_microbatches} microbatches: {valid}" if valid else (
+        f"no value works for {num_microbatches} microbatches; use at least {pp_size} microbatches"
+    )  # fmt: skip
+    if not pp_size <= group <= num_microbatches:
+        raise ValueError(
+            f"microbatch_group_size_per_vp_stage {group} must lie between the pipeline size "
+            f"{pp_size} "
+            f"and the number of microbatches {num_microbatches} (Megatron's rule); {hint}"
+        )
+    remainder = num_microbatches % group
+    if remainder and remainder < pp_size:
+        raise ValueError(
+            f"{num_microbatches} microbatches in groups of {group} leave {remainder}: "
+            "the last group "
+            f"must be empty or hold at least pp_size={pp_size} microbatches, or the pipeline waits "
+            f"on itself (Megatron's rule); {hint}"
+        )
+
+
+def interleaved_table(num_microbatches: int, vp_size: int, group: int) -> list[tuple[int, int]]:
+    """Megatron's schedule table: the (microbatch, chunk) of each virtual forward step.
+
+    Microbatches go through the chunks in groups of `group`: all of a group on chunk 0, then on
+    chunk 1, ..., then the next group. Backward step k undoes forward step k on the mirrored
+    chunk (vp_size - 1 - chunk).
+    """
+    table: list[tuple[int, int]] = []
+    for start in range(0, num_microbatches, group):
+        end = min(start + group, num_microbatches)  # the last group may be short
+        table.extend((m, chunk) for chunk in range(vp_size) for m in range(start, end))
+    return table
+
+
+def interleaved_1f1b(
+    *,
+    pp_size: int,
+    num_microbatches: int,
+    vp_size: int,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    forward_only: bool = False,
+) -> Plan:
+    """Megatron's interleaved 1F1B over `vp_size` model chunks per rank.
+
+    Rank r runs (pp_size - r - 1) * 2 + (vp_size - 1) * group warmup forwards (all of them
+    when that exceeds the total), then one forward and one backward per step, then the
+    remaining backwards.
+
+    Raises:
+        ValueError: The group size is outside [pp_size, m], or m leaves a last group smaller
+            than pp_size; the message lists the valid group sizes.
+    """
+    group = (
+        pp_size
+        if microbatch_group_size_per_vp_stage is None
+        else microbatch_group_size_per_vp_stage
+    )
+    _check_int("microbatch_group_size_per_vp_stage", group, 1)
+    _check_interleaving(pp_size, num_microbatches, vp_size, group)
+    table = interleaved_table(num_microbatches, vp_size, group)
+    total = len(table)
+    forwards = [Action("F", m, chunk) for m, chunk in table]
+    backwards = [Action("B", m, vp_size - 1 - chunk) for m, chunk in table]
+    plan: Plan = []
+    for rank in range(pp_size):
+        if forward_only:
+            plan.append(list(forwards))
+            continue
+        warmup = min((pp_size - rank - 1) * 2 + (vp_size - 1) * group, total)
+        actions = forwards[:warmup]
+        for step in range(total - warmup):
+            actions.append(forwards[warmup + step])
+            actions.append(backwards[step])
+        actions.extend(backwards[total - warmup :])
+        plan.append(actions)
+    return plan
+
+
+def _pipelined(generate: Callable[..., Plan]) -> Callable[..., Plan]:
+    def checked(
+        *, pp_size: int, num_microbatches: int, forward_only: bool = False, **_: object
+    ) -> Plan:
+        return generate(
+            pp_size=pp_size, num_microbatches=num_microbatches, forward_only=forward_only
+        )
+
+    return checked
+
+
+SCHEDULES: dict[str, Callable[..., Plan]] = {
+    "no_pipelining": _pipelined(no_pipelining),
+    "gpipe": _pipelined(gpipe),
+    "1f1b": _pipelined(one_f_one_b),
+    "interleaved_1f1b": interleaved_1f1b,
+}
+"""Generators by name, as `plan` takes them."""
+
+
+def plan(
+    name: str,
+    *,
+    pp_size: int,
+    num_microbatches: int,
+    vp_size: int = 1,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    forward_only: bool = False,
+) -> Plan:
+    """One list of compute actions per pipeline rank, in execution order.
+
+    Args:
+        name: "no_pipelining", "gpipe", "1f1b" or "interleaved_1f1b".
+        pp_size: Pipeline stages (ranks).
+        num_microbatches: Microbatches per step.
+        vp_size: Model chunks per rank (interleaved_1f1b only; 1 otherwise).
+        microbatch_group_size_per_vp_stage: Interleaving group size; pp_size by default.
+        forward_only: Forward steps only (evaluation).
+
+    Returns:
+        For each rank, its actions; each has ``kind`` ("F" or "B"), ``microbatch`` and ``chunk``.
+
+    Raises:
+        ValueError: An unknown schedule, a size below 1, or a configuration the schedule
+            refuses; the message states the rule and the valid values.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    _check_int("pp_size", pp_size, 1)
+    _check_int("num_microbatches", num_microbatches, 1)
+    _check_int("vp_size", vp_size, 1)
+    if name != "interleaved_1f1b" and vp_size != 1:
+        raise ValueError(
+            f"{name} runs one model chunk per rank, but vp_size is {vp_size}; "
+            "use 'interleaved_1f1b'"
+        )
+    if name != "interleaved_1f1b" and microbatch_group_size_per_vp_stage is not None:
+        raise ValueError(
+            f"microbatch_group_size_per_vp_stage applies to 'interleaved_1f1b' only, not {name!r}"
+        )
+    return SCHEDULES[name](
+        pp_size=pp_size,
+        num_microbatches=num_microbatches,
+        vp_size=vp_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        forward_only=forward_only,
+    )
