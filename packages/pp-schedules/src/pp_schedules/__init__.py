@@ -6,10 +6,16 @@
   rank x step grid on failure; `simulate(...)`: makespan, bubbles, activation memory, ASCII
   and Chrome-trace timelines.
 
-The planning modules import no torch.
+- `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm.
+
+The planning modules import no torch; the executor's names load it on first use.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
 
 from pp_schedules.actions import COMPUTE, Action, ActionKind, format_plan, parse_action, parse_plan
 from pp_schedules.generators import (
@@ -32,7 +38,35 @@ from pp_schedules.simulation import (
 )
 from pp_schedules.validation import PlanError, PlanReport, render_grid, validate
 
+if TYPE_CHECKING:
+    from pp_schedules.executor import (
+        ForwardStepFunc,
+        PipelineExecutor,
+        RunStats,
+        ScheduleConfig,
+        custom_backward,
+        deallocate_output_tensor,
+        get_forward_backward_func,
+    )
+
 __version__ = _version("pp-schedules")
+
+_EXECUTOR = {
+    "ForwardStepFunc",
+    "PipelineExecutor",
+    "RunStats",
+    "ScheduleConfig",
+    "custom_backward",
+    "deallocate_output_tensor",
+    "get_forward_backward_func",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXECUTOR:
+        return getattr(importlib.import_module("pp_schedules.executor"), name)
+    raise AttributeError(f"module 'pp_schedules' has no attribute {name!r}")
+
 
 __all__ = [
     "COMPUTE",
@@ -41,15 +75,22 @@ __all__ = [
     "ActionKind",
     "Costs",
     "Exchange",
+    "ForwardStepFunc",
     "Message",
+    "PipelineExecutor",
     "PlanError",
     "PlanReport",
+    "RunStats",
+    "ScheduleConfig",
     "Simulation",
     "Span",
     "Step",
     "__version__",
     "bubble_formula",
+    "custom_backward",
+    "deallocate_output_tensor",
     "format_plan",
+    "get_forward_backward_func",
     "gpipe",
     "ideal_makespan",
     "interleaved_1f1b",

@@ -1,0 +1,235 @@
+"""The executor on real gloo pipelines: memory, loss scaling, no_sync, forward-only, timers."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pp_comm import CommConfig, P2PCommunicator
+from pp_schedules import ScheduleConfig, get_forward_backward_func, plan, validate
+from pp_testing import (
+    reference_run,
+    run_distributed,
+    stage_chunks,
+    tiny_forward_step,
+    tiny_layers,
+    tiny_microbatches,
+)
+
+WIDTH, SEQ, BATCH, LAYERS = 8, 3, 2, 8
+
+
+def _step(
+    vp: int, m: int, config: ScheduleConfig, forward_only: bool = False, collect: bool = False
+) -> dict[str, Any]:
+    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
+    chunks = stage_chunks(
+        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=vp, rank=comm.stage
+    )
+    data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+    forward_backward = get_forward_backward_func(comm, vp_size=vp, config=config)
+    store = forward_backward(
+        forward_step_func=tiny_forward_step(),
+        data_iterator=[iter(data) for _ in range(vp)],
+        model=chunks,
+        num_microbatches=m,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        forward_only=forward_only,
+        collect_non_loss_data=collect,
+    )
+    first_layer = chunks[0].layers[0]
+    assert isinstance(first_layer, torch.nn.Linear)
+    first_weight = first_layer.weight
+    comm.destroy()
+    return {
+        "store": store,
+        "peak": forward_backward.stats.peak_activations,
+        "bytes": forward_backward.stats.peak_activation_bytes,
+        "grad": None if first_weight.grad is None else first_weight.grad.clone(),
+    }
+
+
+@pytest.mark.parametrize(("pp", "vp", "m"), [(4, 1, 8), (2, 2, 4), (4, 2, 8)])
+def test_measured_peak_activations_match_the_validator(pp: int, vp: int, m: int) -> None:
+    name = "interleaved_1f1b" if vp > 1 else "1f1b"
+    predicted = validate(
+        plan(name, pp_size=pp, num_microbatches=m, vp_size=vp), num_microbatches=m, vp_size=vp
+    )
+    results = run_distributed(_step, pp, vp, m, ScheduleConfig(hidden_size=WIDTH), timeout=120)
+    assert [r["peak"] for r in results] == predicted.peak_in_flight
+    if vp == 1:
+        assert predicted.peak_in_flight == [min(pp - rank, m) for rank in range(pp)]
+
+
+def test_deallocating_sent_outputs_cuts_the_bytes_held() -> None:
+    kept = run_distributed(
+        _step, 4, 1, 8, ScheduleConfig(hidden_size=WIDTH, deallocate_pipeline_outputs=False)
+    )
+    freed = run_distributed(_step, 4, 1, 8, ScheduleConfig(hidden_size=WIDTH))
+    # Every stage but the last sends its outputs: there, freeing them holds fewer bytes.
+    for rank in range(3):
+        assert freed[rank]["bytes"] < kept[rank]["bytes"], rank
+    assert freed[3]["bytes"] == kept[3]["bytes"]
+    # Gradients are the same either way (custom backward through the freed outputs).
+    for rank in range(4):
+        torch.testing.assert_close(freed[rank]["grad"], kept[rank]["grad"])
+
+
+def _scale_by_8(loss: torch.Tensor) -> torch.Tensor:
+    return loss * 8.0
+
+
+def test_grad_scale_func_scales_every_gradient() -> None:
+    plain = run_distributed(_step, 2, 1, 4, ScheduleConfig(hidden_size=WIDTH))
+    scaled = run_distributed(
+        _step, 2, 1, 4, ScheduleConfig(hidden_size=WIDTH, grad_scale_func=_scale_by_8)
+    )
+    for rank in range(2):
+        torch.testing.assert_close(scaled[rank]["grad"], plain[rank]["grad"] * 8.0)
+    # The reported losses are not scaled.
+    assert [float(d["lm loss"]) for d in scaled[1]["store"]] == [
+        float(d["lm loss"]) for d in plain[1]["store"]
+    ]
+
+
+def test_forward_only_returns_losses_and_leaves_no_gradient() -> None:
+    results = run_distributed(_step, 2, 1, 4, ScheduleConfig(hidden_size=WIDTH), True)
+    expected, _ = reference_run(
+        tiny_layers(LAYERS, WIDTH), tiny_microbatches(4, seq=SEQ, batch=BATCH, width=WIDTH)
+    )
+    assert [float(d["lm loss"]) for d in results[1]["store"]] == pytest.approx(expected, rel=1e-6)
+    assert results[0]["store"] == []
+    assert all(r["grad"] is None and r["peak"] == 0 for r in results)
+
+
+def test_collect_non_loss_data_in_forward_only() -> None:
+    results = run_distributed(_step, 2, 1, 3, ScheduleConfig(hidden_size=WIDTH), True, True)
+    assert len(results[1]["store"]) == 3
+    assert all(
+        isinstance(value, torch.Tensor) and value.dim() == 0 for value in results[1]["store"]
+    )
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.active = False
+        self.events: list[str] = []
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+
+def _note_sync(flags: list[bool], recorder: _Recorder) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        flags.append(recorder.active)
+
+    return hook
+
+
+def _no_sync_pattern(vp: int, m: int) -> dict[int, list[bool]]:
+    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
+    chunks = stage_chunks(
+        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=vp, rank=comm.stage
+    )
+    recorders = [_Recorder() for _ in range(vp)]
+    seen: dict[int, list[bool]] = {chunk: [] for chunk in range(vp)}
+    for chunk, stage in enumerate(chunks):
+        # A gradient hook sees whether its chunk's no_sync was on during each backward.
+        layer = stage.layers[0]
+        assert isinstance(layer, torch.nn.Linear)
+        layer.weight.register_hook(_note_sync(seen[chunk], recorders[chunk]))  # type: ignore[no-untyped-call]
+    config = ScheduleConfig(hidden_size=WIDTH, no_sync_func=[r.no_sync for r in recorders])
+    forward_backward = get_forward_backward_func(comm, vp_size=vp, config=config)
+    data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+    forward_backward(
+        forward_step_func=tiny_forward_step(),
+        data_iterator=[iter(data) for _ in range(vp)],
+        model=chunks,
+        num_microbatches=m,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+    )
+    comm.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("vp", [1, 2])
+def test_gradient_sync_stays_off_until_the_last_microbatch_of_each_chunk(vp: int) -> None:
+    for pattern in run_distributed(_no_sync_pattern, 2, vp, 4):
+        for flags in pattern.values():
+            assert flags == [True, True, True, False]
+
+
+def _timed() -> dict[str, int]:
+    counts: Counter[str] = Counter()
+
+    class Timer:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def start(self) -> None:
+            counts[f"{self.name} start"] += 1
+
+        def stop(self) -> None:
+            counts[f"{self.name} stop"] += 1
+
+    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
+    chunks = stage_chunks(
+        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=1, rank=comm.stage
+    )
+    data = tiny_microbatches(3, seq=SEQ, batch=BATCH, width=WIDTH)
+    forward_backward = get_forward_backward_func(
+        comm, config=ScheduleConfig(hidden_size=WIDTH, timers=Timer)
+    )
+    forward_backward(
+        forward_step_func=tiny_forward_step(), data_iterator=iter(data), model=chunks[0],
+        num_microbatches=3, seq_length=SEQ, micro_batch_size=BATCH,
+    )  # fmt: skip
+    comm.destroy()
+    return dict(counts)
+
+
+def test_compute_timers_wrap_every_step() -> None:
+    for counts in run_distributed(_timed, 2):
+        assert counts == {
+            "forward-compute start": 3, "forward-compute stop": 3,
+            "backward-compute start": 3, "backward-compute stop": 3,
+        }  # fmt: skip
+
+
+def test_one_stage_runs_without_a_communicator() -> None:
+    layers = tiny_layers(LAYERS, WIDTH)
+    data = tiny_microbatches(3, seq=SEQ, batch=BATCH, width=WIDTH)
+    (stage,) = stage_chunks(layers, pp_size=1, vp_size=1, rank=0)
+    forward_backward = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
+    assert forward_backward.schedule == "no_pipelining"
+    store = forward_backward(
+        forward_step_func=tiny_forward_step(), data_iterator=iter(data), model=[stage],
+        num_microbatches=3, seq_length=SEQ, micro_batch_size=BATCH,
+    )  # fmt: skip
+    expected_losses, expected_grads = reference_run(tiny_layers(LAYERS, WIDTH), data)
+    assert [float(d["lm loss"]) for d in store] == pytest.approx(expected_losses)
+    torch.testing.assert_close(stage.layers[0].weight.grad, expected_grads[0][0])
+
+
+def test_chunk_count_must_match_the_virtual_size() -> None:
+    forward_backward = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
+    with pytest.raises(
+        ValueError, match=r"1 model chunks per rank expected \(vp_size\), got 2 chunks"
+    ):
+        forward_backward(
+            forward_step_func=tiny_forward_step(), data_iterator=iter([]), model=[torch.nn.Linear(1, 1)] * 2,
+            num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH,
+        )  # fmt: skip
