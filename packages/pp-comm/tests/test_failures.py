@@ -197,3 +197,92 @@ def test_a_rank_outside_the_group_is_refused() -> None:
     assert (
         run_distributed(_not_a_member, 3)[2] == "rank 2 is not a member of the pipeline group given"
     )
+
+
+def _int_and_bool_payloads(variable: bool) -> list[object]:
+    config = CommConfig(variable_seq_lengths=variable, timeout=datetime.timedelta(seconds=20))
+    comm = P2PCommunicator(dist.group.WORLD, config=config)
+    if comm.is_first_stage:
+        comm.send_forward([torch.arange(6).reshape(2, 3), torch.tensor([True, False])])
+        return []
+    shapes = None if variable else [(2, 3), (2,)]
+    received = comm.recv_forward(
+        [None, None] if variable else shapes, dtypes=[torch.int64, torch.bool]
+    )
+    assert isinstance(received, list)
+    return [t.tolist() for t in received] + [t.requires_grad for t in received]
+
+
+@pytest.mark.parametrize("variable", [False, True])
+def test_integer_and_bool_payloads_arrive_without_requiring_grad(variable: bool) -> None:
+    _, received = run_distributed(_int_and_bool_payloads, 2, variable)
+    assert received == [[[0, 1, 2], [3, 4, 5]], [True, False], False, False]
+
+
+def _count_differs() -> str:
+    config = CommConfig(variable_seq_lengths=True, timeout=datetime.timedelta(seconds=20))
+    comm = P2PCommunicator(dist.group.WORLD, config=config)
+    if comm.is_first_stage:
+        comm.send_forward([torch.ones(2), torch.ones(3)])
+        return ""
+    try:
+        comm.recv_forward(None, microbatch=4)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_variable_shapes_refuse_a_different_tensor_count() -> None:
+    _, message = run_distributed(_count_differs, 2)
+    assert (
+        message
+        == "rank 1 (stage 1) in recv_forward (microbatch 4): asked for 1 tensor(s), but rank 0 sent 2"
+    )
+
+
+def _peer_gone_before_posting() -> None:
+    comm = P2PCommunicator(
+        dist.group.WORLD, config=CommConfig(timeout=datetime.timedelta(seconds=20))
+    )
+    if comm.stage == 1:
+        import os
+
+        os._exit(0)
+    time.sleep(2)  # rank 1 is gone before anything is posted
+    try:
+        comm.send_forward(torch.ones(4), microbatch=2)
+        comm.recv_backward((4,), microbatch=2)
+    except P2PError as error:
+        raise AssertionError(f"REPORT {type(error).__name__}: {error}") from None
+
+
+def test_a_peer_gone_before_posting_is_reported_with_context() -> None:
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_peer_gone_before_posting, 2, timeout=60)
+    report = caught.value.failures[0].detail
+    assert "REPORT P2PError: rank 0 (stage 0 of 2) failed in " in report
+    assert "rank 1 (stage 1)" in report
+
+
+def _asymmetric_groups() -> list[float]:
+    # Ranks 0 and 1 form a two-stage pipeline inside a world of 3, and rank 0 holds an extra
+    # group the others do not: building the communicator must not depend on such counts.
+    pipeline = dist.new_group([0, 1])
+    if dist.get_rank() == 0:
+        dist.new_group([0], use_local_synchronization=True)
+    if dist.get_rank() == 2:
+        return []
+    comm = P2PCommunicator(pipeline, config=CommConfig(timeout=datetime.timedelta(seconds=20)))
+    s = comm.stage
+    from_prev, from_next = comm.send_forward_backward_recv_forward_backward(
+        torch.full((2,), 10.0 + s), torch.full((2,), -10.0 - s), True, True, (2,)
+    )
+    assert isinstance(from_prev, torch.Tensor)
+    assert isinstance(from_next, torch.Tensor)
+    return [from_prev[0].item(), from_next[0].item()]
+
+
+def test_two_stages_inside_a_larger_world_with_uneven_groups() -> None:
+    first, second, _ = run_distributed(_asymmetric_groups, 3, timeout=60)
+    assert first == [11.0, -11.0]
+    assert second == [10.0, -10.0]

@@ -129,3 +129,33 @@ def test_from_parallel_state_uses_its_pipeline_groups() -> None:
         assert prev == (rank - 2) % 8
         assert nxt == (rank + 2) % 8
         assert received == prev
+
+
+def _scatter_with_variable_shapes() -> list[float] | None:
+    # tp 3 x pp 2: the 81-element shape header is divisible by 3 but must travel whole.
+    state = ParallelState.create(
+        ParallelConfig(
+            tensor_model_parallel_size=3, pipeline_model_parallel_size=2, timeout=TIMEOUT
+        )
+    )
+    config = CommConfig(
+        scatter_gather_tensors_in_pipeline=True, variable_seq_lengths=True, timeout=TIMEOUT
+    )
+    comm = P2PCommunicator.from_parallel_state(state, config=config)
+    result: list[float] | None = None
+    if comm.is_first_stage:
+        comm.send_forward(torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    else:
+        received = comm.recv_forward(None)
+        assert isinstance(received, torch.Tensor)
+        assert received.shape == (3, 4)
+        result = received.detach().reshape(-1).tolist()
+    comm.destroy()
+    state.destroy()
+    return result
+
+
+def test_scatter_gather_with_variable_shapes_keeps_the_header_whole() -> None:
+    results = run_distributed(_scatter_with_variable_shapes, 6, timeout=120)
+    for rank in (3, 4, 5):
+        assert results[rank] == [float(i) for i in range(12)]

@@ -86,7 +86,7 @@ class CommConfig:
 class _Transfer:
     """One slot of one call: what goes where (a plain class: it is built on every call)."""
 
-    __slots__ = ("_specs", "peer", "slot", "tensors", "wire")
+    __slots__ = ("_specs", "described", "peer", "slot", "tensors", "wire")
 
     def __init__(
         self,
@@ -101,6 +101,8 @@ class _Transfer:
         self._specs = specs
         self.tensors = tensors  # what is sent, or the buffers received into
         self.wire = wire  # what actually travels (a 1/tp chunk when scattering)
+        # What error messages name, when not the tensors themselves (a shape header).
+        self.described: Sequence[TensorSpec] | None = None
 
     @property
     def specs(self) -> Sequence[TensorSpec]:
@@ -118,8 +120,10 @@ class P2PHandle:
         communicator: P2PCommunicator,
         works: list[tuple[dist.Work, list[_Transfer]]],
         transfers: list[_Transfer],
+        *,
         operation: str,
         microbatch: int | None,
+        deadline: float = 0.0,
     ) -> None:
         """Made by `P2PCommunicator.communicate`."""
         self._communicator = communicator
@@ -127,11 +131,20 @@ class P2PHandle:
         self._transfers = transfers
         self._operation = operation
         self._microbatch = microbatch
+        self._deadline = deadline
         self._done = not works
 
     def is_completed(self) -> bool:
-        """Whether every transfer has completed (after which `wait` returns at once)."""
-        return self._done or all(work.is_completed() for work, _ in self._works)
+        """Whether `wait` would return at once.
+
+        With scatter-gather, received tensors are whole only after `wait` has gathered them,
+        so this stays False until then. On gloo a send reports completion only once waited.
+        """
+        if self._done:
+            return True
+        if self._communicator._gathers(self._transfers):
+            return False
+        return all(work.is_completed() for work, _ in self._works)
 
     def wait(self) -> None:
         """Block until every transfer of the call completes.
@@ -144,7 +157,7 @@ class P2PHandle:
         """
         if self._done:
             return
-        self._communicator._wait(self._works, self._operation, self._microbatch)
+        self._communicator._wait(self._works, self._operation, self._microbatch, self._deadline)
         self._done = True
         self._communicator._gather(self._transfers)
 
@@ -217,11 +230,9 @@ class P2PCommunicator:
         self._rank = self._ranks[self._stage]
         self._backend = str(dist.get_backend(pp_group))
         if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if self._backend == "nccl"
-                else "cpu"
-            )
+            # "nccl", or a per-device map such as "cpu:gloo,cuda:nccl".
+            uses_nccl = "nccl" in self._backend and torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl else "cpu"
         self.device = torch.device(device)
         self._timers: Timers = timers if timers is not None else NullTimers()
         self._tp_group = tp_group
@@ -231,30 +242,32 @@ class P2PCommunicator:
             )
         self._tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        # With two stages, next and previous are the same rank: give gradients their own
-        # group so they can never be matched with activations (Megatron-LM issue 750).
         self._channels: dict[str, dist.ProcessGroup] = {"forward": pp_group, "backward": pp_group}
         self._owned: list[dist.ProcessGroup] = []
         if self._size == 2:
-            backward = dist.new_group(
-                self._ranks,
-                backend=self._backend,
-                use_local_synchronization=True,
-                timeout=self.config.timeout,
-            )
-            self._channels["backward"] = backward
-            self._owned.append(backward)
+            self._channels["backward"] = self._backward_channel(pp_group)
         self._broken: str | None = None
-        # Peers as ranks of the pipeline group (the backward channel has the same members).
-        next_stage, prev_stage = (self._stage + 1) % self._size, (self._stage - 1) % self._size
+        # Each slot's peer as a rank of the group its channel uses.
         self._group_peer: dict[Slot, int] = {
-            "send_next": next_stage,
-            "recv_next": next_stage,
-            "send_prev": prev_stage,
-            "recv_prev": prev_stage,
+            slot: dist.get_group_rank(self._channels[CHANNEL_OF_SLOT[slot]], self._peer(slot))
+            for slot in ("send_next", "recv_next", "send_prev", "recv_prev")
         }
-        # batch_isend_irecv coalesces into one launch on NCCL; elsewhere it posts one by one.
-        self._coalesces = self._backend == "nccl"
+
+    def _backward_channel(self, pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """A second group over the two stages, so gradients never match activations.
+
+        With two stages, next and previous are the same rank (the crossed tensors of
+        Megatron-LM issue 750). As in Megatron, the world group serves as the gradients'
+        channel; when the pipeline group is the world itself, every rank is a stage and is
+        constructing this communicator, so a duplicate group can be created collectively.
+        """
+        world = dist.group.WORLD
+        assert world is not None
+        if pp_group != world:
+            return world
+        duplicate: dist.ProcessGroup = dist.new_group(self._ranks, backend=self._backend)
+        self._owned.append(duplicate)
+        return duplicate
 
     @classmethod
     def from_parallel_state(
@@ -613,16 +626,32 @@ class P2PCommunicator:
                 tensor_shapes, dtypes, self.config.pipeline_dtype, operation=operation
             )
         if not sends and not receives:
-            return None, None, P2PHandle(self, [], [], operation, microbatch)
+            return None, None, P2PHandle(self, [], [], operation=operation, microbatch=microbatch)
         self._check_usable(operation)
         grad = self.config.recv_requires_grad if requires_grad is None else requires_grad
         timer = self._timers(_TIMER_NAMES.get(operation, operation))
         timer.start()
         try:
-            recv_specs = self._agree_on_specs(sends, receives, specs, operation, microbatch)
+            # One deadline for the whole call, shape exchange included.
+            deadline = time.monotonic() + self.config.timeout.total_seconds()
+            recv_specs = self._agree_on_specs(
+                sends,
+                receives,
+                specs,
+                operation=operation,
+                microbatch=microbatch,
+                deadline=deadline,
+            )
             transfers = self._plan(sends, recv_specs, grad)
-            works = self._post(transfers)
-            handle = P2PHandle(self, works, transfers, operation, microbatch)
+            works = self._post(transfers, operation, microbatch)
+            handle = P2PHandle(
+                self,
+                works,
+                transfers,
+                operation=operation,
+                microbatch=microbatch,
+                deadline=deadline,
+            )
             if not async_op:
                 handle.wait()
             mismatch = self._mismatch(receives, specs, recv_specs, operation, microbatch)
@@ -657,8 +686,10 @@ class P2PCommunicator:
         sends: dict[Slot, list[torch.Tensor]],
         receives: list[Slot],
         specs: Sequence[TensorSpec],
+        *,
         operation: str,
         microbatch: int | None,
+        deadline: float,
     ) -> dict[Slot, Sequence[TensorSpec]]:
         """What each receive will get: the given specs, or the sender's header."""
         exchange = self.config.variable_seq_lengths or self.config.debug
@@ -676,10 +707,21 @@ class P2PCommunicator:
             for slot, tensors in sends.items()
         }
         header_transfers = self._plan(
-            header_sends, {slot: header_spec for slot in receives}, requires_grad=False
+            header_sends,
+            {slot: header_spec for slot in receives},
+            requires_grad=False,
+            scatter=False,
         )
-        self._wait(self._post(header_transfers), f"{operation} (shape exchange)", microbatch)
-        return {t.slot: decode_header(t.tensors[0]) for t in header_transfers if t.slot in receives}
+        # Errors name what the caller expects, not the header that describes it.
+        for transfer in header_transfers:
+            transfer.described = specs if transfer.slot in receives else None
+        self._wait(
+            self._post(header_transfers, operation, microbatch), operation, microbatch, deadline
+        )
+        agreed: dict[Slot, Sequence[TensorSpec]] = {
+            t.slot: decode_header(t.tensors[0]) for t in header_transfers if t.slot in receives
+        }
+        return agreed
 
     def _mismatch(
         self,
@@ -688,8 +730,16 @@ class P2PCommunicator:
         got: dict[Slot, Sequence[TensorSpec]],
         operation: str,
         microbatch: int | None,
-    ) -> P2PMismatchError | None:
+    ) -> ValueError | P2PMismatchError | None:
+        """The error to raise once the (drained) messages are in, if they are not as asked."""
         if not self.config.debug:
+            for slot in receives:
+                if self.config.variable_seq_lengths and len(got[slot]) != len(expected):
+                    return ValueError(
+                        f"rank {self._rank} (stage {self._stage}) in {operation}{_mb(microbatch)}: "
+                        f"asked for {len(expected)} tensor(s), but rank {self._peer(slot)} "
+                        f"sent {len(got[slot])}"
+                    )
             return None
         for slot in receives:
             agrees = len(expected) == len(got[slot]) and all(
@@ -737,7 +787,12 @@ class P2PCommunicator:
         for slot, specs in recv_specs.items():
             buffers = [
                 torch.empty(
-                    _known(spec), dtype=spec.dtype, device=self.device, requires_grad=requires_grad
+                    _known(spec),
+                    dtype=spec.dtype,
+                    device=self.device,
+                    # Only floating-point tensors can require grad (int ids, bool masks cannot).
+                    requires_grad=requires_grad
+                    and (spec.dtype.is_floating_point or spec.dtype.is_complex),
                 )
                 for spec in specs
             ]
@@ -756,13 +811,25 @@ class P2PCommunicator:
         size = tensor.numel() // self._tp_size
         return tensor.detach().reshape(-1)[self._tp_rank * size : (self._tp_rank + 1) * size]
 
-    def _post(self, transfers: list[_Transfer]) -> list[tuple[dist.Work, list[_Transfer]]]:
+    def _post(
+        self, transfers: list[_Transfer], operation: str, microbatch: int | None
+    ) -> list[tuple[dist.Work, list[_Transfer]]]:
         """Post every transfer; each work comes with the transfers it carries (for errors)."""
         by_slot = {t.slot: t for t in transfers}
-        if self.config.batch_p2p_comm and self._coalesces:
-            return self._post_coalesced(by_slot)
-        # gloo runs a batch as individual posts anyway; posting on the group directly (what
-        # torch's isend/irecv end in) saves their per-call Python work.
+        try:
+            if self.config.batch_p2p_comm and self.device.type == "cuda":
+                return self._post_coalesced(by_slot)
+            return self._post_each(by_slot)
+        except RuntimeError as error:  # a peer that died before this call, for instance
+            self._broken = f"{operation} failed"
+            raise self._failure(error, transfers, operation, microbatch, None) from error
+
+    def _post_each(self, by_slot: dict[Slot, _Transfer]) -> list[tuple[dist.Work, list[_Transfer]]]:
+        """Individual posts, in the batch order or the deadlock-free unbatched order.
+
+        gloo runs a batch as individual posts anyway; posting on the group directly (what
+        torch's isend/irecv end in) saves their per-call Python work.
+        """
         order = (
             batched_order(by_slot)
             if self.config.batch_p2p_comm
@@ -781,12 +848,21 @@ class P2PCommunicator:
     def _post_coalesced(
         self, by_slot: dict[Slot, _Transfer]
     ) -> list[tuple[dist.Work, list[_Transfer]]]:
-        """One ``batch_isend_irecv`` per channel, which NCCL launches as one group call."""
+        """One ``batch_isend_irecv`` per process group used, launched by NCCL as one group call.
+
+        Both channels share the pipeline group unless there are two stages.
+        """
         posted: list[tuple[dist.Work, list[_Transfer]]] = []
+        groups: list[dist.ProcessGroup] = []
         for channel in ("forward", "backward"):
-            slots = [s for s in batched_order(by_slot) if CHANNEL_OF_SLOT[s] == channel]
+            if all(group is not self._channels[channel] for group in groups):
+                groups.append(self._channels[channel])
+        for group in groups:
+            slots = [
+                s for s in batched_order(by_slot) if self._channels[CHANNEL_OF_SLOT[s]] is group
+            ]
             ops = [
-                dist.P2POp(_OP[s], wire, by_slot[s].peer, group=self._channels[channel])
+                dist.P2POp(_OP[s], wire, by_slot[s].peer, group=group)
                 for s in slots
                 for wire in by_slot[s].wire
             ]
@@ -796,9 +872,12 @@ class P2PCommunicator:
         return posted
 
     def _wait(
-        self, works: list[tuple[dist.Work, list[_Transfer]]], operation: str, microbatch: int | None
+        self,
+        works: list[tuple[dist.Work, list[_Transfer]]],
+        operation: str,
+        microbatch: int | None,
+        deadline: float,
     ) -> None:
-        deadline = time.monotonic() + self.config.timeout.total_seconds()
         for work, transfers in works:
             remaining = max(deadline - time.monotonic(), 0.001)
             try:
@@ -813,16 +892,18 @@ class P2PCommunicator:
         transfers: list[_Transfer],
         operation: str,
         microbatch: int | None,
-        deadline: float,
+        deadline: float | None,
     ) -> P2PError:
         parts = []
         for transfer in transfers:
             verb = "receiving from" if transfer.slot.startswith("recv") else "sending to"
             parts.append(
                 f"{verb} rank {transfer.peer} (stage {self._ranks.index(transfer.peer)}) "
-                f"{describe(transfer.specs)}"
+                f"{describe(transfer.described or transfer.specs)}"
             )
-        timed_out = time.monotonic() >= deadline or "timed out" in str(error).lower()
+        timed_out = (deadline is not None and time.monotonic() >= deadline) or "timed out" in str(
+            error
+        ).lower()
         what = (
             f"timed out after {self.config.timeout.total_seconds():g} s" if timed_out else "failed"
         )
@@ -838,6 +919,15 @@ class P2PCommunicator:
             peer=transfers[0].peer,
             operation=operation,
             microbatch=microbatch,
+        )
+
+    def _gathers(self, transfers: list[_Transfer]) -> bool:
+        """Whether some received tensor of `transfers` arrives in scattered pieces."""
+        return any(
+            wire is not buffer
+            for t in transfers
+            if t.slot.startswith("recv")
+            for wire, buffer in zip(t.wire, t.tensors, strict=True)
         )
 
     def _gather(self, transfers: list[_Transfer]) -> None:
