@@ -144,6 +144,7 @@ def mypy(session: nox.Session, package: str) -> None:
     """mypy --strict over a package and its tests, seeing only its declared lower layers."""
     _install(session, [package, TEST_HELPERS], *TEST_TOOLS, "mypy>=1.10")
     source = PACKAGES / package / "src" / _import_name(package)
+    benchmarks = [str(path) for path in [PACKAGES / package / "benchmarks"] if path.is_dir()]
     session.run(
         "mypy",
         "--config-file",
@@ -152,6 +153,7 @@ def mypy(session: nox.Session, package: str) -> None:
         str(Path(session.virtualenv.location) / ".mypy_cache"),
         str(source),
         str(PACKAGES / package / "tests"),
+        *benchmarks,
     )
 
 
@@ -185,6 +187,9 @@ BENCHMARKS = [
     # (package, script, arguments, ranks)
     ("pp-comm", "p2p_overhead.py", [], 2),
     ("pp-comm", "p2p_overhead.py", ["--unbatched"], 2),
+    ("pp-schedules", "schedules_vs_torch.py", [], 2),
+    ("pp-schedules", "schedules_vs_torch.py", [], 4),
+    ("pp-schedules", "synthetic_vs_simulator.py", [], 8),
 ]
 
 

@@ -41,18 +41,19 @@ def raw_exchange(
             ops.append(dist.P2POp(dist.isend, send, peer))
         if recv is not None:
             ops.append(dist.P2POp(dist.irecv, recv, peer))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        for batch_work in dist.batch_isend_irecv(ops):
+            batch_work.wait()
         return
-    works = []
+    works: list[dist.Work] = []
     # Rank 0 sends first, rank 1 receives first (the usual deadlock-free pairing).
     first_send = dist.get_rank() == 0
     pairs = [("send", send), ("recv", recv)] if first_send else [("recv", recv), ("send", send)]
     for kind, tensor in pairs:
         if tensor is not None:
-            works.append((dist.isend if kind == "send" else dist.irecv)(tensor, peer))
+            posted = (dist.isend if kind == "send" else dist.irecv)(tensor, peer)
+            assert posted is not None
+            works.append(posted)
     for work in works:
-        assert work is not None
         work.wait()
 
 

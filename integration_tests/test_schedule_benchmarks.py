@@ -1,0 +1,32 @@
+"""pp-schedules' benchmarks still run and print their JSON lines (a quick pass; no timing judged)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "packages" / "pp-schedules" / "benchmarks"
+# The `torchrun` fixture from conftest.py: (script, ranks, *args) -> finished process.
+Torchrun = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def _records(done: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_schedules_against_torch_pipelining(torchrun: Torchrun) -> None:
+    args = ["--steps", "1", "--width", "16", "--rows", "2", "--microbatches", "4"]
+    records = _records(torchrun(BENCHMARKS / "schedules_vs_torch.py", 2, *args))
+    assert [r["schedule"] for r in records] == ["gpipe", "1f1b", "interleaved_1f1b"]
+    assert all(float(r["ratio"]) > 0 for r in records)  # type: ignore[arg-type]
+
+
+def test_synthetic_stages_against_the_simulator(torchrun: Torchrun) -> None:
+    args = ["--steps", "1", "--forward-ms", "2", "--backward-ms", "4", "--microbatches", "4"]
+    records = _records(torchrun(BENCHMARKS / "synthetic_vs_simulator.py", 4, *args))
+    assert [r["schedule"] for r in records] == ["gpipe", "1f1b", "interleaved_1f1b"]
+    assert all(float(r["simulated_ms"]) > 0 for r in records)  # type: ignore[arg-type]
