@@ -59,6 +59,11 @@ class ScheduleConfig:
     microbatch_group_size_per_vp_stage: int | None = None
     """Interleaving group size (the pipeline size by default)."""
 
+    pipeline_model_parallel_split_rank: int | None = None
+    """Encoder-decoder models: the first decoder stage. From it on, stages receive and send two
+    tensors, their activations and the encoder's output, which each decoder stage passes
+    along (its gradient is added back), as Megatron does. Not with interleaving."""
+
     deallocate_pipeline_outputs: bool = True
     """Free an output's storage once it has been sent; only its autograd node is kept."""
 
@@ -106,14 +111,24 @@ def deallocate_output_tensor(output: torch.Tensor | Sequence[torch.Tensor] | Non
         tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
 
 
-def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
-    """Backward from `output` without the shape check that a deallocated output would fail."""
+def custom_backward(
+    output: torch.Tensor | Sequence[torch.Tensor],
+    grad_output: torch.Tensor | Sequence[torch.Tensor] | None,
+) -> None:
+    """Backward from `output` without the shape check that a deallocated output would fail.
+
+    Several outputs (with one gradient each) go through one backward pass.
+    """
+    outputs = [output] if isinstance(output, torch.Tensor) else list(output)
     if grad_output is None:
-        assert output.numel() == 1, "a gradient-free backward starts from a scalar loss"
-        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+        assert len(outputs) == 1, "a gradient-free backward starts from one scalar loss"
+        assert outputs[0].numel() == 1, "a gradient-free backward starts from a scalar loss"
+        grads = [torch.ones_like(outputs[0], memory_format=torch.preserve_format)]
+    else:
+        grads = [grad_output] if isinstance(grad_output, torch.Tensor) else list(grad_output)
     Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad_output,),
+        tensors=tuple(outputs),
+        grad_tensors=tuple(grads),
         keep_graph=False,
         create_graph=False,
         inputs=(),
@@ -162,6 +177,12 @@ class PipelineExecutor:
             else "1f1b"
         )
         self.timers: Timers = self.config.timers or NullTimers()
+        split = self.config.pipeline_model_parallel_split_rank
+        if split is not None and (self.vp_size > 1 or not 1 <= split < self.pp_size):
+            raise ValueError(
+                f"pipeline_model_parallel_split_rank {split} needs a pipeline it splits (1 .. "
+                f"{self.pp_size - 1}) and no virtual stages (vp_size {self.vp_size})"
+            )
         self.stats = RunStats()
         self._plans: dict[tuple[int, bool], PlanReport] = {}
 
@@ -223,7 +244,6 @@ class PipelineExecutor:
                 f"{self.vp_size} model chunks per rank expected (vp_size), got {len(chunks)} "
                 f"chunks and {len(iterators)} data iterators"
             )
-        del decoder_seq_length  # encoder-decoder shapes travel through variable_seq_lengths
         actions, _ = self.plan_for(num_microbatches, forward_only)
         run = _Run(
             self,
@@ -231,6 +251,7 @@ class PipelineExecutor:
             iterators,
             num_microbatches=num_microbatches,
             seq_and_batch=(seq_length, micro_batch_size),
+            decoder_seq_length=decoder_seq_length,
             forward_only=forward_only,
         )
         with run.sync_control():
@@ -255,6 +276,7 @@ class _Run:
         *,
         num_microbatches: int,
         seq_and_batch: tuple[int, int],
+        decoder_seq_length: int | None,
         forward_only: bool,
     ) -> None:
         self.x = executor
@@ -263,7 +285,12 @@ class _Run:
         self.num_microbatches = num_microbatches
         self.forward_only = forward_only
         hidden = executor.config.hidden_size
-        self.shape: tuple[int, ...] | None = None if hidden is None else (*seq_and_batch, hidden)
+        seq, batch = seq_and_batch
+        self.shape: tuple[int, ...] | None = None if hidden is None else (seq, batch, hidden)
+        self.decoder_shape: tuple[int, ...] | None = (
+            None if hidden is None else (decoder_seq_length or seq, batch, hidden)
+        )
+        self.split = executor.config.pipeline_model_parallel_split_rank
         self.inputs: dict[tuple[int, int], list[torch.Tensor] | None] = {}
         self.outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.pending: list[P2PHandle] = []
@@ -286,14 +313,25 @@ class _Run:
     def _last(self, chunk: int) -> bool:
         return self._virtual(chunk) == self.x.pp_size * self.x.vp_size - 1
 
+    def _decoder(self, stage: int) -> bool:
+        """Whether `stage` runs the decoder of an encoder-decoder model."""
+        return self.split is not None and stage >= self.split
+
+    def _shapes_sent_by(self, stage: int) -> list[tuple[int, ...] | None]:
+        """What `stage` sends on (Megatron's get_tensor_shapes); decoders add encoder output."""
+        if self._decoder(stage):
+            return [self.decoder_shape, self.shape]
+        return [self.shape]
+
     # -------------------------------------------------------------------- communication
     def _receive(self, from_prev: bool, microbatch: int) -> list[torch.Tensor]:
         comm = self.x.communicator
         assert comm is not None
+        stage = self.x.rank
         received_prev, received_next, _ = comm.communicate(
             recv_prev=from_prev,
             recv_next=not from_prev,
-            tensor_shapes=self.shape,
+            tensor_shapes=self._shapes_sent_by(stage - 1 if from_prev else stage),
             operation="recv_forward" if from_prev else "recv_backward",
             microbatch=microbatch,
             requires_grad=from_prev and not self.forward_only,
@@ -302,7 +340,7 @@ class _Run:
         return _as_list(received)
 
     def _send(
-        self, to_next: bool, tensors: list[torch.Tensor], microbatch: int, free_after: bool
+        self, to_next: bool, tensors: list[torch.Tensor], microbatch: int, free: list[torch.Tensor]
     ) -> None:
         comm = self.x.communicator
         assert comm is not None
@@ -317,8 +355,7 @@ class _Run:
             operation="send_forward" if to_next else "send_backward",
             microbatch=microbatch,
         )
-        if free_after:
-            deallocate_output_tensor(tensors)
+        deallocate_output_tensor(free)
         self.pending.append(handle)
         self._retire_sends(block=False)
 
@@ -351,10 +388,13 @@ class _Run:
                 outputs = [self._loss(output, loss_func, collect_non_loss_data)]
         timer.stop()
         self.stats.steps += 1
+        own = list(outputs)
+        if self._decoder(self.x.rank) and not self._last(chunk):
+            assert inputs is not None
+            outputs = [outputs[0], inputs[-1]]  # pass the encoder's output along
         if not self._last(chunk):
-            self._send(
-                True, outputs, microbatch, free_after=self.x.config.deallocate_pipeline_outputs
-            )
+            freed = own if self.x.config.deallocate_pipeline_outputs else []
+            self._send(True, outputs, microbatch, free=freed)
         if not self.forward_only:
             self.inputs[(microbatch, chunk)] = inputs
             self.outputs[(microbatch, chunk)] = outputs
@@ -387,16 +427,21 @@ class _Run:
                 loss = self.x.config.grad_scale_func(loss)
             custom_backward(loss, None)
         else:
-            for output, grad in zip(outputs, grads, strict=True):
-                if output.requires_grad:
-                    custom_backward(output, grad)
+            passthrough = self._decoder(self.x.rank) and len(grads) > 1
+            own = outputs[:1] if passthrough else outputs
+            pairs = [(o, g) for o, g in zip(own, grads, strict=False) if o.requires_grad]
+            if pairs:
+                custom_backward([o for o, _ in pairs], [g for _, g in pairs])
         timer.stop()
         self.stats.steps += 1
         if not self._first(chunk):
             input_grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs or []
             ]
-            self._send(False, input_grads, microbatch, free_after=False)
+            if grads is not None and self._decoder(self.x.rank) and len(grads) > 1:
+                # The encoder's output was passed along: its gradient comes back too.
+                input_grads[-1] = input_grads[-1] + grads[1]
+            self._send(False, input_grads, microbatch, free=[])
 
     def _measure(self) -> None:
         held = len(self.outputs)
