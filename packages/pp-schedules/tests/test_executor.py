@@ -68,14 +68,45 @@ def test_measured_peak_activations_match_the_validator(pp: int, vp: int, m: int)
         assert predicted.peak_in_flight == [min(pp - rank, m) for rank in range(pp)]
 
 
-def test_deallocating_sent_outputs_cuts_the_bytes_held() -> None:
-    kept = run_distributed(
-        _step, 4, 1, 8, ScheduleConfig(hidden_size=WIDTH, deallocate_pipeline_outputs=False)
+def _dealloc(deallocate: bool) -> dict[str, Any]:
+    # Stages end in a residual add, which keeps no reference to its output for backward:
+    # once sent and deallocated, an output is kept alive only by its in-flight send.
+    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
+    chunks = stage_chunks(
+        tiny_layers(LAYERS, WIDTH),
+        pp_size=comm.num_stages,
+        vp_size=1,
+        rank=comm.stage,
+        final_activation=False,
     )
-    freed = run_distributed(_step, 4, 1, 8, ScheduleConfig(hidden_size=WIDTH))
-    # Every stage but the last sends its outputs: there, freeing them holds fewer bytes.
-    for rank in range(3):
-        assert freed[rank]["bytes"] < kept[rank]["bytes"], rank
+    data = tiny_microbatches(8, seq=SEQ, batch=BATCH, width=WIDTH)
+    config = ScheduleConfig(hidden_size=WIDTH, deallocate_pipeline_outputs=deallocate)
+    forward_backward = get_forward_backward_func(comm, config=config)
+    forward_backward(
+        forward_step_func=tiny_forward_step(), data_iterator=iter(data), model=chunks,
+        num_microbatches=8, seq_length=SEQ, micro_batch_size=BATCH,
+    )  # fmt: skip
+    layer = chunks[0].layers[0]
+    assert isinstance(layer, torch.nn.Linear)
+    assert layer.weight.grad is not None
+    comm.destroy()
+    stats = forward_backward.stats
+    return {
+        "bytes": stats.peak_activation_bytes,
+        "in_flight": stats.peak_in_flight_bytes,
+        "grad": layer.weight.grad,
+    }
+
+
+def test_deallocating_sent_outputs_cuts_the_bytes_held() -> None:
+    kept = run_distributed(_dealloc, 4, False)
+    freed = run_distributed(_dealloc, 4, True)
+    output_bytes = SEQ * BATCH * WIDTH * 4
+    for rank in range(3):  # every stage but the last sends its outputs
+        # 1F1B holds at most 4 - rank outputs; freed ones shrink to one element each.
+        assert kept[rank]["bytes"] - freed[rank]["bytes"] == (4 - rank) * (output_bytes - 4)
+        # The in-flight sends still hold the buffers (gloo completes sends once waited).
+        assert freed[rank]["in_flight"] > 0
     assert freed[3]["bytes"] == kept[3]["bytes"]
     # Gradients are the same either way (custom backward through the freed outputs).
     for rank in range(4):
@@ -232,4 +263,64 @@ def test_chunk_count_must_match_the_virtual_size() -> None:
         forward_backward(
             forward_step_func=tiny_forward_step(), data_iterator=iter([]), model=[torch.nn.Linear(1, 1)] * 2,
             num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH,
+        )  # fmt: skip
+
+
+def _variable_shapes(vp: int, m: int, debug: bool) -> list[float]:
+    # Shapes travel with the data: a send must never wait for its receiver to post.
+    config = CommConfig(
+        variable_seq_lengths=True, debug=debug, timeout=datetime.timedelta(seconds=60)
+    )
+    comm = P2PCommunicator(None, config=config)
+    chunks = stage_chunks(
+        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=vp, rank=comm.stage
+    )
+    data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+    forward_backward = get_forward_backward_func(comm, vp_size=vp, config=ScheduleConfig())
+    store = forward_backward(
+        forward_step_func=tiny_forward_step(),
+        data_iterator=[iter(data) for _ in range(vp)],
+        model=chunks,
+        num_microbatches=m,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+    )
+    comm.destroy()
+    return [float(d["lm loss"]) for d in store]
+
+
+@pytest.mark.parametrize(
+    ("pp", "vp", "debug"), [(2, 1, False), (4, 1, False), (2, 2, False), (4, 2, True)]
+)
+def test_variable_shapes_and_debug_checks_run_every_schedule(pp: int, vp: int, debug: bool) -> None:
+    m = 8
+    results = run_distributed(_variable_shapes, pp, vp, m, debug, timeout=180)
+    expected, _ = reference_run(
+        tiny_layers(LAYERS, WIDTH), tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+    )
+    assert results[-1] == pytest.approx(expected, rel=1e-6)
+
+
+def _null_context() -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def test_interleaving_refuses_shared_iterators_and_a_single_no_sync() -> None:
+    # Checked before any transfer, so a one-stage executor with virtual stages is enough.
+    executor = get_forward_backward_func(None, vp_size=2, config=ScheduleConfig(hidden_size=WIDTH))
+    shared: Iterator[Any] = iter([])
+    with pytest.raises(ValueError, match="give each model chunk its own data iterator"):
+        executor(
+            forward_step_func=tiny_forward_step(), data_iterator=[shared, shared], model=[torch.nn.Linear(1, 1)] * 2,
+            num_microbatches=2, seq_length=SEQ, micro_batch_size=BATCH,
+        )  # fmt: skip
+    single = get_forward_backward_func(
+        None, vp_size=2, config=ScheduleConfig(hidden_size=WIDTH, no_sync_func=_null_context)
+    )
+    with pytest.raises(
+        ValueError, match="no_sync_func must be a list with one context factory per chunk"
+    ):
+        single(
+            forward_step_func=tiny_forward_step(), data_iterator=[iter([]), iter([])], model=[torch.nn.Linear(1, 1)] * 2,
+            num_microbatches=2, seq_length=SEQ, micro_batch_size=BATCH,
         )  # fmt: skip

@@ -134,6 +134,10 @@ class P2PHandle:
         self._deadline = deadline
         self._done = not works
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this call sends or receives into (what it keeps alive until done)."""
+        return [t for transfer in self._transfers for t in transfer.wire]
+
     def is_completed(self) -> bool:
         """Whether `wait` would return at once.
 
@@ -634,7 +638,7 @@ class P2PCommunicator:
         try:
             # One deadline for the whole call, shape exchange included.
             deadline = time.monotonic() + self.config.timeout.total_seconds()
-            recv_specs = self._agree_on_specs(
+            recv_specs, header_sends = self._agree_on_specs(
                 sends,
                 receives,
                 specs,
@@ -643,7 +647,7 @@ class P2PCommunicator:
                 deadline=deadline,
             )
             transfers = self._plan(sends, recv_specs, grad)
-            works = self._post(transfers, operation, microbatch)
+            works = header_sends + self._post(transfers, operation, microbatch)
             handle = P2PHandle(
                 self,
                 works,
@@ -690,8 +694,14 @@ class P2PCommunicator:
         operation: str,
         microbatch: int | None,
         deadline: float,
-    ) -> dict[Slot, Sequence[TensorSpec]]:
-        """What each receive will get: the given specs, or the sender's header."""
+    ) -> tuple[dict[Slot, Sequence[TensorSpec]], list[tuple[dist.Work, list[_Transfer]]]]:
+        """What each receive will get, and the header sends still in flight.
+
+        A receive gets the given specs, or what the sender's header says. Only received
+        headers are waited for: a sender needs nothing from its receiver, so its header
+        travels ahead of its data without blocking it (a send that waited here could deadlock
+        a schedule whose receiver posts late).
+        """
         exchange = self.config.variable_seq_lengths or self.config.debug
         if not exchange:
             for spec in specs:
@@ -700,7 +710,7 @@ class P2PCommunicator:
                         f"{operation}: receiving needs tensor_shapes, unless the communicator "
                         "is configured with variable_seq_lengths=True"
                     )
-            return {slot: specs for slot in receives}
+            return {slot: specs for slot in receives}, []
         header_spec = [TensorSpec((HEADER_LENGTH,), torch.int64)]
         header_sends = {
             slot: [encode_header(tensors, operation).to(self.device)]
@@ -715,13 +725,14 @@ class P2PCommunicator:
         # Errors name what the caller expects, not the header that describes it.
         for transfer in header_transfers:
             transfer.described = specs if transfer.slot in receives else None
-        self._wait(
-            self._post(header_transfers, operation, microbatch), operation, microbatch, deadline
-        )
+        posted = self._post(header_transfers, operation, microbatch)
+        in_flight = [(work, ts) for work, ts in posted if all(t.slot not in receives for t in ts)]
+        arriving = [(work, ts) for work, ts in posted if any(t.slot in receives for t in ts)]
+        self._wait(arriving, operation, microbatch, deadline)
         agreed: dict[Slot, Sequence[TensorSpec]] = {
             t.slot: decode_header(t.tensors[0]) for t in header_transfers if t.slot in receives
         }
-        return agreed
+        return agreed, in_flight
 
     def _mismatch(
         self,

@@ -75,8 +75,8 @@ class ScheduleConfig:
         | Sequence[Callable[[], AbstractContextManager[Any]]]
         | None
     ) = None
-    """Context that turns off data-parallel gradient sync (DDP's ``no_sync``), one per chunk
-    or one for all; left for the last microbatch of each chunk."""
+    """Context that turns off data-parallel gradient sync (DDP's ``no_sync``): one, or with
+    virtual stages a list of one per chunk; left for the last microbatch of each chunk."""
 
     timers: Timers | None = None
     """Timer hooks for "forward-compute" and "backward-compute"."""
@@ -88,14 +88,19 @@ class RunStats:
 
     Attributes:
         peak_activations: Most forwards held at once awaiting their backward.
-        peak_activation_bytes: Most bytes held at once in the stage's stored outputs and
-            inputs (a send still in flight keeps its buffer until it completes; that is not
-            counted here).
+        peak_activation_bytes: Most bytes held at once by the stage's stored outputs and
+            inputs (distinct storages). Tensors that autograd saved for backward are not
+            seen here: a deallocated output whose storage the last op also saved (tanh does,
+            linear does not) still occupies memory.
+        peak_in_flight_bytes: Most bytes held at once by sends not yet completed. gloo
+            reports a send complete only once waited for, so there these are kept until the
+            end of the step; NCCL reports completions as they happen.
         steps: Compute steps run.
     """
 
     peak_activations: int = 0
     peak_activation_bytes: int = 0
+    peak_in_flight_bytes: int = 0
     steps: int = 0
 
 
@@ -143,6 +148,12 @@ def _as_list(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     return [v for v in value if v is not None]
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _wrapped_attr(module: torch.nn.Module, name: str) -> Any:
@@ -243,6 +254,20 @@ class PipelineExecutor:
             raise ValueError(
                 f"{self.vp_size} model chunks per rank expected (vp_size), got {len(chunks)} "
                 f"chunks and {len(iterators)} data iterators"
+            )
+        if self.vp_size > 1 and len({id(i) for i in iterators if i is not None}) < sum(
+            i is not None for i in iterators
+        ):
+            # Each chunk pulls its own microbatches; one shared iterator would skip data.
+            raise ValueError(
+                "with virtual stages, give each model chunk its own data iterator "
+                "(a list of distinct iterators, as Megatron's interleaved schedule takes)"
+            )
+        no_sync = self.config.no_sync_func
+        if self.vp_size > 1 and no_sync is not None and not isinstance(no_sync, (list, tuple)):
+            raise ValueError(
+                f"with {self.vp_size} model chunks, no_sync_func must be a list with one context "
+                "factory per chunk (each chunk re-enables gradient sync for its last microbatch)"
             )
         actions, _ = self.plan_for(num_microbatches, forward_only)
         run = _Run(
@@ -442,16 +467,19 @@ class _Run:
                 # The encoder's output was passed along: its gradient comes back too.
                 input_grads[-1] = input_grads[-1] + grads[1]
             self._send(False, input_grads, microbatch, free=[])
+        self._measure()
 
     def _measure(self) -> None:
-        held = len(self.outputs)
-        bytes_held = sum(
-            t.untyped_storage().nbytes()
+        stored = [
+            t
             for tensors in (*self.outputs.values(), *(v for v in self.inputs.values() if v))
             for t in tensors
-        )
-        self.stats.peak_activations = max(self.stats.peak_activations, held)
-        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, bytes_held)
+        ]
+        in_flight = [t for handle in self.pending for t in handle.tensors()]
+        stats = self.stats
+        stats.peak_activations = max(stats.peak_activations, len(self.outputs))
+        stats.peak_activation_bytes = max(stats.peak_activation_bytes, _storage_bytes(stored))
+        stats.peak_in_flight_bytes = max(stats.peak_in_flight_bytes, _storage_bytes(in_flight))
 
     # -------------------------------------------------------------------- data-parallel sync
     @contextlib.contextmanager

@@ -222,12 +222,13 @@ def plan(
     _check_int("pp_size", pp_size, 1)
     _check_int("num_microbatches", num_microbatches, 1)
     _check_int("vp_size", vp_size, 1)
-    if name != "interleaved_1f1b" and vp_size != 1:
+    one_chunk = name in ("no_pipelining", "gpipe", "1f1b")
+    if one_chunk and vp_size != 1:
         raise ValueError(
             f"{name} runs one model chunk per rank, but vp_size is {vp_size}; "
             "use 'interleaved_1f1b'"
         )
-    if name != "interleaved_1f1b" and microbatch_group_size_per_vp_stage is not None:
+    if one_chunk and microbatch_group_size_per_vp_stage is not None:
         raise ValueError(
             f"microbatch_group_size_per_vp_stage applies to 'interleaved_1f1b' only, not {name!r}"
         )

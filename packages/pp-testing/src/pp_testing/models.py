@@ -28,10 +28,18 @@ Microbatch = dict[str, torch.Tensor]
 class StageStack(torch.nn.Module):
     """Some consecutive layers of the tiny model; takes its input from the previous stage."""
 
-    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
-        """Holds `layers` in order."""
+    def __init__(self, layers: Sequence[torch.nn.Module], *, final_activation: bool = True) -> None:
+        """Holds `layers` in order.
+
+        Args:
+            layers: The layers.
+            final_activation: Apply tanh after the last layer too. tanh saves its output for
+                backward; False ends the stage with a residual add instead (as transformer
+                layers end), whose output no autograd node keeps and which is no view.
+        """
         super().__init__()
         self.layers = torch.nn.ModuleList(layers)
+        self.final_activation = final_activation
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
@@ -39,9 +47,12 @@ class StageStack(torch.nn.Module):
         self.input_tensor = input_tensor[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply each layer, then tanh."""
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+        """Each layer then tanh; without final_activation the last layer then a residual add."""
+        for index, layer in enumerate(self.layers):
+            if self.final_activation or index < len(self.layers) - 1:
+                x = torch.tanh(layer(x))
+            else:
+                x = layer(x) + x
         return x
 
 
@@ -69,7 +80,12 @@ def tiny_microbatches(
 
 
 def stage_chunks(
-    layers: Sequence[torch.nn.Module], *, pp_size: int, vp_size: int, rank: int
+    layers: Sequence[torch.nn.Module],
+    *,
+    pp_size: int,
+    vp_size: int,
+    rank: int,
+    final_activation: bool = True,
 ) -> list[StageStack]:
     """This rank's model chunks: chunk c holds virtual stage ``c * pp_size + rank``.
 
@@ -81,7 +97,10 @@ def stage_chunks(
         raise ValueError(f"{len(layers)} layers do not split over {stages} virtual stages")
     per = len(layers) // stages
     return [
-        StageStack(layers[(c * pp_size + rank) * per : (c * pp_size + rank + 1) * per])
+        StageStack(
+            layers[(c * pp_size + rank) * per : (c * pp_size + rank + 1) * per],
+            final_activation=final_activation,
+        )
         for c in range(vp_size)
     ]
 
