@@ -25,10 +25,16 @@ from pp_testing import (
 WIDTH, SEQ, BATCH, LAYERS = 8, 3, 2, 8
 
 
-def _step(
-    vp: int, m: int, config: ScheduleConfig, forward_only: bool = False, collect: bool = False
+def _step(  # noqa: PLR0917 - run_distributed passes arguments by position
+    vp: int,
+    m: int,
+    config: ScheduleConfig,
+    forward_only: bool = False,
+    collect: bool = False,
+    comm_config: CommConfig | None = None,
 ) -> dict[str, Any]:
-    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
+    comm_config = comm_config or CommConfig(timeout=datetime.timedelta(seconds=60))
+    comm = P2PCommunicator(None, config=comm_config)
     chunks = stage_chunks(
         tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=vp, rank=comm.stage
     )
@@ -266,39 +272,22 @@ def test_chunk_count_must_match_the_virtual_size() -> None:
         )  # fmt: skip
 
 
-def _variable_shapes(vp: int, m: int, debug: bool) -> list[float]:
-    # Shapes travel with the data: a send must never wait for its receiver to post.
-    config = CommConfig(
-        variable_seq_lengths=True, debug=debug, timeout=datetime.timedelta(seconds=60)
-    )
-    comm = P2PCommunicator(None, config=config)
-    chunks = stage_chunks(
-        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=vp, rank=comm.stage
-    )
-    data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
-    forward_backward = get_forward_backward_func(comm, vp_size=vp, config=ScheduleConfig())
-    store = forward_backward(
-        forward_step_func=tiny_forward_step(),
-        data_iterator=[iter(data) for _ in range(vp)],
-        model=chunks,
-        num_microbatches=m,
-        seq_length=SEQ,
-        micro_batch_size=BATCH,
-    )
-    comm.destroy()
-    return [float(d["lm loss"]) for d in store]
-
-
 @pytest.mark.parametrize(
     ("pp", "vp", "debug"), [(2, 1, False), (4, 1, False), (2, 2, False), (4, 2, True)]
 )
 def test_variable_shapes_and_debug_checks_run_every_schedule(pp: int, vp: int, debug: bool) -> None:
     m = 8
-    results = run_distributed(_variable_shapes, pp, vp, m, debug, timeout=180)
+    # Shapes travel with the data: a send must never wait for its receiver to post.
+    comm_config = CommConfig(
+        variable_seq_lengths=True, debug=debug, timeout=datetime.timedelta(seconds=60)
+    )
+    results = run_distributed(
+        _step, pp, vp, m, ScheduleConfig(), False, False, comm_config, timeout=180
+    )
     expected, _ = reference_run(
         tiny_layers(LAYERS, WIDTH), tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
     )
-    assert results[-1] == pytest.approx(expected, rel=1e-6)
+    assert [float(d["lm loss"]) for d in results[-1]["store"]] == pytest.approx(expected, rel=1e-6)
 
 
 def _null_context() -> contextlib.AbstractContextManager[None]:
