@@ -313,3 +313,68 @@ def test_interleaving_refuses_shared_iterators_and_a_single_no_sync() -> None:
             forward_step_func=tiny_forward_step(), data_iterator=[iter([]), iter([])], model=[torch.nn.Linear(1, 1)] * 2,
             num_microbatches=2, seq_length=SEQ, micro_batch_size=BATCH,
         )  # fmt: skip
+
+
+def _per_token_loss_and_failure() -> dict[str, Any]:
+    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=30)))
+    chunks = stage_chunks(
+        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=1, rank=comm.stage
+    )
+    data = tiny_microbatches(2, seq=SEQ, batch=BATCH, width=WIDTH)
+    plain = tiny_forward_step()
+
+    def per_token(it: Iterator[Any], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+        output, loss_func = plain(it, model)
+
+        def three(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            loss, reduced = loss_func(out)
+            return loss * 4, torch.tensor(4.0), reduced  # a sum over 4 tokens, and the count
+
+        return output, three
+
+    forward_backward = get_forward_backward_func(comm, config=ScheduleConfig(hidden_size=WIDTH))
+    kwargs: dict[str, Any] = {
+        "model": chunks,
+        "num_microbatches": 2,
+        "seq_length": SEQ,
+        "micro_batch_size": BATCH,
+    }
+    forward_backward(forward_step_func=per_token, data_iterator=iter(data), **kwargs)
+    layer = chunks[0].layers[0]
+    assert isinstance(layer, torch.nn.Linear)
+    seen: dict[str, Any] = {"grad": layer.weight.grad}
+    try:
+        forward_backward(
+            forward_step_func=per_token,
+            data_iterator=iter(data),
+            collect_non_loss_data=True,
+            **kwargs,
+        )
+    except ValueError as error:
+        seen["collect"] = str(error)
+
+    def broken(it: Iterator[Any], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+        raise RuntimeError("forward step failed")
+
+    if comm.is_first_stage:
+        with contextlib.suppress(RuntimeError):
+            forward_backward(forward_step_func=broken, data_iterator=iter(data), **kwargs)
+        try:
+            comm.send_forward(torch.ones(1))
+        except ValueError as error:
+            seen["after_failure"] = str(error)
+    return seen
+
+
+def test_per_token_losses_bad_flags_and_a_failed_step() -> None:
+    # Rank 1 finishes its first step and leaves; rank 0 then fails a step on its own.
+    results = run_distributed(_per_token_loss_and_failure, 2, timeout=60)
+    plain = run_distributed(_step, 2, 1, 2, ScheduleConfig(hidden_size=WIDTH))
+    # (loss * 4) / 4 tokens is the plain loss: gradients match the plain run.
+    for rank in range(2):
+        torch.testing.assert_close(results[rank]["grad"], plain[rank]["grad"])
+        assert "collect_non_loss_data needs forward_only=True" in results[rank]["collect"]
+    assert (
+        "broken by an earlier failure (a pipeline step failed: RuntimeError)"
+        in results[0]["after_failure"]
+    )

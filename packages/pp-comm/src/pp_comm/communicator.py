@@ -327,6 +327,14 @@ class P2PCommunicator:
         """Whether this rank is the last stage."""
         return self._stage == self._size - 1
 
+    def invalidate(self, reason: str) -> None:
+        """Refuse every later call.
+
+        For callers that abandon an exchange: its transfers may still be pending, and a later
+        call would be matched with them.
+        """
+        self._broken = reason
+
     def destroy(self) -> None:
         """Destroy the extra channel group made for a two-stage pipeline, if any."""
         for group in self._owned:

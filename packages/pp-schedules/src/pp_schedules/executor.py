@@ -279,13 +279,23 @@ class PipelineExecutor:
             decoder_seq_length=decoder_seq_length,
             forward_only=forward_only,
         )
-        with run.sync_control():
-            for action in actions:
-                if action.kind == "F":
-                    run.forward(action, forward_step_func, collect_non_loss_data)
-                else:
-                    run.backward(action)
-        run.finish()
+        if collect_non_loss_data and not forward_only:
+            raise ValueError(
+                "collect_non_loss_data needs forward_only=True: there is no loss to backward"
+            )
+        try:
+            with run.sync_control():
+                for action in actions:
+                    if action.kind == "F":
+                        run.forward(action, forward_step_func, collect_non_loss_data)
+                    else:
+                        run.backward(action)
+            run.finish()
+        except BaseException as error:
+            # Sends of this step may still be pending; a later step would receive them.
+            if self.communicator is not None:
+                self.communicator.invalidate(f"a pipeline step failed: {type(error).__name__}")
+            raise
         self.stats = run.stats
         return run.store
 
@@ -428,10 +438,15 @@ class _Run:
     def _loss(
         self, output: Any, loss_func: Callable[..., Any], collect_non_loss_data: bool
     ) -> torch.Tensor:
-        if collect_non_loss_data and self.forward_only:
+        if collect_non_loss_data:
             self.store.append(loss_func(output, non_loss_data=True))
             return torch.zeros(())
-        loss, reduced = loss_func(output)
+        result = loss_func(output)
+        if len(result) == 3:  # Megatron's (loss, num_tokens, loss_reduced): a per-token mean
+            loss, num_tokens, reduced = result
+            loss = loss / num_tokens
+        else:
+            loss, reduced = result
         self.store.append(reduced)
         return loss / self.num_microbatches  # type: ignore[no-any-return]
 
