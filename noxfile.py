@@ -196,7 +196,7 @@ BENCHMARKS = [
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks: each prints JSON lines of ratios measured side by side in one run."""
-    _install(session, LIBRARIES)
+    _install(session, LIBRARIES, "numpy")  # torch.distributed.pipelining needs numpy
     for package, script, arguments, ranks in BENCHMARKS:
         session.run(
             "torchrun",
