@@ -213,7 +213,7 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a pipeline-parallel layout on 8 CPU ranks under torchrun (gloo)."""
-    _install(session, LIBRARIES)
+    _install(session, LIBRARIES, "numpy")  # all_gather_object needs numpy
     args = session.posargs or [
         "--tensor-model-parallel-size",
         "2",
