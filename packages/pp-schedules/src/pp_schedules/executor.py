@@ -242,7 +242,9 @@ class PipelineExecutor:
             with `collect_non_loss_data` and `forward_only` its non-loss data); elsewhere [].
 
         Raises:
-            ValueError: The model chunks or data iterators do not match the virtual size.
+            ValueError: The model chunks or data iterators do not match the virtual size, a
+                single no_sync_func or shared iterator comes with virtual stages, or
+                `collect_non_loss_data` comes without `forward_only`.
         """
         chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
         iterators = (
@@ -269,20 +271,21 @@ class PipelineExecutor:
                 f"with {self.vp_size} model chunks, no_sync_func must be a list with one context "
                 "factory per chunk (each chunk re-enables gradient sync for its last microbatch)"
             )
+        if collect_non_loss_data and not forward_only:
+            raise ValueError(
+                "collect_non_loss_data needs forward_only=True: there is no loss to backward"
+            )
         actions, _ = self.plan_for(num_microbatches, forward_only)
         run = _Run(
             self,
             chunks,
             iterators,
+            actions,
             num_microbatches=num_microbatches,
             seq_and_batch=(seq_length, micro_batch_size),
             decoder_seq_length=decoder_seq_length,
             forward_only=forward_only,
         )
-        if collect_non_loss_data and not forward_only:
-            raise ValueError(
-                "collect_non_loss_data needs forward_only=True: there is no loss to backward"
-            )
         try:
             with run.sync_control():
                 for action in actions:
@@ -308,6 +311,7 @@ class _Run:
         executor: PipelineExecutor,
         chunks: list[torch.nn.Module],
         iterators: Sequence[Any],
+        actions: Sequence[Action],
         *,
         num_microbatches: int,
         seq_and_batch: tuple[int, int],
@@ -331,11 +335,8 @@ class _Run:
         self.pending: list[P2PHandle] = []
         self.store: list[Any] = []
         self.stats = RunStats()
-        last_backward: dict[int, int] = {}
-        for action in executor.plan_for(num_microbatches, forward_only)[0]:
-            if action.kind == "B":
-                last_backward[action.chunk] = action.microbatch
-        self.last_backward = last_backward
+        # Each chunk's last backward re-enables its gradient sync.
+        self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "B"}
         self.sync_stacks: dict[int, contextlib.ExitStack] = {}
 
     # -------------------------------------------------------------------- stage geometry

@@ -74,10 +74,10 @@ class Step:
 
 def peer_of(rank: int, chunk: int, pp_size: int, step: int) -> tuple[int, int] | None:
     """The (rank, chunk) `step` virtual stages away (+1 next, -1 previous); None before 0."""
-    vp_size_unbounded = chunk * pp_size + rank + step
-    if vp_size_unbounded < 0:
+    virtual = chunk * pp_size + rank + step
+    if virtual < 0:
         return None
-    return vp_size_unbounded % pp_size, vp_size_unbounded // pp_size
+    return virtual % pp_size, virtual // pp_size
 
 
 def _incoming(action: Action, rank: int, pp_size: int, vp_size: int) -> Message | None:
