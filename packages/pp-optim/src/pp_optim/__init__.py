@@ -1,7 +1,80 @@
-"""pp-optim: optimizer pieces of pipeline-parallel training (skeleton; no API yet)."""
+"""pp-optim: the optimizer pieces of pipeline-parallel training, after Megatron-LM.
+
+Loss scaling (`ConstantGradScaler`, `DynamicGradScaler`), optimizer wrappers with Megatron's
+step (`Float16OptimizerWithFloat16Params`, `FP32Optimizer`), model-parallel gradient norms,
+clipping and zero counting, contiguous grad buffers with bucketed data-parallel all-reduce
+(`DistributedDataParallel`), `Float16Module`, and the learning-rate and weight-decay schedule
+(`OptimizerParamScheduler`). Process groups come in as arguments; pp-optim never reads global
+state.
+"""
 
 from importlib.metadata import version as _version
 
+from pp_optim.float16 import Float16Module, float16_to_fp32, fp32_to_float16
+from pp_optim.grad_buffer import (
+    DDPConfig,
+    DistributedDataParallel,
+    GradBucket,
+    GradSyncError,
+    all_reduce_grads,
+)
+from pp_optim.grad_norm import (
+    clip_grad_by_total_norm,
+    clip_grad_norm,
+    count_zeros,
+    get_grad_norm,
+    grads_for_norm,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
+from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
+from pp_optim.lr_schedule import (
+    LRDecayStyle,
+    LRScheduleConfig,
+    OptimizerParamScheduler,
+    WDIncrStyle,
+    WSDDecayStyle,
+)
+from pp_optim.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+    get_param_groups,
+)
+
 __version__ = _version("pp-optim")
 
-__all__ = ["__version__"]
+__all__ = [
+    "ConstantGradScaler",
+    "DDPConfig",
+    "DistributedDataParallel",
+    "DynamicGradScaler",
+    "FP32Optimizer",
+    "Float16Module",
+    "Float16OptimizerWithFloat16Params",
+    "GradBucket",
+    "GradScaler",
+    "GradSyncError",
+    "LRDecayStyle",
+    "LRScheduleConfig",
+    "MegatronOptimizer",
+    "OptimizerConfig",
+    "OptimizerParamScheduler",
+    "WDIncrStyle",
+    "WSDDecayStyle",
+    "__version__",
+    "all_reduce_grads",
+    "clip_grad_by_total_norm",
+    "clip_grad_norm",
+    "count_zeros",
+    "float16_to_fp32",
+    "fp32_to_float16",
+    "get_grad_norm",
+    "get_megatron_optimizer",
+    "get_param_groups",
+    "grads_for_norm",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+]

@@ -1,0 +1,554 @@
+"""Optimizer wrappers with Megatron's step: unscale, skip on overflow, clip, count zeros, update.
+
+`Float16OptimizerWithFloat16Params` keeps an fp32 main copy of every fp16/bf16 parameter and
+hands the copies to the wrapped torch optimizer; `FP32Optimizer` wraps an optimizer of fp32
+parameters without copies. Both read gradients from ``main_grad`` when a contiguous grad buffer
+(`DistributedDataParallel`) holds them, and both return Megatron's
+``(update_successful, grad_norm, num_zeros_in_grad)`` from `step`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from pp_optim.grad_norm import (
+    clip_grad_norm,
+    collective_device,
+    count_zeros,
+)
+from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
+
+if TYPE_CHECKING:
+    from pp_state import ParallelState
+
+__all__ = [
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "MegatronOptimizer",
+    "OptimizerConfig",
+    "get_megatron_optimizer",
+    "get_param_groups",
+]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Attributes that say how a parameter is laid out over the model-parallel ranks; the fp32 main
+# copy carries them so norms and zero counts treat it like the parameter it stands for.
+_LAYOUT_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The optimizer, its precision and what the wrapper does around the update.
+
+    The wrappers read `clip_grad` and `log_num_zeros_in_grad`; `get_megatron_optimizer`
+    reads the rest to build the inner optimizer and the loss scaler (Megatron's flag names).
+    """
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """``adam`` (AdamW: decoupled weight decay, as Megatron's fused Adam) or ``sgd``."""
+
+    lr: float = 1e-4
+    """Initial learning rate; an `OptimizerParamScheduler` overrides it every step."""
+
+    weight_decay: float = 0.01
+    """Weight decay of matrices; biases and other 1-D parameters get none."""
+
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+
+    adam_eps: float = 1e-8
+    """Adam's denominator term."""
+
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
+
+    fp16: bool = False
+    """Parameters are fp16: fp32 main copies and a loss scaler."""
+
+    bf16: bool = False
+    """Parameters are bf16: fp32 main copies, no loss scaler unless `loss_scale` is set."""
+
+    loss_scale: float | None = None
+    """A constant loss scale; None: dynamic scaling for fp16, none otherwise."""
+
+    initial_loss_scale: float = 2.0**32
+    """First scale of the dynamic scaler."""
+
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic scale."""
+
+    loss_scale_window: int = 1000
+    """Clean steps before the dynamic scale grows."""
+
+    hysteresis: int = 2
+    """Overflowing steps tolerated before the dynamic scale backs off."""
+
+    clip_grad: float = 1.0
+    """Clip the gradient's total (L2) norm to this value; 0 turns clipping and the norm off."""
+
+    log_num_zeros_in_grad: bool = False
+    """Count zero gradient elements each step (costs one pass over the gradients)."""
+
+    def __post_init__(self) -> None:
+        """Checks the values.
+
+        Raises:
+            ValueError: A value is out of range, or both fp16 and bf16 are set.
+        """
+        problems = []
+        if self.optimizer not in ("adam", "sgd"):
+            problems.append(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.fp16 and self.bf16:
+            problems.append("set at most one of fp16 and bf16")
+        if not 0.0 <= self.clip_grad < math.inf:
+            problems.append(f"clip_grad must be >= 0 and finite (0 disables), got {self.clip_grad}")
+        for name in ("lr", "weight_decay", "sgd_momentum"):
+            if not getattr(self, name) >= 0.0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0.0:
+            problems.append(f"adam_eps must be > 0, got {self.adam_eps}")
+        if self.loss_scale is not None and not self.loss_scale > 0.0:
+            problems.append(f"loss_scale must be > 0 or None, got {self.loss_scale}")
+        if problems:
+            raise ValueError("invalid OptimizerConfig: " + "; ".join(problems))
+
+
+class MegatronOptimizer(abc.ABC):
+    """A torch optimizer wrapped with loss scaling, model-parallel clipping and zero counting.
+
+    Subclasses say where the fp32 parameters the inner optimizer updates come from.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        grad_scaler: GradScaler | None = None,
+        *,
+        grad_stats_group: dist.ProcessGroup | None,
+        tensor_parallel_rank: int = 0,
+    ) -> None:
+        """Wraps `optimizer`.
+
+        Args:
+            optimizer: Any torch optimizer over the model's parameters.
+            config: Clipping and zero counting.
+            grad_scaler: The loss scale, or None for none (bf16, fp32). With a scaler a step
+                whose gradients hold inf or nan on any rank of `grad_stats_group` is skipped.
+            grad_stats_group: The ranks sharing one model (the model-parallel group): overflow,
+                norms and zero counts are reduced over it. None: this process alone.
+            tensor_parallel_rank: This rank's position in its tensor-parallel group (decides
+                which rank counts a duplicated parameter).
+
+        Raises:
+            TypeError: `optimizer` is not a torch optimizer, or holds parameters of a dtype
+                this wrapper does not take.
+            ValueError: fp16 parameters without a grad scaler.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.grad_stats_group = grad_stats_group
+        self.tensor_parallel_rank = tensor_parallel_rank
+        self._adopt_params()
+
+    @abc.abstractmethod
+    def _adopt_params(self) -> None:
+        """Checks the inner optimizer's parameters and sets up any copies of them."""
+
+    # What the inner optimizer updates, in its parameter-group order.
+    def main_params(self) -> Iterator[torch.Tensor]:
+        """The fp32 parameters the inner optimizer updates."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (the LR scheduler sets lr here)."""
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale (1.0 without a scaler), a one-element float32 tensor."""
+        if self.grad_scaler is None:
+            return torch.ones(1, dtype=torch.float32)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the loss scale; the schedules call this as ``grad_scale_func``."""
+        return loss * self.get_loss_scale().to(loss.device, loss.dtype)
+
+    @abc.abstractmethod
+    def _copy_model_grads_to_main_grads(self) -> None: ...
+
+    @abc.abstractmethod
+    def _copy_main_params_to_model_params(self) -> None: ...
+
+    @abc.abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the model's and the main parameters' gradients."""
+
+    def _unscale_main_grads_and_check_for_nan(self, scaler: GradScaler) -> bool:
+        grads = [p.grad for p in self.main_params() if p.grad is not None]
+        device = collective_device(grads, self.grad_stats_group)
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        for grad_device, same_device in by_device.items():
+            found_here = torch.zeros(1, dtype=torch.float32, device=grad_device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                same_device, found_here, scaler.inv_scale.to(grad_device)
+            )
+            found_inf = torch.maximum(found_inf, found_here.to(device))
+        if self.grad_stats_group is not None:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.grad_stats_group)
+        return bool(found_inf.item() > 0)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clips the main gradients to a total norm of `clip_grad`; returns the norm before."""
+        return clip_grad_norm(
+            self.main_params(),
+            clip_grad,
+            group=self.grad_stats_group,
+            tensor_parallel_rank=self.tensor_parallel_rank,
+        )
+
+    def count_zeros(self) -> int:
+        """Zero elements of the main gradients over the group, duplicates counted once."""
+        return count_zeros(
+            self.main_params(),
+            group=self.grad_stats_group,
+            tensor_parallel_rank=self.tensor_parallel_rank,
+        )
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """One update, as Megatron's mixed-precision step.
+
+        Copies the gradients to the main parameters, unscales them and looks for inf/nan on
+        every rank of the group (with a scaler), skips the update on overflow leaving
+        parameters and optimizer state as they were, clips, counts zeros, runs the inner
+        optimizer and copies the main parameters back to the model.
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros_in_grad)``: the norm is None when the
+            step was skipped or clipping is off; the zero count None when skipped or not
+            asked for.
+        """
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_main_grads_and_check_for_nan(self.grad_scaler)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad else None
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state and the loss scaler's."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
+
+    def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = {"optimizer", "grad_scaler"} - set(state_dict)
+        if missing:
+            raise ValueError(f"optimizer state lacks {sorted(missing)}; keys: {sorted(state_dict)}")
+        saved_groups = state_dict["optimizer"].get("param_groups", [])
+        sizes = [len(group["params"]) for group in self.optimizer.param_groups]
+        saved_sizes = [len(group["params"]) for group in saved_groups]
+        if sizes != saved_sizes:
+            raise ValueError(
+                f"optimizer state is for parameter groups of sizes {saved_sizes}; this optimizer"
+                f" has {sizes}"
+            )
+        if (state_dict["grad_scaler"] is None) != (self.grad_scaler is None):
+            saved = "no loss scaler" if state_dict["grad_scaler"] is None else "a loss scaler"
+            mine = "none" if self.grad_scaler is None else type(self.grad_scaler).__name__
+            raise ValueError(f"optimizer state was saved with {saved}; this optimizer has {mine}")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what `state_dict` returned; a refused state changes nothing.
+
+        Raises:
+            ValueError: The state is for other parameter groups or another kind of scaler.
+        """
+        self._check_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """The step of `MegatronOptimizer` for fp32 parameters, updated in place (no copies).
+
+    A grad scaler is optional: `ConstantGradScaler(1.0)` costs one pass over the gradients and
+    turns a step with inf or nan gradients into a skipped step.
+    """
+
+    def _adopt_params(self) -> None:
+        """Checks that every parameter is fp32.
+
+        Raises:
+            TypeError: A parameter is not fp32 (use `Float16OptimizerWithFloat16Params`).
+        """
+        for index, param in enumerate(self.main_params()):
+            if param.dtype != torch.float32:
+                raise TypeError(
+                    f"FP32Optimizer parameter {index} is {param.dtype}; use"
+                    " Float16OptimizerWithFloat16Params for fp16/bf16 parameters"
+                )
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for param in self.main_params():
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                param.grad = main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        """Nothing to copy: the model's parameters are the ones updated."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the parameters' ``grad`` (a grad buffer is zeroed by its own method)."""
+        _zero_grads(self.main_params(), set_to_none)
+
+
+def _zero_grads(params: Iterator[torch.Tensor] | list[torch.Tensor], set_to_none: bool) -> None:
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            param.grad.detach_()
+            param.grad.zero_()
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """fp16/bf16 model parameters updated through fp32 main copies.
+
+    At construction every fp16/bf16 parameter in the inner optimizer's groups is replaced by
+    an fp32 copy (the model parameter gets a ``main_param`` attribute pointing to it); fp32
+    parameters are updated directly. fp16 needs a grad scaler; bf16 usually runs without one.
+    """
+
+    def _adopt_params(self) -> None:
+        """Replaces each half parameter in the inner optimizer by an fp32 copy.
+
+        Raises:
+            TypeError: A parameter is neither fp16, bf16 nor fp32.
+            ValueError: fp16 parameters without a grad scaler.
+        """
+        self._float16_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._fp32_params: list[torch.Tensor] = []
+        for group_index, group in enumerate(self.optimizer.param_groups):
+            for index, param in enumerate(group["params"]):
+                if param.dtype in _HALF_DTYPES:
+                    if param.dtype == torch.float16 and self.grad_scaler is None:
+                        raise ValueError(
+                            "fp16 parameters need a grad scaler (DynamicGradScaler or"
+                            " ConstantGradScaler); bf16 may run without one"
+                        )
+                    group["params"][index] = self._main_copy(param)
+                    self._float16_pairs.append((param, group["params"][index]))
+                elif param.dtype == torch.float32:
+                    self._fp32_params.append(param)
+                else:
+                    raise TypeError(
+                        f"parameter {index} of group {group_index} is {param.dtype}; expected"
+                        " float16, bfloat16 or float32"
+                    )
+
+    def _main_copy(self, param: torch.Tensor) -> torch.Tensor:
+        main = torch.nn.Parameter(param.detach().clone().float())
+        for name in _LAYOUT_ATTRIBUTES:
+            if hasattr(param, name):
+                setattr(main, name, getattr(param, name))
+        param.main_param = main  # type: ignore[attr-defined]
+        if param in self.optimizer.state:
+            self.optimizer.state[main] = self.optimizer.state.pop(param)
+        return main
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for model_param, main_param in self._float16_pairs:
+            source = getattr(model_param, "main_grad", None)
+            if source is None:
+                source = model_param.grad
+            main_param.grad = None if source is None else source.float()
+            model_param.grad = None
+        for param in self._fp32_params:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                param.grad = main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        if not self._float16_pairs:
+            return
+        model, main = zip(*self._float16_pairs, strict=True)
+        torch._foreach_copy_(list(model), list(main))
+
+    def reload_model_params(self) -> None:
+        """Sets the fp32 main copies from the model's parameters (after loading the model)."""
+        with torch.no_grad():
+            for model_param, main_param in self._float16_pairs:
+                main_param.copy_(model_param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients of the model's parameters and of the fp32 main copies."""
+        _zero_grads([model for model, _ in self._float16_pairs], set_to_none)
+        _zero_grads(self.main_params(), set_to_none)
+
+    def _main_copies_per_group(self) -> list[list[torch.Tensor]]:
+        copies = {id(main) for _, main in self._float16_pairs}
+        return [
+            [param for param in group["params"] if id(param) in copies]
+            for group in self.optimizer.param_groups
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Adds ``fp32_from_fp16_params``: the fp32 main copies, per parameter group."""
+        state = super().state_dict()
+        state["fp32_from_fp16_params"] = [
+            [param.detach().clone() for param in group] for group in self._main_copies_per_group()
+        ]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the inner optimizer, the scaler and the fp32 main copies exactly.
+
+        Raises:
+            ValueError: The state is for another set of parameters (counts or shapes differ)
+                or another kind of scaler; nothing is changed.
+        """
+        self._check_state_dict(state_dict)
+        saved = state_dict.get("fp32_from_fp16_params")
+        if saved is None:
+            raise ValueError("optimizer state lacks 'fp32_from_fp16_params' (the fp32 copies)")
+        current = self._main_copies_per_group()
+        shapes = [[tuple(p.shape) for p in group] for group in current]
+        saved_shapes = [[tuple(p.shape) for p in group] for group in saved]
+        if shapes != saved_shapes:
+            raise ValueError(
+                f"saved fp32 copies have shapes {saved_shapes}; this optimizer has {shapes}"
+            )
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for group, saved_group in zip(current, saved, strict=True):
+                for param, value in zip(group, saved_group, strict=True):
+                    param.copy_(value)
+
+
+def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]]:
+    """Megatron's parameter groups: no weight decay for biases and 1-D parameters (norms).
+
+    Returns:
+        Up to two torch param groups, each with a ``wd_mult`` (1.0 or 0.0) and an
+        ``lr_mult`` of 1.0 that `OptimizerParamScheduler` applies.
+    """
+    decayed: list[torch.nn.Parameter] = []
+    not_decayed: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            no_decay = name.endswith(".bias") or param.dim() == 1
+            (not_decayed if no_decay else decayed).append(param)
+    groups = [
+        {"params": params, "wd_mult": wd_mult, "lr_mult": 1.0}
+        for params, wd_mult in ((decayed, 1.0), (not_decayed, 0.0))
+        if params
+    ]
+    if not groups:
+        raise ValueError("the model chunks have no trainable parameters")
+    return groups
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: list[torch.nn.Module],
+    *,
+    parallel_state: ParallelState | None = None,
+    grad_stats_group: dist.ProcessGroup | None = None,
+    tensor_parallel_rank: int = 0,
+) -> MegatronOptimizer:
+    """Builds the inner optimizer, the loss scaler and the wrapper that `config` describes.
+
+    Args:
+        config: Optimizer, precision and clipping.
+        model_chunks: This rank's model chunks (one per virtual pipeline stage), already in
+            their training dtype.
+        parallel_state: Where the model-parallel group and the tensor-parallel rank come
+            from; give either this or the two arguments below.
+        grad_stats_group: The model-parallel group (see `MegatronOptimizer`); None, without
+            `parallel_state`: this process alone.
+        tensor_parallel_rank: This rank's position in its tensor-parallel group.
+
+    Returns:
+        `Float16OptimizerWithFloat16Params` for fp16/bf16, else `FP32Optimizer`.
+
+    Raises:
+        ValueError: Both `parallel_state` and `grad_stats_group` or `tensor_parallel_rank`,
+            or no trainable parameters.
+    """
+    if parallel_state is not None:
+        if grad_stats_group is not None or tensor_parallel_rank:
+            raise ValueError(
+                "give parallel_state or grad_stats_group/tensor_parallel_rank, not both"
+            )
+        grad_stats_group = parallel_state.group("mp")
+        tensor_parallel_rank = parallel_state.group_rank("tp")
+    groups = get_param_groups(model_chunks)
+    inner: torch.optim.Optimizer
+    if config.optimizer == "adam":
+        inner = torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
+    else:
+        inner = torch.optim.SGD(
+            groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
+        )
+    scaler: GradScaler | None = None
+    if config.loss_scale is not None:
+        scaler = ConstantGradScaler(config.loss_scale)
+    elif config.fp16:
+        scaler = DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    wrapper = Float16OptimizerWithFloat16Params if config.fp16 or config.bf16 else FP32Optimizer
+    return wrapper(
+        inner,
+        config,
+        scaler,
+        grad_stats_group=grad_stats_group,
+        tensor_parallel_rank=tensor_parallel_rank,
+    )
