@@ -51,6 +51,9 @@ def _peer_dies() -> None:
     comm = P2PCommunicator(
         dist.group.WORLD, config=CommConfig(timeout=datetime.timedelta(seconds=20))
     )
+    # Both ranks finish building the communicator (gloo connects its groups while they are
+    # created) before rank 1 leaves; otherwise rank 0 may fail inside construction instead.
+    dist.barrier()
     if comm.stage == 1:
         import os
 
@@ -244,6 +247,9 @@ def _peer_gone_before_posting() -> None:
     comm = P2PCommunicator(
         dist.group.WORLD, config=CommConfig(timeout=datetime.timedelta(seconds=20))
     )
+    # Both ranks finish building the communicator (gloo connects its groups while they are
+    # created) before rank 1 leaves; otherwise rank 0 may fail inside construction instead.
+    dist.barrier()
     if comm.stage == 1:
         import os
 
