@@ -7,6 +7,7 @@ lower layers it declares, and the test tools, so an undeclared dependency fails 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -27,6 +28,8 @@ PACKAGES = ROOT / "packages"
 TORCH = "torch==2.13.0"
 TEST_TOOLS = ("pytest>=8", "numpy", "tomli>=1.1; python_version < '3.11'")
 TEST_HELPERS = "pp-testing"
+# Optional extras a package's tests exercise (pp-train writes TensorBoard events).
+TEST_EXTRAS = {"pp-train": ("tensorboard>=2.14",)}
 
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -134,7 +137,7 @@ def lint(session: nox.Session) -> None:
 @nox.parametrize("package", [nox.param(dist, id=dist) for dist in ALL_PACKAGES])
 def tests(session: nox.Session, package: str) -> None:
     """A package's unit tests, with only that package and its declared lower layers."""
-    _install(session, [package, TEST_HELPERS], *TEST_TOOLS)
+    _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()))
     session.run("pytest", str(PACKAGES / package / "tests"), *session.posargs, env=TEST_ENV)
 
 
@@ -142,7 +145,9 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.parametrize("package", [nox.param(dist, id=dist) for dist in ALL_PACKAGES])
 def mypy(session: nox.Session, package: str) -> None:
     """mypy --strict over a package and its tests, seeing only its declared lower layers."""
-    _install(session, [package, TEST_HELPERS], *TEST_TOOLS, "mypy>=1.10")
+    _install(
+        session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()), "mypy>=1.10"
+    )
     source = PACKAGES / package / "src" / _import_name(package)
     benchmarks = [str(path) for path in [PACKAGES / package / "benchmarks"] if path.is_dir()]
     session.run(
@@ -168,7 +173,7 @@ def layers(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """Tests across packages, with the whole stack installed."""
-    _install(session, ALL_PACKAGES, *TEST_TOOLS)
+    _install(session, ALL_PACKAGES, *TEST_TOOLS, *(x for e in TEST_EXTRAS.values() for x in e))
     # The >>> examples in docs/*.md and the package READMEs run as doctests, so the docs
     # cannot drift from the code.
     readmes = sorted(str(path) for path in PACKAGES.glob("*/README.md"))
@@ -213,20 +218,28 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: a pipeline-parallel layout on 8 CPU ranks under torchrun (gloo)."""
-    _install(session, LIBRARIES, "numpy")  # all_gather_object needs numpy
-    args = session.posargs or [
-        "--tensor-model-parallel-size",
-        "2",
-        "--pipeline-model-parallel-size",
-        "2",
-    ]
-    session.run(
+    """The main job: the bundled GPT on 4 CPU processes under torchrun, stopped and resumed."""
+    _install(session, LIBRARIES, "tensorboard>=2.14")
+    checkpoints = Path(session.create_tmp()) / "demo-checkpoints"
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    command = [
         "torchrun",
         "--standalone",
         "--nproc-per-node",
-        "8",
-        str(ROOT / "docs" / "examples" / "parallel_state_tour.py"),
-        *args,
-        env=TEST_ENV,
-    )
+        "4",
+        "-m",
+        "pp_train",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--train-iters",
+        "100",
+        "--save",
+        str(checkpoints),
+        "--load",
+        str(checkpoints),
+        *session.posargs,
+    ]
+    session.log("first run: stops at iteration 50 (--exit-interval) after saving a checkpoint")
+    session.run(*command, "--exit-interval", "50", env=TEST_ENV)
+    session.log("second run: the same command resumes from that checkpoint")
+    session.run(*command, env=TEST_ENV)

@@ -1,7 +1,101 @@
-"""pp-train: training loop, logging and checkpoints (skeleton; no API yet)."""
+"""pp-train: the training loop, logging, checkpoints, a bundled GPT and the ``pp-train`` command.
+
+Composed from the four lower layers: process groups (pp-state), p2p (pp-comm), schedules
+(pp-schedules) and optimizer pieces (pp-optim). Use the pieces (`setup_model_and_optimizer`,
+`train_step`, `evaluate`, `train`, `save_checkpoint` / `load_checkpoint`, `TrainingLogger`) in a
+loop of your own, or run ``torchrun --nproc-per-node N -m pp_train`` to train the bundled GPT.
+"""
 
 from importlib.metadata import version as _version
 
+from pp_train.checkpointing import (
+    CheckpointError,
+    LoadedCheckpoint,
+    checkpoint_path,
+    get_rng_state,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+    set_rng_state,
+)
+from pp_train.command import build_parser, gpt_forward_step, main, validate_args
+from pp_train.data import (
+    ByteTokenizer,
+    GPTDataset,
+    corpus_tokens,
+    load_corpus,
+    microbatches,
+    split_corpus,
+)
+from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
+from pp_train.microbatches import (
+    ConstantNumMicroBatchesCalculator,
+    NumMicroBatchesCalculator,
+    RampupBatchsizeNumMicroBatchesCalculator,
+    build_num_microbatches_calculator,
+)
+from pp_train.reporting import Timer, Timers, TrainingLogger, format_log_line, memory_report
+from pp_train.training import (
+    ExitReason,
+    ModelProvider,
+    TrainingConfig,
+    TrainingProgress,
+    build_forward_backward_func,
+    evaluate,
+    finalize_model_grads,
+    finetune,
+    get_model,
+    setup_model_and_optimizer,
+    train,
+    train_step,
+    unwrap_model,
+)
+
 __version__ = _version("pp-train")
 
-__all__ = ["__version__"]
+__all__ = [
+    "ByteTokenizer",
+    "CheckpointError",
+    "ConstantNumMicroBatchesCalculator",
+    "ExitReason",
+    "GPTChunk",
+    "GPTConfig",
+    "GPTDataset",
+    "LoadedCheckpoint",
+    "ModelProvider",
+    "NumMicroBatchesCalculator",
+    "RampupBatchsizeNumMicroBatchesCalculator",
+    "Timer",
+    "Timers",
+    "TrainingConfig",
+    "TrainingLogger",
+    "TrainingProgress",
+    "__version__",
+    "build_forward_backward_func",
+    "build_num_microbatches_calculator",
+    "build_parser",
+    "checkpoint_path",
+    "chunk_layers",
+    "corpus_tokens",
+    "evaluate",
+    "finalize_model_grads",
+    "finetune",
+    "format_log_line",
+    "get_model",
+    "get_rng_state",
+    "gpt_forward_step",
+    "load_checkpoint",
+    "load_corpus",
+    "main",
+    "memory_report",
+    "microbatches",
+    "read_tracker",
+    "save_checkpoint",
+    "set_rng_state",
+    "setup_model_and_optimizer",
+    "split_corpus",
+    "train",
+    "train_step",
+    "unwrap_model",
+    "validate_args",
+]

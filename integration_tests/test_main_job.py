@@ -1,0 +1,174 @@
+"""The main job: ``torchrun -m pp_train`` trains the bundled GPT, saves, stops and resumes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--eval-iters",
+    "2",
+    "--log-interval",
+    "5",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+]
+
+
+def _pp_train(ranks: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "pp_train",
+        *args,
+    ]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    found = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|", stdout)
+    return {int(iteration): float(loss) for iteration, loss in found}
+
+
+def test_trains_stops_and_resumes_on_four_processes(tmp_path: Path) -> None:
+    save = str(tmp_path / "ckpt")
+    board = tmp_path / "tb"
+    flags = [
+        *TINY,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--train-iters",
+        "20",
+        "--save",
+        save,
+        "--load",
+        save,
+        "--tensorboard-dir",
+        str(board),
+    ]
+    first = _pp_train(4, *flags, "--exit-interval", "10")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "no checkpoint in" in first.stdout
+    assert "pipeline 2, data parallel 2, 1F1B" in first.stdout
+    assert "exiting at iteration 10: exit_interval" in first.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    second = _pp_train(4, *flags)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "loaded checkpoint from" in second.stdout
+    assert "at iteration 10 (80 samples consumed)" in second.stdout
+    losses = {**_losses(first.stdout), **_losses(second.stdout)}
+    assert sorted(losses) == [5, 10, 15, 20]
+    assert losses[20] < losses[5]  # the loss falls
+    assert "[####################] 100%" in second.stdout  # the progress display
+    assert "validation at the end of training | lm loss:" in second.stdout
+    assert list(board.glob("events.out.tfevents.*"))
+
+
+def test_interleaved_on_two_processes(tmp_path: Path) -> None:
+    done = _pp_train(
+        2,
+        *TINY,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--train-iters",
+        "5",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pipeline 2 x 2 virtual stages, data parallel 1, interleaved 1F1B" in done.stdout
+    assert 5 in _losses(done.stdout)
+
+
+@pytest.mark.parametrize(
+    ("flags", "world", "message"),
+    [
+        (
+            ["--num-layers", "6", "--pipeline-model-parallel-size", "4"],
+            4,
+            "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4",
+        ),
+        (
+            ["--global-batch-size", "10", "--micro-batch-size", "2"],
+            4,
+            "--global-batch-size 10 is not divisible by --micro-batch-size 2 x data-parallel size 4"
+            " = 8; use a multiple of 8 such as 8 or 16",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "3"],
+            4,
+            "--pipeline-model-parallel-size 3 does not divide the 4 processes; use one of [1, 2, 4]",
+        ),
+        (
+            ["--hidden-size", "48", "--num-attention-heads", "5"],
+            1,
+            "--hidden-size 48 is not divisible by --num-attention-heads 5",
+        ),
+        (
+            [
+                "--num-layers",
+                "8",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "3",
+            ],
+            2,
+            "--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers",
+        ),
+        (["--fp16", "--bf16"], 1, "not allowed with argument"),
+        (["--lr-decay-style", "step"], 1, "invalid choice: 'step'"),
+    ],
+)
+def test_bad_flags_get_an_argparse_error(flags: list[str], world: int, message: str) -> None:
+    env = {**os.environ, "WORLD_SIZE": str(world)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pp_train", *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "usage: pp-train" in done.stderr
+
+
+def test_a_corrupt_checkpoint_is_refused_with_one_clear_line(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    flags = [*TINY, "--pipeline-model-parallel-size", "2", "--train-iters", "3"]
+    assert _pp_train(2, *flags, "--save", str(save)).returncode == 0
+    target = save / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt"
+    target.write_bytes(b"not a checkpoint")
+    done = _pp_train(2, *flags, "--load", str(save))
+    assert done.returncode != 0
+    assert "pp-train: error:" in done.stderr
+    assert "mp_rank_00_001" in done.stderr

@@ -1,0 +1,538 @@
+"""The ``pp-train`` command: train the bundled GPT on the bundled corpus, with Megatron's flags.
+
+Run it under torchrun (``torchrun --nproc-per-node 4 -m pp_train ...``); the world is split
+into pipeline stages and data-parallel replicas. gloo on CPU, NCCL when every local rank has a
+GPU. This is the only module that reads the environment (torchrun's variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
+from pp_schedules import plan
+from pp_state import ParallelConfig, ParallelState
+from pp_train.checkpointing import CheckpointError
+from pp_train.data import ByteTokenizer, GPTDataset, load_corpus, microbatches, split_corpus
+from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
+from pp_train.microbatches import build_num_microbatches_calculator
+from pp_train.reporting import Timers, TrainingLogger, memory_report
+from pp_train.training import (
+    TrainingConfig,
+    TrainingProgress,
+    build_forward_backward_func,
+    evaluate,
+    setup_model_and_optimizer,
+    train,
+    unwrap_model,
+)
+
+__all__ = ["build_parser", "gpt_forward_step", "main", "validate_args"]
+
+LR_DECAY_STYLES = ["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+WSD_STYLES = ["linear", "cosine", "exponential", "minus_sqrt"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """Under torchrun every process parses the flags; only rank 0 prints the error."""
+
+    def error(self, message: str) -> NoReturn:
+        """Prints usage and `message` on rank 0 (or without torchrun); exits with status 2."""
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron's flag names, with defaults that train the small GPT on CPU in about a minute."""
+    parser = _Parser(
+        prog="pp-train",
+        description="Train the bundled small GPT with pipeline parallelism (run under torchrun).",
+    )
+    _model_and_parallel_flags(parser)
+    _optimizer_flags(parser)
+    _io_flags(parser)
+    return parser
+
+
+def _model_and_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=8)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--ffn-hidden-size", type=int, default=None)
+    model.add_argument("--seq-length", type=int, default=64)
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="layers per model chunk; fewer than num_layers/pp turns on interleaved 1F1B",
+    )
+    parallel.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    parallel.add_argument(
+        "--overlap-grad-reduce", action="store_true", help="all-reduce grad buckets during backward"
+    )
+    batch = parser.add_argument_group("batches")
+    batch.add_argument("--micro-batch-size", type=int, default=4)
+    batch.add_argument("--global-batch-size", type=int, default=32)
+    batch.add_argument(
+        "--rampup-batch-size",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+
+
+def _optimizer_flags(parser: argparse.ArgumentParser) -> None:
+    optim = parser.add_argument_group("optimizer and schedule")
+    optim.add_argument("--train-iters", type=int, default=200)
+    optim.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    optim.add_argument("--lr", type=float, default=3e-3)
+    optim.add_argument("--min-lr", type=float, default=3e-4)
+    optim.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    optim.add_argument("--lr-warmup-iters", type=int, default=0)
+    optim.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    optim.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    optim.add_argument("--lr-wsd-decay-style", choices=WSD_STYLES, default="exponential")
+    optim.add_argument("--weight-decay", type=float, default=0.01)
+    optim.add_argument("--adam-beta1", type=float, default=0.9)
+    optim.add_argument("--adam-beta2", type=float, default=0.95)
+    optim.add_argument("--adam-eps", type=float, default=1e-8)
+    optim.add_argument("--clip-grad", type=float, default=1.0)
+    optim.add_argument("--log-num-zeros-in-grad", action="store_true")
+    optim.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true")
+    optim.add_argument("--override-opt_param-scheduler", action="store_true")
+    precision = parser.add_argument_group("precision")
+    halves = precision.add_mutually_exclusive_group()
+    halves.add_argument("--fp16", action="store_true")
+    halves.add_argument("--bf16", action="store_true")
+    precision.add_argument("--loss-scale", type=float, default=None)
+    precision.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    precision.add_argument("--min-loss-scale", type=float, default=1.0)
+    precision.add_argument("--loss-scale-window", type=int, default=1000)
+    precision.add_argument("--hysteresis", type=int, default=2)
+
+
+def _io_flags(parser: argparse.ArgumentParser) -> None:
+    io = parser.add_argument_group("checkpoints and logging")
+    io.add_argument("--save", default=None)
+    io.add_argument("--load", default=None)
+    io.add_argument("--save-interval", type=int, default=None)
+    io.add_argument("--finetune", action="store_true")
+    io.add_argument("--no-load-optim", action="store_true")
+    io.add_argument("--no-load-rng", action="store_true")
+    io.add_argument("--eval-interval", type=int, default=100)
+    io.add_argument("--eval-iters", type=int, default=4)
+    io.add_argument("--log-interval", type=int, default=10)
+    io.add_argument("--exit-interval", type=int, default=None)
+    io.add_argument("--exit-duration-in-mins", type=float, default=None)
+    io.add_argument(
+        "--exit-signal-handler",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on SIGTERM save and exit cleanly (default on)",
+    )
+    io.add_argument("--tensorboard-dir", default=None)
+    io.add_argument("--seed", type=int, default=1234)
+
+
+def _divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def _positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be 1 or more, got {value}")
+
+
+def validate_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int
+) -> argparse.Namespace:
+    """Checks the flags against each other and the world size; adds the derived sizes.
+
+    Calls ``parser.error`` (exit status 2, usage and the message) naming the numbers and what
+    would work. Sets ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``,
+    ``lr_decay_iters``, ``tensor_model_parallel_size`` and ``vocab_size``.
+    """
+    _positive(
+        parser,
+        args,
+        [
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "pipeline_model_parallel_size",
+            "num_layers_per_virtual_pipeline_stage",
+            "micro_batch_size",
+            "global_batch_size",
+            "train_iters",
+            "log_interval",
+            "save_interval",
+            "eval_interval",
+            "exit_interval",
+            "lr_decay_iters",
+            "ffn_hidden_size",
+            "loss_scale_window",
+            "hysteresis",
+        ],
+    )
+    dp = _check_layout(parser, args, world_size)
+    _check_batches(parser, args, dp)
+    _check_schedule(parser, args)
+    args.data_parallel_size = dp
+    args.tensor_model_parallel_size = 1
+    args.vocab_size = ByteTokenizer.vocab_size
+    return args
+
+
+def _check_layout(parser: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> int:
+    """Pipeline, virtual stages and heads; returns the data-parallel size."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    if world % pp:
+        parser.error(
+            f"--pipeline-model-parallel-size {pp} does not divide the {world} processes; "
+            f"use one of {_divisors(world)}"
+        )
+    if layers % pp:
+        parser.error(
+            f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+            f"use a multiple of {pp} layers, or a pipeline size among {_divisors(layers)}"
+        )
+    args.virtual_pipeline_model_parallel_size = None
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is not None:
+        per_stage = layers // pp
+        if per_stage % per_chunk:
+            parser.error(
+                f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
+                f"{per_stage} layers of each pipeline stage; use one of {_divisors(per_stage)}"
+            )
+        if per_stage // per_chunk > 1 and pp == 1:
+            parser.error(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
+                "2 or more"
+            )
+        if per_stage // per_chunk > 1:
+            args.virtual_pipeline_model_parallel_size = per_stage // per_chunk
+    if args.hidden_size % args.num_attention_heads:
+        parser.error(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}; use one of {_divisors(args.hidden_size)} heads"
+        )
+    return int(world // pp)
+
+
+def _check_batches(parser: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> None:
+    unit = args.micro_batch_size * dp
+    if args.global_batch_size % unit:
+        below = max(unit, args.global_batch_size // unit * unit)
+        parser.error(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp} = {unit}; use a multiple of "
+            f"{unit} such as {below} or {below + unit}"
+        )
+    vp = args.virtual_pipeline_model_parallel_size
+    if vp is not None and args.rampup_batch_size is None:
+        try:
+            plan(
+                "interleaved_1f1b",
+                pp_size=args.pipeline_model_parallel_size,
+                num_microbatches=args.global_batch_size // unit,
+                vp_size=vp,
+            )
+        except ValueError as error:
+            parser.error(f"interleaved schedule with {vp} chunks per stage: {error}")
+
+
+def _check_schedule(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        parser.error(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be below the decay length "
+            f"{args.lr_decay_iters} (--lr-decay-iters, default --train-iters)"
+        )
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    if args.save_interval is not None and args.save is None:
+        parser.error("--save-interval needs --save DIR")
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        parser.error(
+            "use at most one of --use-checkpoint-opt_param-scheduler and "
+            "--override-opt_param-scheduler"
+        )
+
+
+def gpt_forward_step(
+    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+    """Megatron's GPT ``forward_step``: the next microbatch through the chunk; mean token loss."""
+    batch = next(data_iterator)
+    device = next(unwrap_model(model).parameters()).device
+    output = model(batch["tokens"].to(device), labels=batch["labels"].to(device))
+
+    def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _distributed_setup(args: argparse.Namespace, init_method: str | None) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    single = {} if init_method is None else {"init_method": init_method, "rank": 0, "world_size": 1}
+    if use_gpus:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", timeout=timeout, **single)  # type: ignore[arg-type]
+        return torch.device("cuda", local_rank)
+    # Ranks on one machine share its cores; more threads per rank only contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    dist.init_process_group("gloo", timeout=timeout, **single)  # type: ignore[arg-type]
+    return torch.device("cpu")
+
+
+def _checkpoint_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        key: (list(value) if isinstance(value, tuple) else value)
+        for key, value in vars(args).items()
+        if value is None or isinstance(value, (bool, int, float, str, list, tuple))
+    }
+
+
+def _writer(args: argparse.Namespace, is_logging_rank: bool) -> Any:
+    if args.tensorboard_dir is None or not is_logging_rank:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise SystemExit(
+            "--tensorboard-dir needs the tensorboard package: pip install 'pp-train[tensorboard]'"
+        ) from error
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+
+
+def run(args: argparse.Namespace) -> str:
+    """Trains with validated `args` inside an initialised process group; returns the exit reason."""
+    state = ParallelState.create(
+        ParallelConfig(
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        )
+    )
+    device = args.device
+    is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+
+    def say(text: str) -> None:
+        if is_logging_rank:
+            print(text, flush=True)
+
+    gpt = GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+    )
+    pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
+
+    def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
+        layers = chunk_layers(gpt.num_layers, pp, vp, state.pipeline_model_parallel_rank, vp_stage)
+        return GPTChunk(
+            gpt, layers=layers, pre_process=pre_process, post_process=post_process, seed=args.seed
+        )
+
+    gbs = args.global_batch_size
+    model, optimizer, scheduler, loaded = setup_model_and_optimizer(
+        provider,
+        state,
+        optimizer_config=OptimizerConfig(
+            optimizer=args.optimizer,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            fp16=args.fp16,
+            bf16=args.bf16,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+            clip_grad=args.clip_grad,
+            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        ),
+        lr_schedule=LRScheduleConfig(
+            max_lr=args.lr,
+            min_lr=args.min_lr,
+            lr_warmup_steps=args.lr_warmup_iters * gbs,
+            lr_decay_steps=args.lr_decay_iters * gbs,
+            lr_decay_style=args.lr_decay_style,
+            wsd_decay_steps=None
+            if args.lr_wsd_decay_iters is None
+            else args.lr_wsd_decay_iters * gbs,
+            lr_wsd_decay_style=args.lr_wsd_decay_style,
+            start_wd=args.weight_decay,
+            end_wd=args.weight_decay,
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler=args.override_opt_param_scheduler,
+        ),
+        ddp_config=DDPConfig(overlap_grad_reduce=args.overlap_grad_reduce),
+        device=device,
+        load=args.load,
+        checkpoint_args=_checkpoint_args(args),
+        finetune=args.finetune,
+        no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng,
+    )
+    progress = TrainingProgress()
+    if loaded is not None:
+        progress = TrainingProgress(
+            iteration=loaded.iteration,
+            consumed_train_samples=loaded.consumed_train_samples,
+            consumed_valid_samples=loaded.consumed_valid_samples,
+        )
+        say(
+            f"loaded checkpoint from {args.load} at iteration {loaded.iteration} "
+            f"({loaded.consumed_train_samples} samples consumed)"
+        )
+    elif args.load is not None:
+        say(f"no checkpoint in {args.load}: starting from scratch")
+    tokens = torch.tensor(ByteTokenizer().encode(load_corpus()), dtype=torch.int64)
+    train_tokens, valid_tokens = split_corpus(tokens)
+    dp_rank, dp_size = state.group_rank("dp_cp"), state.group_size("dp_cp")
+
+    def iterators(dataset: GPTDataset, consumed: int) -> Any:
+        streams = [
+            microbatches(
+                dataset,
+                consumed_samples=consumed,
+                micro_batch_size=args.micro_batch_size,
+                data_parallel_rank=dp_rank,
+                data_parallel_size=dp_size,
+            )
+            for _ in range(vp)
+        ]
+        return streams if vp > 1 else streams[0]
+
+    train_data = GPTDataset(train_tokens, args.seq_length, seed=args.seed)
+    valid_data = GPTDataset(valid_tokens, args.seq_length, seed=args.seed + 1)
+    timers = Timers()
+    forward_backward = build_forward_backward_func(
+        state, model, optimizer, hidden_size=args.hidden_size, device=device, timers=timers
+    )
+    calculator = build_num_microbatches_calculator(
+        global_batch_size=gbs,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=dp_size,
+        rampup_batch_size=None if args.rampup_batch_size is None else tuple(args.rampup_batch_size),
+    )
+    writer = _writer(args, is_logging_rank)
+    logger = TrainingLogger(
+        train_iters=args.train_iters,
+        log_interval=args.log_interval,
+        writer=writer,
+        is_logging_rank=is_logging_rank,
+    )
+    schedule = "interleaved 1F1B" if vp > 1 else "1F1B" if pp > 1 else "no pipelining"
+    say(
+        f"pp-train: GPT with {args.num_layers} layers, hidden {args.hidden_size}, on "
+        f"{dist.get_world_size()} processes ({dist.get_backend()}): pipeline {pp}"
+        f"{f' x {vp} virtual stages' if vp > 1 else ''}, data parallel {dp_size}, {schedule}; "
+        f"{train_data.samples_per_epoch} training samples per epoch"
+    )
+    config = TrainingConfig(
+        train_iters=args.train_iters,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        log_interval=args.log_interval,
+        save=args.save,
+        save_interval=args.save_interval,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
+    )
+    reason = train(
+        gpt_forward_step,
+        model,
+        optimizer,
+        scheduler,
+        iterators(train_data, progress.consumed_train_samples),
+        iterators(valid_data, progress.consumed_valid_samples),
+        state=state,
+        config=config,
+        forward_backward_func=forward_backward,
+        calculator=calculator,
+        progress=progress,
+        logger=logger,
+        timers=timers,
+        checkpoint_args=_checkpoint_args(args),
+        print_fn=say,
+    )
+    if reason == "train_iters" and args.eval_iters > 0:
+        losses = evaluate(
+            gpt_forward_step,
+            iterators(valid_data, progress.consumed_valid_samples),
+            model,
+            forward_backward_func=forward_backward,
+            state=state,
+            eval_iters=args.eval_iters,
+            num_microbatches=calculator.get(),
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length,
+        )
+        for key, value in losses.items():
+            say(f"validation at the end of training | {key}: {value:.6E}")
+    say(memory_report())
+    if writer is not None:
+        writer.close()
+    return reason
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses `argv` (default: the command line), trains, and returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_args(parser, args, world_size)
+    with tempfile.TemporaryDirectory() as scratch:
+        # Without torchrun this is a one-process job: rendezvous through a file, no port.
+        init_method = None if "RANK" in os.environ else f"file://{scratch}/rendezvous"
+        args.device = _distributed_setup(args, init_method)
+        try:
+            run(args)
+        except CheckpointError as error:
+            # Every rank refuses together; one clear line instead of a traceback per rank.
+            if dist.get_rank() == 0:
+                print(f"pp-train: error: {error}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

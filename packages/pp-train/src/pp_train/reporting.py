@@ -1,0 +1,581 @@
+"""What training reports: named timers, Megatron's per-interval log line, TensorBoard scalars.
+
+`Timers` measures wall-clock time under names such as "forward-backward" and fits the
+``Timers`` protocol that pp-comm reports to. `TrainingLogger` keeps Megatron's counters
+between log lines (advanced, skipped and nan iterations, loss sums), writes the per-iteration
+scalars to a TensorBoard-like writer and, every ``log_interval`` iterations, prints one line
+in the format of Megatron's training log. `memory_report` is a one-line memory summary.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ScalarWriter",
+    "Timer",
+    "Timers",
+    "TrainingLogger",
+    "format_log_line",
+    "memory_report",
+]
+
+_PROGRESS_BAR_WIDTH = 20
+_BYTES_PER_MB = 1024 * 1024
+# Marks a timer a rank has never created; a MAX across ranks keeps it only if no rank has one.
+_MISSING = -1.0
+
+
+def _synchronize_cuda() -> None:
+    # Kernels run asynchronously: without this a timer would measure their launch only. A
+    # process that never touched CUDA is not made to create a context here.
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
+        torch.cuda.synchronize()
+
+
+def _distributed_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Timer:
+    """One named wall-clock timer that accumulates the time between `start` and `stop`."""
+
+    def __init__(self, name: str, barrier_group: dist.ProcessGroup | None = None) -> None:
+        """Makes a stopped timer with nothing accumulated.
+
+        Args:
+            name: The name used in messages and logs.
+            barrier_group: The group ``start(barrier=True)`` and ``stop(barrier=True)`` wait
+                for (None: the default group).
+        """
+        self._name = name
+        self._barrier_group = barrier_group
+        self._elapsed = 0.0
+        self._started_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The timer's name."""
+        return self._name
+
+    @property
+    def running(self) -> bool:
+        """Whether the timer has been started and not stopped since."""
+        return self._started_at is not None
+
+    def _barrier(self) -> None:
+        if _distributed_ready():
+            dist.barrier(group=self._barrier_group)
+
+    def start(self, barrier: bool = False) -> None:
+        """Starts timing.
+
+        Args:
+            barrier: Wait for every rank of the barrier group first, so that the interval
+                measured is the same on all of them.
+
+        Raises:
+            RuntimeError: The timer is already running.
+        """
+        if self._started_at is not None:
+            raise RuntimeError(f"timer {self._name!r} is already running; stop it first")
+        if barrier:
+            self._barrier()
+        _synchronize_cuda()
+        self._started_at = time.perf_counter()
+
+    def stop(self, barrier: bool = False) -> None:
+        """Stops timing and adds the interval to the elapsed time.
+
+        Args:
+            barrier: Wait for every rank of the barrier group before reading the clock.
+
+        Raises:
+            RuntimeError: The timer is not running.
+        """
+        if self._started_at is None:
+            raise RuntimeError(f"timer {self._name!r} is not running; start it first")
+        if barrier:
+            self._barrier()
+        _synchronize_cuda()
+        self._elapsed += time.perf_counter() - self._started_at
+        self._started_at = None
+
+    def reset(self) -> None:
+        """Stops the timer, if running, and forgets the accumulated time (as Megatron's)."""
+        self._elapsed = 0.0
+        self._started_at = None
+
+    def elapsed(self, reset: bool = True) -> float:
+        """The accumulated time, including the current interval of a running timer.
+
+        Args:
+            reset: Start accumulating again from zero after reading (a running timer keeps
+                running).
+
+        Returns:
+            Seconds accumulated since the last reset.
+        """
+        was_running = self.running
+        if was_running:
+            self.stop()
+        elapsed = self._elapsed
+        if reset:
+            self.reset()
+        if was_running:
+            self.start()
+        return elapsed
+
+
+class Timers:
+    """Named timers made on first use: ``timers("optimizer").start()``, as in Megatron."""
+
+    def __init__(self, *, barrier_group: dist.ProcessGroup | None = None) -> None:
+        """Makes an empty set of timers.
+
+        Args:
+            barrier_group: The group the timers wait for when started or stopped with
+                ``barrier=True`` (None: the default group).
+        """
+        self._barrier_group = barrier_group
+        self._timers: dict[str, Timer] = {}
+
+    def __call__(self, name: str) -> Timer:
+        """The timer called `name`, made stopped and empty if it does not exist yet."""
+        timer = self._timers.get(name)
+        if timer is None:
+            timer = self._timers[name] = Timer(name, self._barrier_group)
+        return timer
+
+    def __contains__(self, name: object) -> bool:
+        """Whether a timer called `name` has been made."""
+        return name in self._timers
+
+    def names(self) -> list[str]:
+        """The names of the timers made so far, in order of creation.
+
+        Returns:
+            The timer names.
+        """
+        return list(self._timers)
+
+    def log_string(
+        self,
+        names: Sequence[str],
+        *,
+        normalizer: float = 1.0,
+        group: dist.ProcessGroup | None = None,
+        reset: bool = True,
+    ) -> str:
+        """The elapsed time of each timer in `names`, maximised over the ranks of `group`.
+
+        Every rank of `group` must call this with the same `names`: the times meet in one
+        all-reduce. A name no rank has a timer for is left out of the line.
+
+        Args:
+            names: The timers to report, in the order to print them.
+            normalizer: Divides every time (e.g. the number of iterations they cover).
+            group: The ranks to take the maximum over; None (or no initialised
+                torch.distributed) reports this rank's times.
+            reset: Reset the timers after reading them, as Megatron's log does.
+
+        Returns:
+            A line such as ``"forward-backward: 12.34 | optimizer: 1.20"`` in milliseconds.
+
+        Raises:
+            ValueError: `normalizer` is not a positive finite number.
+        """
+        if not (isinstance(normalizer, (int, float)) and 0.0 < normalizer < math.inf):
+            raise ValueError(
+                f"normalizer must be a positive finite number such as 1.0 or the number of "
+                f"iterations timed, got {normalizer!r}"
+            )
+        seconds = torch.tensor(
+            [
+                self._timers[name].elapsed(reset=reset) if name in self._timers else _MISSING
+                for name in names
+            ],
+            dtype=torch.float64,
+        )
+        if group is not None and _distributed_ready() and len(names) > 0:
+            seconds = _max_over_group(seconds, group)
+        parts = [
+            f"{name}: {value * 1000.0 / normalizer:.2f}"
+            for name, value in zip(names, seconds.tolist(), strict=True)
+            if value != _MISSING
+        ]
+        return " | ".join(parts)
+
+
+def _max_over_group(values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    # NCCL reduces device tensors only; gloo (and the rest) take the CPU tensor as it is.
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else values.device
+    reduced = values.to(device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced.cpu()
+
+
+class ScalarWriter(Protocol):
+    """Where scalars go: ``torch.utils.tensorboard.SummaryWriter`` fits."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int, /) -> object:
+        """Records `scalar_value` under `tag` at step `global_step`."""
+
+
+def _progress_bar(iteration: int, train_iters: int) -> str:
+    # Integer arithmetic: 29 / 100 * 100 is 28.999... in floating point.
+    done = min(max(iteration, 0), train_iters)
+    filled = done * _PROGRESS_BAR_WIDTH // train_iters
+    bar = "#" * filled + "." * (_PROGRESS_BAR_WIDTH - filled)
+    return f"[{bar}] {done * 100 // train_iters}%"
+
+
+def format_log_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    learning_rate: float,
+    global_batch_size: int,
+    loss_averages: Mapping[str, float],
+    loss_scale: float,
+    skipped_iterations: int,
+    nan_iterations: int,
+    elapsed_per_iteration: float | None = None,
+    grad_norm: float | None = None,
+    num_zeros_in_grad: int | None = None,
+    params_norm: float | None = None,
+) -> str:
+    """One line of Megatron's training log, with a progress bar at the end.
+
+    Args:
+        iteration: The iteration just finished.
+        train_iters: The number of iterations the run will train for.
+        consumed_samples: Samples consumed by training so far.
+        learning_rate: The current learning rate.
+        global_batch_size: The current global batch size.
+        loss_averages: Each loss averaged over the interval, in the order to print them.
+        loss_scale: The current loss scale (1.0 without one).
+        skipped_iterations: Iterations skipped in the interval.
+        nan_iterations: Iterations with an inf or nan loss in the interval.
+        elapsed_per_iteration: Seconds per iteration over the interval; None leaves the field
+            out.
+        grad_norm: The gradient norm of the last iteration; None leaves the field out.
+        num_zeros_in_grad: The number of zeros in the gradient; None leaves the field out.
+        params_norm: The parameter norm; None leaves the field out.
+
+    Returns:
+        The line, starting with a space and ending with the progress bar.
+
+    Raises:
+        ValueError: `train_iters` is not positive.
+    """
+    if train_iters <= 0:
+        raise ValueError(f"train_iters must be >= 1, got {train_iters}")
+    fields = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f" consumed samples: {consumed_samples:12d}",
+    ]
+    if elapsed_per_iteration is not None:
+        fields.append(f" elapsed time per iteration (ms): {elapsed_per_iteration * 1000.0:.1f}")
+    fields.append(f" learning rate: {learning_rate:.6E}")
+    fields.append(f" global batch size: {global_batch_size:5d}")
+    fields.extend(f" {name}: {average:.6E}" for name, average in loss_averages.items())
+    fields.append(f" loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        fields.append(f" grad norm: {grad_norm:.3f}")
+    if num_zeros_in_grad is not None:
+        fields.append(f" num zeros: {float(num_zeros_in_grad):.1f}")
+    if params_norm is not None:
+        fields.append(f" params norm: {params_norm:.3f}")
+    fields.append(f" number of skipped iterations: {skipped_iterations:3d}")
+    fields.append(f" number of nan iterations: {nan_iterations:3d}")
+    return "".join(field + " |" for field in fields) + " " + _progress_bar(iteration, train_iters)
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    # bool subclasses int, but True as an iteration count is always a mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class TrainingLogger:
+    """Megatron's ``training_log``: counters across iterations, TensorBoard, a periodic line.
+
+    Call `training_log` once per iteration on every rank. Between two log lines it counts
+    advanced iterations (not skipped; their losses are summed for the averages), skipped
+    iterations, and nan iterations (any loss inf or nan, whether the iteration was skipped or
+    not); the counters restart after each line. `validation_log` reports an evaluation.
+    """
+
+    def __init__(
+        self,
+        *,
+        train_iters: int,
+        log_interval: int,
+        writer: ScalarWriter | None = None,
+        is_logging_rank: bool,
+        print_fn: Callable[[str], None] = print,
+    ) -> None:
+        """Makes a logger with empty counters.
+
+        Args:
+            train_iters: The number of iterations the run will train for.
+            log_interval: Print a line every this many iterations.
+            writer: Receives the per-iteration scalars (e.g. a TensorBoard
+                ``SummaryWriter``); None writes none.
+            is_logging_rank: Whether this rank prints and writes (Megatron: the last rank).
+            print_fn: Receives each printed text.
+
+        Raises:
+            TypeError: `train_iters` or `log_interval` is not an int.
+            ValueError: `train_iters` or `log_interval` is below 1.
+        """
+        self._train_iters = _check_positive_int("train_iters", train_iters)
+        self._log_interval = _check_positive_int("log_interval", log_interval)
+        self._writer = writer
+        self._is_logging_rank = is_logging_rank
+        self._print = print_fn
+        self._advanced = 0
+        self._skipped = 0
+        self._nan = 0
+        self._loss_sums: dict[str, float] = {}
+
+    @property
+    def advanced_iterations(self) -> int:
+        """Iterations that updated the model since the last log line."""
+        return self._advanced
+
+    @property
+    def skipped_iterations(self) -> int:
+        """Iterations skipped (e.g. on gradient overflow) since the last log line."""
+        return self._skipped
+
+    @property
+    def nan_iterations(self) -> int:
+        """Iterations with an inf or nan loss since the last log line."""
+        return self._nan
+
+    def training_log(
+        self,
+        loss_dict: Mapping[str, float],
+        *,
+        iteration: int,
+        learning_rate: float,
+        loss_scale: float,
+        skipped_iter: int,
+        grad_norm: float | None,
+        num_zeros_in_grad: int | None,
+        consumed_samples: int,
+        global_batch_size: int,
+        elapsed_per_iteration: float | None = None,
+        timers_line: str | None = None,
+        params_norm: float | None = None,
+    ) -> str | None:
+        """Records one iteration, writes its scalars and, at a log interval, the log line.
+
+        Args:
+            loss_dict: Each loss of this iteration, by name (reduced over the data-parallel
+                ranks by the caller).
+            iteration: The iteration just finished (counting from 1).
+            learning_rate: The learning rate the iteration used.
+            loss_scale: The current loss scale (1.0 without one).
+            skipped_iter: 1 if the optimizer skipped the update, else 0.
+            grad_norm: The gradient norm, or None when not computed.
+            num_zeros_in_grad: The number of zeros in the gradient, or None.
+            consumed_samples: Samples consumed by training, this iteration's included.
+            global_batch_size: The global batch size of this iteration.
+            elapsed_per_iteration: Seconds per iteration over the interval, or None.
+            timers_line: A `Timers.log_string` line, printed under the log line.
+            params_norm: The parameter norm, or None.
+
+        Returns:
+            At a log iteration (``iteration % log_interval == 0``) the text printed on the
+            logging rank (the same text on every rank); otherwise None.
+
+        Raises:
+            ValueError: `skipped_iter` is not 0 or 1.
+        """
+        if skipped_iter not in (0, 1):
+            raise ValueError(f"skipped_iter must be 0 or 1, got {skipped_iter!r}")
+        losses = {name: float(value) for name, value in loss_dict.items()}
+        self._count(losses, skipped=bool(skipped_iter))
+        if self._is_logging_rank and self._writer is not None:
+            self._write_scalars(
+                self._writer,
+                losses,
+                iteration=iteration,
+                samples=consumed_samples,
+                learning_rate=learning_rate,
+                global_batch_size=global_batch_size,
+                loss_scale=loss_scale,
+                grad_norm=grad_norm,
+                num_zeros_in_grad=num_zeros_in_grad,
+                params_norm=params_norm,
+                elapsed_per_iteration=elapsed_per_iteration,
+            )
+        if iteration % self._log_interval != 0:
+            return None
+        line = format_log_line(
+            iteration=iteration,
+            train_iters=self._train_iters,
+            consumed_samples=consumed_samples,
+            elapsed_per_iteration=elapsed_per_iteration,
+            learning_rate=learning_rate,
+            global_batch_size=global_batch_size,
+            loss_averages=self._loss_averages(),
+            loss_scale=loss_scale,
+            grad_norm=grad_norm,
+            num_zeros_in_grad=num_zeros_in_grad,
+            params_norm=params_norm,
+            skipped_iterations=self._skipped,
+            nan_iterations=self._nan,
+        )
+        text = (
+            line
+            if timers_line is None
+            else f"{line}\n    max time across ranks (ms) | {timers_line}"
+        )
+        self._restart_interval()
+        if self._is_logging_rank:
+            self._print(text)
+        return text
+
+    def validation_log(
+        self,
+        losses: Mapping[str, float],
+        *,
+        iteration: int,
+        consumed_samples: int,
+        line: str | None = None,
+    ) -> str:
+        """Writes validation losses and prints them between two rules of dashes, as Megatron.
+
+        Args:
+            losses: Each validation loss, averaged over the evaluation, by name.
+            iteration: The training iteration the evaluation follows.
+            consumed_samples: Training samples consumed so far (the "vs samples" step).
+            line: The body of the report; None makes ``"<name> value: ... | <name> PPL: ..."``
+                from `losses`.
+
+        Returns:
+            The text printed on the logging rank (the same text on every rank).
+        """
+        values = {name: float(value) for name, value in losses.items()}
+        if self._is_logging_rank and self._writer is not None:
+            for name, value in values.items():
+                self._writer.add_scalar(f"{name} validation", value, iteration)
+                self._writer.add_scalar(f"{name} validation vs samples", value, consumed_samples)
+                self._writer.add_scalar(f"{name} validation ppl", _perplexity(value), iteration)
+                self._writer.add_scalar(
+                    f"{name} validation ppl vs samples", _perplexity(value), consumed_samples
+                )
+        if line is None:
+            line = " | ".join(
+                f"{name} value: {value:.6E} | {name} PPL: {_perplexity(value):.6E}"
+                for name, value in values.items()
+            )
+        report = f" validation loss at iteration {iteration} | {line} |"
+        rule = "-" * (len(report) + 1)
+        text = f"{rule}\n{report}\n{rule}"
+        if self._is_logging_rank:
+            self._print(text)
+        return text
+
+    def _count(self, losses: Mapping[str, float], *, skipped: bool) -> None:
+        if skipped:
+            # Megatron's rule: a skipped iteration whose loss is inf or nan is a nan iteration
+            # (the overflow came from the loss itself, not only from the gradients).
+            self._skipped += 1
+            self._nan += any(not math.isfinite(value) for value in losses.values())
+            return
+        self._advanced += 1
+        for name, value in losses.items():
+            self._loss_sums[name] = self._loss_sums.get(name, 0.0) + value
+
+    def _loss_averages(self) -> dict[str, float]:
+        iterations = max(1, self._advanced)
+        return {name: total / iterations for name, total in self._loss_sums.items()}
+
+    def _restart_interval(self) -> None:
+        self._advanced = 0
+        self._skipped = 0
+        self._nan = 0
+        # Cleared, not zeroed: a loss missing from the next interval must not print as 0.
+        self._loss_sums = {}
+
+    @staticmethod
+    def _write_scalars(
+        writer: ScalarWriter,
+        losses: Mapping[str, float],
+        *,
+        iteration: int,
+        samples: int,
+        learning_rate: float,
+        global_batch_size: int,
+        loss_scale: float,
+        grad_norm: float | None,
+        num_zeros_in_grad: int | None,
+        params_norm: float | None,
+        elapsed_per_iteration: float | None,
+    ) -> None:
+        # Each quantity against iterations and, under "<tag> vs samples", against samples.
+        by_iteration_and_samples: list[tuple[str, float | None]] = [
+            ("learning-rate", learning_rate),
+            ("batch-size", float(global_batch_size)),
+            *losses.items(),
+            ("loss-scale", loss_scale),
+            ("grad-norm", grad_norm),
+            ("num-zeros", None if num_zeros_in_grad is None else float(num_zeros_in_grad)),
+            ("params-norm", params_norm),
+        ]
+        for tag, value in by_iteration_and_samples:
+            if value is not None:
+                writer.add_scalar(tag, value, iteration)
+                writer.add_scalar(f"{tag} vs samples", value, samples)
+        if elapsed_per_iteration is not None:
+            writer.add_scalar("iteration-time", elapsed_per_iteration, iteration)
+
+
+def _perplexity(loss: float) -> float:
+    # Capped as Megatron does, so that an early loss of 50 does not print as inf.
+    return math.exp(min(20.0, loss))
+
+
+def _max_rss_mb() -> float | None:
+    try:
+        import resource
+    except ImportError:  # not on this platform (Windows)
+        return None
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kibibytes, macOS bytes.
+    return max_rss / _BYTES_PER_MB if sys.platform == "darwin" else max_rss / 1024
+
+
+def memory_report() -> str:
+    """A one-line summary of this process's memory use.
+
+    Returns:
+        ``"memory (MB) | max rss: ..."``, followed by CUDA allocated, max allocated, reserved
+        and max reserved memory of the current device when CUDA is available.
+    """
+    max_rss = _max_rss_mb()
+    parts = ["memory (MB)", "max rss: " + ("n/a" if max_rss is None else f"{max_rss:.1f}")]
+    if torch.cuda.is_available():
+        parts += [
+            f"allocated: {torch.cuda.memory_allocated() / _BYTES_PER_MB:.1f}",
+            f"max allocated: {torch.cuda.max_memory_allocated() / _BYTES_PER_MB:.1f}",
+            f"reserved: {torch.cuda.memory_reserved() / _BYTES_PER_MB:.1f}",
+            f"max reserved: {torch.cuda.max_memory_reserved() / _BYTES_PER_MB:.1f}",
+        ]
+    return " | ".join(parts)

@@ -1,0 +1,837 @@
+"""The training loop as composable pieces: model setup, one step, evaluation, the loop itself.
+
+Each piece takes the objects it works on as arguments (the `ParallelState`, model chunks,
+optimizer, scheduler, forward-backward function): use them together through `train`, or call
+`train_step` from a loop of your own. The shapes follow Megatron-LM's ``training.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+from typing import Any, Literal, Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from pp_comm import CommConfig, NullTimers, P2PCommunicator, Timers
+from pp_optim import (
+    DDPConfig,
+    DistributedDataParallel,
+    Float16Module,
+    LRScheduleConfig,
+    MegatronOptimizer,
+    OptimizerConfig,
+    OptimizerParamScheduler,
+    all_reduce_grads,
+    get_megatron_optimizer,
+)
+from pp_schedules import ScheduleConfig, get_forward_backward_func
+from pp_state import ParallelState
+from pp_train.checkpointing import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from pp_train.microbatches import NumMicroBatchesCalculator
+from pp_train.reporting import TrainingLogger
+
+__all__ = [
+    "ExitReason",
+    "ForwardBackwardFunc",
+    "ModelProvider",
+    "TrainingConfig",
+    "TrainingProgress",
+    "build_forward_backward_func",
+    "evaluate",
+    "finalize_model_grads",
+    "finetune",
+    "get_model",
+    "setup_model_and_optimizer",
+    "train",
+    "train_step",
+    "unwrap_model",
+]
+
+ExitReason = Literal["train_iters", "exit_interval", "exit_duration", "signal", "autoresume"]
+ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[Any, Callable[..., Any]]]
+
+
+class ModelProvider(Protocol):
+    """Builds one model chunk; Megatron's ``model_provider(pre_process, post_process)``."""
+
+    def __call__(self, *, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
+        """The chunk of virtual stage `vp_stage`; `pre_process` / `post_process` on the ends."""
+
+
+class ForwardBackwardFunc(Protocol):
+    """What `pp_schedules.get_forward_backward_func` returns."""
+
+    def __call__(
+        self,
+        *,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Any,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+    ) -> list[Any]:
+        """Runs one step's forward (and backward) passes; loss dicts on the last stage."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """How long to train, how often to evaluate, save and log, and when to stop early."""
+
+    train_iters: int
+    """Iterations to train for (Megatron's ``--train-iters``)."""
+
+    micro_batch_size: int
+    """Samples per microbatch on one data-parallel rank."""
+
+    seq_length: int
+    """Tokens per sample; activations between stages are (seq_length, micro_batch_size, h)."""
+
+    eval_interval: int | None = None
+    """Evaluate every this many iterations (None: never during training)."""
+
+    eval_iters: int = 10
+    """Global batches per evaluation."""
+
+    log_interval: int = 100
+    """Print the log line every this many iterations."""
+
+    save: str | None = None
+    """Directory to write checkpoints to."""
+
+    save_interval: int | None = None
+    """Save every this many iterations (and on any early exit) when `save` is set."""
+
+    exit_interval: int | None = None
+    """Save and stop when the iteration is a multiple of this."""
+
+    exit_duration_in_mins: float | None = None
+    """Save and stop once this many minutes have passed on any rank (decided by all ranks)."""
+
+    exit_signal_handler: bool = True
+    """On SIGTERM (any rank), finish the iteration, save and stop."""
+
+    adlr_autoresume_interval: int = 1000
+    """Ask the autoresume hook every this many iterations whether to save and stop."""
+
+    def __post_init__(self) -> None:
+        """Checks the numbers.
+
+        Raises:
+            ValueError: A count or interval is not positive.
+        """
+        for name in ("train_iters", "micro_batch_size", "seq_length", "log_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("eval_interval", "save_interval", "exit_interval"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.eval_iters < 0:
+            raise ValueError(f"eval_iters must be >= 0, got {self.eval_iters}")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise ValueError(f"exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
+        if self.adlr_autoresume_interval < 1:
+            raise ValueError(
+                f"adlr_autoresume_interval must be >= 1, got {self.adlr_autoresume_interval}"
+            )
+
+
+@dataclasses.dataclass
+class TrainingProgress:
+    """Where a run stands; saved in checkpoints."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside any wrappers that hold it as ``.module`` (DDP, Float16Module)."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module  # type: ignore[assignment]
+    return module
+
+
+def _half_dtype(fp16: bool, bf16: bool) -> torch.dtype | None:
+    if fp16 and bf16:
+        raise ValueError("set at most one of fp16 and bf16")
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+
+
+def get_model(
+    model_provider: ModelProvider,
+    state: ParallelState,
+    *,
+    fp16: bool = False,
+    bf16: bool = False,
+    ddp_config: DDPConfig | None = None,
+    device: torch.device | None = None,
+    wrap_with_ddp: bool = True,
+) -> list[torch.nn.Module]:
+    """One model chunk per virtual stage, moved to `device`, cast and wrapped as Megatron does.
+
+    Chunk ``v`` of this rank gets ``pre_process`` when it is the first virtual stage of the
+    pipeline and ``post_process`` when it is the last. With fp16/bf16 each chunk is wrapped
+    in `Float16Module`; then in `DistributedDataParallel` over the data (x context) parallel
+    group, bucketed only for the first chunk of the first stage (Megatron's choice), after
+    which parameters are broadcast from data-parallel rank 0.
+    """
+    vp_size = state.virtual_pipeline_model_parallel_size or 1
+    dtype = _half_dtype(fp16, bf16)
+    chunks: list[torch.nn.Module] = []
+    for vp_stage in range(vp_size):
+        virtual = vp_size > 1
+        pre = state.is_pipeline_first_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage if virtual else None
+        )
+        post = state.is_pipeline_last_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage if virtual else None
+        )
+        chunk = model_provider(pre_process=pre, post_process=post, vp_stage=vp_stage)
+        if device is not None:
+            chunk = chunk.to(device)
+        if dtype is not None:
+            chunk = Float16Module(chunk, dtype, pre_process=pre, post_process=post)
+        if wrap_with_ddp:
+            ddp = DistributedDataParallel.from_parallel_state(
+                chunk,
+                state,
+                ddp_config,
+                disable_bucketing=state.pipeline_model_parallel_rank > 0 or vp_stage > 0,
+            )
+            ddp.broadcast_params()
+            chunk = ddp
+        chunks.append(chunk)
+    _sync_shared_embeddings(chunks, state)
+    return chunks
+
+
+def _shared_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
+    inner = unwrap_model(chunk)
+    for name in ("shared_embedding_or_output_weight", "word_embeddings_weight"):
+        method = getattr(inner, name, None)
+        if callable(method):
+            weight = method()
+            return weight if isinstance(weight, torch.nn.Parameter) else None
+    return None
+
+
+def _embedding_weights(chunks: Sequence[torch.nn.Module], state: ParallelState) -> list[Any]:
+    """The tied word-embedding copy this rank holds (first stage: chunk 0; last: last chunk)."""
+    if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
+        return []
+    weights = []
+    if state.is_pipeline_first_stage():
+        weights.append(_shared_weight(chunks[0]))
+    if state.is_pipeline_last_stage() and not state.is_pipeline_first_stage():
+        weights.append(_shared_weight(chunks[-1]))
+    return [w for w in weights if w is not None]
+
+
+def _sync_shared_embeddings(chunks: Sequence[torch.nn.Module], state: ParallelState) -> None:
+    # The last stage's copy starts as the first stage's (Megatron zeroes it and all-reduces).
+    weights = _embedding_weights(chunks, state)
+    if not weights:
+        return
+    with torch.no_grad():
+        for weight in weights:
+            if getattr(weight, "shared", False):
+                weight.zero_()
+            dist.all_reduce(weight.data, group=state.group("embedding"))
+
+
+def setup_model_and_optimizer(
+    model_provider: ModelProvider,
+    state: ParallelState,
+    *,
+    optimizer_config: OptimizerConfig,
+    lr_schedule: LRScheduleConfig,
+    ddp_config: DDPConfig | None = None,
+    device: torch.device | None = None,
+    load: str | None = None,
+    checkpoint_args: dict[str, Any] | None = None,
+    finetune: bool = False,
+    no_load_optim: bool = False,
+    no_load_rng: bool = False,
+) -> tuple[
+    list[torch.nn.Module], MegatronOptimizer, OptimizerParamScheduler, LoadedCheckpoint | None
+]:
+    """Model chunks, optimizer and scheduler, restored from `load` when it holds a checkpoint.
+
+    Returns:
+        ``(model, optimizer, scheduler, loaded)``: `loaded` is None when nothing was loaded
+        (no `load`, or no checkpoint there yet).
+    """
+    model = get_model(
+        model_provider,
+        state,
+        fp16=optimizer_config.fp16,
+        bf16=optimizer_config.bf16,
+        ddp_config=ddp_config,
+        device=device,
+    )
+    optimizer = get_megatron_optimizer(
+        optimizer_config, [unwrap_model(chunk) for chunk in model], parallel_state=state
+    )
+    scheduler = OptimizerParamScheduler(optimizer.optimizer, lr_schedule)
+    loaded = None
+    if load is not None:
+        loaded = load_checkpoint(
+            load,
+            state=state,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            args=checkpoint_args or {},
+            finetune=finetune,
+            no_load_optim=no_load_optim,
+            no_load_rng=no_load_rng,
+        )
+    return model, optimizer, scheduler, loaded
+
+
+def build_forward_backward_func(
+    state: ParallelState,
+    model: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    *,
+    hidden_size: int,
+    device: torch.device | None = None,
+    timers: Timers | None = None,
+    comm_config: CommConfig | None = None,
+) -> ForwardBackwardFunc:
+    """The schedule for `state`'s pipeline, wired to the optimizer's loss scale and DDP's no_sync.
+
+    Activations travel in the model's dtype (fp16/bf16 chunks send half tensors).
+    """
+    dtype = next(unwrap_model(model[0]).parameters()).dtype
+    communicator = None
+    if state.pipeline_model_parallel_size > 1:
+        config = comm_config or CommConfig(pipeline_dtype=dtype)
+        communicator = P2PCommunicator.from_parallel_state(
+            state, config=config, device=device, timers=timers
+        )
+    no_sync = [getattr(chunk, "no_sync", None) for chunk in model]
+    no_sync_func: Any = None
+    if all(func is not None for func in no_sync):
+        no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    return get_forward_backward_func(
+        communicator,
+        vp_size=len(model),
+        config=ScheduleConfig(
+            hidden_size=hidden_size,
+            grad_scale_func=optimizer.scale_loss,
+            no_sync_func=no_sync_func,
+            timers=timers,
+        ),
+    )
+
+
+def finalize_model_grads(model: Sequence[torch.nn.Module], state: ParallelState) -> None:
+    """After backward: data-parallel reduction, then the tied embeddings' gradients.
+
+    Every chunk's grad buffer is reduced over data parallelism; the word embedding's copies on
+    the first and last stage are summed over the embedding group; with a split rank the
+    position embedding over its group (Megatron's encoder-decoder models).
+    """
+    for chunk in model:
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if callable(finish):
+            finish()
+    all_reduce_grads(_embedding_weights(model, state), group=_embedding_group(state))
+    if (
+        state.pipeline_model_parallel_split_rank is not None
+        and state.pipeline_model_parallel_size > 1
+        and state.is_rank_in_position_embedding_group()
+    ):
+        weight = getattr(
+            getattr(unwrap_model(model[0]), "embedding", None), "position_embeddings", None
+        )
+        if isinstance(weight, torch.nn.Embedding):
+            parameter = cast("torch.nn.Parameter", weight.weight)
+            all_reduce_grads([parameter], group=state.group("position_embedding"))
+
+
+def _embedding_group(state: ParallelState) -> dist.ProcessGroup | None:
+    if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
+        return None
+    return state.group("embedding")
+
+
+def _average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[str, float]:
+    """Microbatch losses averaged, then over data-parallel ranks (last stage only)."""
+    if not losses:
+        return {}
+    averaged = {}
+    for key in losses[0]:
+        values = torch.stack(
+            [torch.as_tensor(x[key], dtype=torch.float32).detach().reshape(()) for x in losses]
+        )
+        averaged[key] = values.mean()
+    stacked = torch.stack(list(averaged.values())).cpu()
+    if state.group_size("dp_cp") > 1:
+        device = "cuda" if dist.get_backend(state.group("dp_cp")) == "nccl" else "cpu"
+        stacked = stacked.to(device)
+        dist.all_reduce(stacked, group=state.group("dp_cp"))
+        stacked = stacked.cpu() / state.group_size("dp_cp")
+    return {key: float(value) for key, value in zip(averaged, stacked.tolist(), strict=True)}
+
+
+def train_step(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Any,
+    model: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    *,
+    forward_backward_func: ForwardBackwardFunc,
+    state: ParallelState,
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+    timers: Timers | None = None,
+) -> tuple[dict[str, float], int, float | None, int | None]:
+    """One iteration, as Megatron's ``train_step``.
+
+    Zeroes the grad buffers and the optimizer's grads, runs the forward-backward function,
+    finalizes the gradients (`finalize_model_grads`), steps the optimizer and, when the step
+    was not skipped, the scheduler by ``num_microbatches * micro_batch_size * dp`` samples.
+
+    Returns:
+        ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
+        microbatches and data-parallel ranks (on the last pipeline stage; empty elsewhere).
+    """
+    timers = timers or NullTimers()
+    for chunk in model:
+        zero = getattr(chunk, "zero_grad_buffer", None)
+        if callable(zero):
+            zero()
+    optimizer.zero_grad()
+    timers("forward-backward").start()
+    losses = forward_backward_func(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=list(model),
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    timers("forward-backward").stop()
+    timers("grads-all-reduce").start()
+    finalize_model_grads(model, state)
+    timers("grads-all-reduce").stop()
+    timers("optimizer").start()
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timers("optimizer").stop()
+    if update_successful:
+        scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp_cp"))
+    skipped_iter = 0 if update_successful else 1
+    loss_dict = _average_losses(losses, state) if state.is_pipeline_last_stage() else {}
+    return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def evaluate(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Any,
+    model: Sequence[torch.nn.Module],
+    *,
+    forward_backward_func: ForwardBackwardFunc,
+    state: ParallelState,
+    eval_iters: int,
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+) -> dict[str, float]:
+    """Forward-only over `eval_iters` global batches; the model is back in train mode after.
+
+    Returns:
+        Each loss averaged over all microbatches and data-parallel ranks (last stage only).
+    """
+    for chunk in model:
+        chunk.eval()
+    collected: list[dict[str, Any]] = []
+    try:
+        with torch.no_grad():
+            for _ in range(eval_iters):
+                collected += forward_backward_func(
+                    forward_step_func=forward_step_func,
+                    data_iterator=data_iterator,
+                    model=list(model),
+                    num_microbatches=num_microbatches,
+                    seq_length=seq_length,
+                    micro_batch_size=micro_batch_size,
+                    forward_only=True,
+                )
+    finally:
+        for chunk in model:
+            chunk.train()
+    return _average_losses(collected, state) if state.is_pipeline_last_stage() else {}
+
+
+class _SignalFlag:
+    """Records SIGTERM instead of dying, so the loop can save first; restores on exit."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.received = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _SignalFlag:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclasses.dataclass
+class _LoopParts:
+    """What the loop's checkpoint-and-exit decision needs (kept together to pass around)."""
+
+    state: ParallelState
+    model: Sequence[torch.nn.Module]
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    config: TrainingConfig
+    progress: TrainingProgress
+    checkpoint_args: dict[str, Any]
+    print_fn: Callable[[str], None]
+
+    def save(self) -> None:
+        if self.config.save is None:
+            return
+        save_checkpoint(
+            self.config.save,
+            self.progress.iteration,
+            state=self.state,
+            model=list(self.model),
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            args=self.checkpoint_args,
+            consumed_train_samples=self.progress.consumed_train_samples,
+            consumed_valid_samples=self.progress.consumed_valid_samples,
+        )
+        self.print_fn(
+            f"saved checkpoint at iteration {self.progress.iteration} to {self.config.save}"
+        )
+
+
+def _exit_reason(
+    parts: _LoopParts,
+    *,
+    started: float,
+    signals: _SignalFlag,
+    autoresume: Callable[[], bool] | None,
+) -> ExitReason | None:
+    config, iteration = parts.config, parts.progress.iteration
+    device = _collective_device()
+    if config.exit_signal_handler and _any_rank(signals.received, device):
+        return "signal"
+    asks = autoresume is not None and iteration % config.adlr_autoresume_interval == 0
+    if asks and autoresume is not None and _any_rank(autoresume(), device):
+        return "autoresume"
+    if config.exit_duration_in_mins is not None:
+        minutes = (time.monotonic() - started) / 60.0
+        if _any_rank(minutes > config.exit_duration_in_mins, device):
+            return "exit_duration"
+    if config.exit_interval is not None and iteration % config.exit_interval == 0:
+        return "exit_interval"
+    return None
+
+
+def train(  # noqa: PLR0917 - Megatron's positional order
+    forward_step_func: ForwardStepFunc,
+    model: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    train_data_iterator: Any,
+    valid_data_iterator: Any,
+    *,
+    state: ParallelState,
+    config: TrainingConfig,
+    forward_backward_func: ForwardBackwardFunc,
+    calculator: NumMicroBatchesCalculator,
+    progress: TrainingProgress,
+    logger: TrainingLogger,
+    timers: Any = None,
+    checkpoint_args: dict[str, Any] | None = None,
+    autoresume: Callable[[], bool] | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> ExitReason:
+    """Trains until `config.train_iters` or an early exit, as Megatron's ``train``.
+
+    Each iteration: update the microbatch count from the consumed samples, `train_step`,
+    count the samples, log; evaluate every `eval_interval`; save every `save_interval`;
+    then stop, saving first, on SIGTERM, an autoresume request, `exit_duration_in_mins` or
+    `exit_interval`; every rank takes each of these decisions together.
+
+    Returns:
+        Why training stopped.
+    """
+    timers = timers if timers is not None else NullTimers()
+    parts = _LoopParts(
+        state, model, optimizer, scheduler, config, progress, checkpoint_args or {}, print_fn
+    )
+    for chunk in model:
+        chunk.train()
+    started = time.monotonic()
+    saved = False
+    interval_started, interval_iterations = time.perf_counter(), 0
+    with _SignalFlag(config.exit_signal_handler) as signals:
+        while progress.iteration < config.train_iters:
+            calculator.update(progress.consumed_train_samples, True)
+            loss_dict, skipped, grad_norm, zeros = train_step(
+                forward_step_func,
+                train_data_iterator,
+                model,
+                optimizer,
+                scheduler,
+                forward_backward_func=forward_backward_func,
+                state=state,
+                num_microbatches=calculator.get(),
+                micro_batch_size=config.micro_batch_size,
+                seq_length=config.seq_length,
+                timers=timers,
+            )
+            progress.iteration += 1
+            interval_iterations += 1
+            batch = calculator.get_current_global_batch_size()
+            progress.consumed_train_samples += batch
+            log_now = progress.iteration % config.log_interval == 0
+            _log_step(
+                logger,
+                optimizer,
+                progress,
+                (loss_dict, skipped, grad_norm, zeros),
+                global_batch_size=batch,
+                elapsed_per_iteration=(time.perf_counter() - interval_started)
+                / interval_iterations,
+                timers_line=_timers_line(timers, interval_iterations) if log_now else None,
+            )
+            if log_now:
+                interval_started, interval_iterations = time.perf_counter(), 0
+            if (
+                config.eval_interval is not None
+                and progress.iteration % config.eval_interval == 0
+                and valid_data_iterator is not None
+                and config.eval_iters > 0
+            ):
+                _evaluate_and_print(
+                    forward_step_func,
+                    valid_data_iterator,
+                    parts=parts,
+                    calculator=calculator,
+                    forward_backward_func=forward_backward_func,
+                    logger=logger,
+                )
+            saved = False
+            if config.save_interval is not None and progress.iteration % config.save_interval == 0:
+                parts.save()
+                saved = True
+            reason = _exit_reason(parts, started=started, signals=signals, autoresume=autoresume)
+            if reason is not None:
+                if not saved:
+                    parts.save()
+                print_fn(f"exiting at iteration {progress.iteration}: {reason}")
+                return reason
+    if not saved and progress.iteration > 0:
+        parts.save()  # the final state, unless the last iteration just saved it
+    return "train_iters"
+
+
+def _log_step(
+    logger: TrainingLogger,
+    optimizer: MegatronOptimizer,
+    progress: TrainingProgress,
+    step: tuple[dict[str, float], int, float | None, int | None],
+    *,
+    global_batch_size: int,
+    elapsed_per_iteration: float | None = None,
+    timers_line: str | None = None,
+) -> None:
+    loss_dict, skipped, grad_norm, zeros = step
+    logger.training_log(
+        loss_dict,
+        iteration=progress.iteration,
+        learning_rate=float(optimizer.param_groups[0]["lr"]),
+        loss_scale=float(optimizer.get_loss_scale().item()),
+        skipped_iter=skipped,
+        grad_norm=grad_norm,
+        num_zeros_in_grad=zeros,
+        consumed_samples=progress.consumed_train_samples,
+        global_batch_size=global_batch_size,
+        elapsed_per_iteration=elapsed_per_iteration,
+        timers_line=timers_line,
+    )
+
+
+_LOGGED_TIMERS = (
+    "forward-backward",
+    "forward-compute",
+    "backward-compute",
+    "grads-all-reduce",
+    "optimizer",
+)
+
+
+def _timers_line(timers: Any, iterations: int) -> str | None:
+    """Per-iteration ms of the main phases, the max over all ranks (a collective)."""
+    log_string = getattr(timers, "log_string", None)
+    if not callable(log_string):
+        return None
+    line = log_string(_LOGGED_TIMERS, normalizer=max(1, iterations), group=dist.group.WORLD)
+    return line if isinstance(line, str) else None
+
+
+def _evaluate_and_print(
+    forward_step_func: ForwardStepFunc,
+    valid_data_iterator: Any,
+    *,
+    parts: _LoopParts,
+    calculator: NumMicroBatchesCalculator,
+    forward_backward_func: ForwardBackwardFunc,
+    logger: TrainingLogger,
+) -> dict[str, float]:
+    config, progress = parts.config, parts.progress
+    losses = evaluate(
+        forward_step_func,
+        valid_data_iterator,
+        parts.model,
+        forward_backward_func=forward_backward_func,
+        state=parts.state,
+        eval_iters=config.eval_iters,
+        num_microbatches=calculator.get(),
+        micro_batch_size=config.micro_batch_size,
+        seq_length=config.seq_length,
+    )
+    progress.consumed_valid_samples += (
+        config.eval_iters * calculator.get_current_global_batch_size()
+    )
+    if losses:
+        text = " | ".join(
+            f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}"
+            for key, value in losses.items()
+        )
+        logger.validation_log(
+            losses,
+            iteration=progress.iteration,
+            consumed_samples=progress.consumed_train_samples,
+            line=text,
+        )
+    return losses
+
+
+def finetune(
+    forward_step_func: ForwardStepFunc,
+    model: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    epoch_batches: Callable[[int], Iterator[Any]],
+    *,
+    epochs: int,
+    train_iters_per_epoch: int,
+    state: ParallelState,
+    config: TrainingConfig,
+    forward_backward_func: ForwardBackwardFunc,
+    progress: TrainingProgress,
+    logger: TrainingLogger,
+    end_of_epoch_callback: Callable[[Sequence[torch.nn.Module], int], None] | None = None,
+    valid_data_iterator: Any = None,
+    checkpoint_args: dict[str, Any] | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> ExitReason:
+    """Trains over epochs of a finite data source, as the seed's ``_train`` (one microbatch).
+
+    `epoch_batches(epoch)` yields the epoch's microbatches in order (shuffle by epoch inside
+    it). A run resumed at iteration ``i`` starts in epoch ``i // train_iters_per_epoch`` and
+    skips its first ``i % train_iters_per_epoch`` batches, so it sees what an unbroken run
+    would. After each epoch: save (when `config.save`) and call
+    ``end_of_epoch_callback(model, epoch)``.
+
+    Returns:
+        "exit_interval" when `config.exit_interval` stopped it, else "train_iters".
+    """
+    if train_iters_per_epoch < 1 or epochs < 1:
+        raise ValueError(
+            f"epochs and train_iters_per_epoch must be >= 1, got {epochs} and "
+            f"{train_iters_per_epoch}"
+        )
+    parts = _LoopParts(
+        state, model, optimizer, scheduler, config, progress, checkpoint_args or {}, print_fn
+    )
+    dp = state.group_size("dp_cp")
+    start_epoch = progress.iteration // train_iters_per_epoch
+    skip = progress.iteration % train_iters_per_epoch
+    for chunk in model:
+        chunk.train()
+    for epoch in range(start_epoch, epochs):
+        print_fn(f"working on epoch {epoch + 1} ...")
+        for index, batch in enumerate(epoch_batches(epoch)):
+            if index >= train_iters_per_epoch:
+                break
+            if index < skip:
+                continue
+            skip = 0
+            loss_dict, skipped, grad_norm, zeros = train_step(
+                forward_step_func,
+                [iter([batch]) for _ in model] if len(model) > 1 else iter([batch]),
+                model,
+                optimizer,
+                scheduler,
+                forward_backward_func=forward_backward_func,
+                state=state,
+                num_microbatches=1,
+                micro_batch_size=config.micro_batch_size,
+                seq_length=config.seq_length,
+            )
+            progress.iteration += 1
+            progress.consumed_train_samples += config.micro_batch_size * dp
+            _log_step(
+                logger,
+                optimizer,
+                progress,
+                (loss_dict, skipped, grad_norm, zeros),
+                global_batch_size=config.micro_batch_size * dp,
+            )
+            saved = False
+            if config.save_interval is not None and progress.iteration % config.save_interval == 0:
+                parts.save()
+                saved = True
+            if config.exit_interval is not None and progress.iteration % config.exit_interval == 0:
+                if not saved:
+                    parts.save()
+                print_fn(f"exiting at iteration {progress.iteration}: exit_interval")
+                return "exit_interval"
+        parts.save()
+        if end_of_epoch_callback is not None:
+            end_of_epoch_callback(model, epoch)
+    return "train_iters"

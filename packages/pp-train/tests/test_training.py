@@ -1,0 +1,413 @@
+"""The training pieces end to end on real gloo groups with the bundled GPT.
+
+Each run builds its ParallelState, model chunks, optimizer and schedule through the public API
+(as the `pp-train` command does) and trains a few iterations of a tiny GPT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pp_optim import LRScheduleConfig, OptimizerConfig
+from pp_state import ParallelConfig, ParallelState
+from pp_testing import run_distributed
+from pp_train import (
+    CheckpointError,
+    GPTChunk,
+    GPTConfig,
+    GPTDataset,
+    TrainingConfig,
+    TrainingLogger,
+    TrainingProgress,
+    build_forward_backward_func,
+    build_num_microbatches_calculator,
+    chunk_layers,
+    evaluate,
+    finetune,
+    gpt_forward_step,
+    microbatches,
+    setup_model_and_optimizer,
+    train,
+)
+
+GPT = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
+MICRO, GLOBAL = 2, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run's settings (picklable, sent to every rank)."""
+
+    pp: int = 1
+    vp: int | None = None
+    iters: int = 4
+    fp16: bool = False
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    overflow_at: int | None = None  # iteration (1-based) whose loss becomes inf on rank 0
+    sigterm_at: int | None = None  # iteration at which the last rank gets SIGTERM
+    autoresume_at: int | None = None
+    eval_interval: int | None = None
+
+
+def _tokens() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    # A learnable stream: a repeating phrase with noise.
+    base = torch.arange(64).repeat(200) % 50 + 40
+    noise = torch.randint(0, 5, base.shape, generator=generator)
+    return (base + noise).to(torch.int64)
+
+
+class _Inject:
+    """forward_step wrapper that breaks one iteration as a test asks (counts its calls)."""
+
+    def __init__(self, run: Run, microbatches_per_step: int, chunks: int) -> None:
+        self.run, self.calls = run, 0
+        self.per_iteration = microbatches_per_step * chunks
+
+    def __call__(self, data_iterator: Iterator[Any], model: torch.nn.Module) -> Any:
+        iteration = self.calls // self.per_iteration + 1
+        self.calls += 1
+        output, loss_func = gpt_forward_step(data_iterator, model)
+        if self.run.sigterm_at == iteration and dist.get_rank() == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.run.overflow_at == iteration and dist.get_rank() == 0:
+            output = output * math.inf
+        return output, loss_func
+
+
+def _setup(run: Run) -> tuple[Any, ...]:
+    """ParallelState, chunks, optimizer, scheduler and checkpoint of a run (as the command)."""
+    state = ParallelState.create(
+        ParallelConfig(
+            pipeline_model_parallel_size=run.pp, virtual_pipeline_model_parallel_size=run.vp
+        )
+    )
+    vp = run.vp or 1
+
+    def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
+        layers = chunk_layers(
+            GPT.num_layers, run.pp, vp, state.pipeline_model_parallel_rank, vp_stage
+        )
+        return GPTChunk(
+            GPT, layers=layers, pre_process=pre_process, post_process=post_process, seed=7
+        )
+
+    args = {
+        "num_layers": GPT.num_layers,
+        "hidden_size": GPT.hidden_size,
+        "num_attention_heads": GPT.num_attention_heads,
+        "seq_length": GPT.seq_length,
+        "vocab_size": GPT.vocab_size,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": run.pp,
+        "virtual_pipeline_model_parallel_size": run.vp,
+    }
+    model, optimizer, scheduler, loaded = setup_model_and_optimizer(
+        provider,
+        state,
+        optimizer_config=OptimizerConfig(
+            lr=1e-2, fp16=run.fp16, initial_loss_scale=2.0**10, hysteresis=1
+        ),
+        lr_schedule=LRScheduleConfig(
+            max_lr=1e-2,
+            min_lr=1e-3,
+            lr_warmup_steps=GLOBAL,
+            lr_decay_steps=10 * GLOBAL,
+            lr_decay_style="cosine",
+        ),
+        load=run.load,
+        checkpoint_args=args,
+    )
+    return state, model, optimizer, scheduler, loaded, args
+
+
+def _train(run: Run) -> dict[str, Any]:
+    state, model, optimizer, scheduler, loaded, args = _setup(run)
+    vp = run.vp or 1
+    progress = TrainingProgress()
+    if loaded is not None:
+        progress = TrainingProgress(
+            iteration=loaded.iteration, consumed_train_samples=loaded.consumed_train_samples
+        )
+    dp_rank, dp_size = state.group_rank("dp_cp"), state.group_size("dp_cp")
+    dataset = GPTDataset(_tokens(), GPT.seq_length, seed=3)
+    streams = [
+        microbatches(
+            dataset,
+            consumed_samples=progress.consumed_train_samples,
+            micro_batch_size=MICRO,
+            data_parallel_rank=dp_rank,
+            data_parallel_size=dp_size,
+        )
+        for _ in range(vp)
+    ]
+    calculator = build_num_microbatches_calculator(
+        global_batch_size=GLOBAL, micro_batch_size=MICRO, data_parallel_size=dp_size
+    )
+    lines: list[str] = []
+    logger = TrainingLogger(
+        train_iters=run.iters, log_interval=1, is_logging_rank=True, print_fn=lines.append
+    )
+    losses: list[float] = []
+    learning_rates: list[float] = []
+    original = logger.training_log
+
+    def record(loss_dict: dict[str, float], **kwargs: Any) -> Any:
+        if loss_dict:
+            losses.append(loss_dict["lm loss"])
+        learning_rates.append(kwargs["learning_rate"])
+        return original(loss_dict, **kwargs)
+
+    logger.training_log = record  # type: ignore[method-assign,assignment]
+    forward_backward = build_forward_backward_func(
+        state, model, optimizer, hidden_size=GPT.hidden_size
+    )
+    reason = train(
+        _Inject(run, calculator.get(), vp),
+        model,
+        optimizer,
+        scheduler,
+        streams if vp > 1 else streams[0],
+        None,
+        state=state,
+        config=TrainingConfig(
+            train_iters=run.iters,
+            micro_batch_size=MICRO,
+            seq_length=GPT.seq_length,
+            save=run.save,
+            save_interval=run.save_interval,
+            exit_interval=run.exit_interval,
+            exit_duration_in_mins=run.exit_duration_in_mins,
+            adlr_autoresume_interval=1,
+            log_interval=1,
+        ),
+        forward_backward_func=forward_backward,
+        calculator=calculator,
+        progress=progress,
+        logger=logger,
+        checkpoint_args=args,
+        autoresume=(lambda: progress.iteration == run.autoresume_at) if run.autoresume_at else None,
+        print_fn=lines.append,
+    )
+    first = [p.detach().clone() for p in model[0].parameters()]
+    return {
+        "reason": reason,
+        "iteration": progress.iteration,
+        "consumed": progress.consumed_train_samples,
+        "losses": losses,
+        "lrs": learning_rates,
+        "lines": lines,
+        "last_rank": dist.get_rank() == dist.get_world_size() - 1,
+        "params": first,
+    }
+
+
+def _last(results: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(r for r in results if r["last_rank"])
+
+
+def test_losses_equal_across_layouts() -> None:
+    single = _last(run_distributed(_train, 1, Run()))
+    assert len(single["losses"]) == 4
+    assert single["losses"][-1] < single["losses"][0]  # it learns
+    for ranks, run in [(2, Run(pp=2)), (4, Run(pp=4)), (4, Run(pp=2, vp=2)), (4, Run(pp=2))]:
+        other = _last(run_distributed(_train, ranks, run, timeout=120))
+        assert other["losses"] == pytest.approx(single["losses"], rel=2e-5), (ranks, run)
+
+
+def test_resume_equals_an_unbroken_run(tmp_path: Path) -> None:
+    unbroken = _last(run_distributed(_train, 2, Run(pp=2, iters=6)))
+    first = run_distributed(_train, 2, Run(pp=2, iters=3, save=str(tmp_path)))
+    assert _last(first)["reason"] == "train_iters"
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (tmp_path / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt").is_file()
+    resumed = _last(run_distributed(_train, 2, Run(pp=2, iters=6, load=str(tmp_path))))
+    assert resumed["iteration"] == 6
+    assert resumed["consumed"] == 6 * GLOBAL
+    assert resumed["losses"] == pytest.approx(unbroken["losses"][3:], rel=1e-6)
+    assert resumed["lrs"] == pytest.approx(unbroken["lrs"][3:], rel=1e-9)
+
+
+def test_an_injected_overflow_is_skipped_and_counted() -> None:
+    result = _last(run_distributed(_train, 2, Run(pp=2, fp16=True, iters=4, overflow_at=2)))
+    skipped_line = result["lines"][1]
+    assert "number of skipped iterations:   1" in skipped_line
+    assert result["lrs"][1] == result["lrs"][0]  # the schedule did not advance
+    assert result["lrs"][2] != result["lrs"][1]  # and moves again after
+    assert "loss scale: 512.0" in result["lines"][2]  # backed off from 1024
+    assert all(math.isfinite(p.abs().max().item()) for p in result["params"])
+
+
+def test_exit_interval_saves_and_stops(tmp_path: Path) -> None:
+    results = run_distributed(_train, 2, Run(pp=2, iters=10, exit_interval=3, save=str(tmp_path)))
+    assert {r["reason"] for r in results} == {"exit_interval"}
+    assert {r["iteration"] for r in results} == {3}
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_sigterm_on_one_rank_saves_and_stops_every_rank(tmp_path: Path) -> None:
+    results = run_distributed(_train, 2, Run(pp=2, iters=10, sigterm_at=2, save=str(tmp_path)))
+    assert {r["reason"] for r in results} == {"signal"}
+    assert {r["iteration"] for r in results} == {2}
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_exit_duration_and_autoresume_are_decided_together(tmp_path: Path) -> None:
+    timed = run_distributed(_train, 2, Run(pp=2, iters=10, exit_duration_in_mins=1e-9))
+    assert {(r["reason"], r["iteration"]) for r in timed} == {("exit_duration", 1)}
+    asked = run_distributed(_train, 2, Run(pp=2, iters=10, autoresume_at=2, save=str(tmp_path)))
+    assert {(r["reason"], r["iteration"]) for r in asked} == {("autoresume", 2)}
+
+
+def _corrupt_then_load(root: str) -> str:
+    run = Run(pp=2, iters=2, load=root)
+    try:
+        _train(run)
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_corrupt_checkpoint_is_refused_clearly(tmp_path: Path) -> None:
+    run_distributed(_train, 2, Run(pp=2, iters=2, save=str(tmp_path)))
+    target = tmp_path / "iter_0000002" / "mp_rank_00_001" / "model_optim_rng.pt"
+    target.write_bytes(target.read_bytes()[:100])
+    messages = run_distributed(_corrupt_then_load, 2, str(tmp_path))
+    assert all(message != "loaded" for message in messages)
+    assert "mp_rank_00_001" in messages[1]
+
+
+def _evaluate_before_training(run: Run) -> tuple[dict[str, float], list[bool]]:
+    state, model, optimizer, _, _, _ = _setup(run)
+    vp = run.vp or 1
+    dataset = GPTDataset(_tokens(), GPT.seq_length, seed=5)
+    streams = [
+        microbatches(
+            dataset,
+            consumed_samples=0,
+            micro_batch_size=MICRO,
+            data_parallel_rank=state.group_rank("dp_cp"),
+            data_parallel_size=state.group_size("dp_cp"),
+        )
+        for _ in range(vp)
+    ]
+    losses = evaluate(
+        gpt_forward_step,
+        streams if vp > 1 else streams[0],
+        model,
+        forward_backward_func=build_forward_backward_func(
+            state, model, optimizer, hidden_size=GPT.hidden_size
+        ),
+        state=state,
+        eval_iters=2,
+        num_microbatches=GLOBAL // (MICRO * state.group_size("dp_cp")),
+        micro_batch_size=MICRO,
+        seq_length=GPT.seq_length,
+    )
+    return losses, [chunk.training for chunk in model]
+
+
+def test_evaluate_is_forward_only_and_restores_train_mode() -> None:
+    single = run_distributed(_evaluate_before_training, 1, Run())[0]
+    piped = run_distributed(_evaluate_before_training, 4, Run(pp=2, vp=2))
+    assert set(single[0]) == {"lm loss"}
+    assert piped[-1][0]["lm loss"] == pytest.approx(single[0]["lm loss"], rel=1e-5)
+    assert piped[0][0] == {}  # only the last stage reports losses
+    assert all(all(modes) for _, modes in [single, *piped])
+
+
+def _finetune(run: Run, epochs_seen: list[int]) -> dict[str, Any]:
+    state, model, optimizer, scheduler, loaded, args = _setup(run)
+    progress = TrainingProgress()
+    if loaded is not None:
+        progress = TrainingProgress(iteration=loaded.iteration)
+    dataset = GPTDataset(_tokens(), GPT.seq_length, seed=9)
+
+    def epoch_batches(epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        order = torch.randperm(12, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for index in range(0, 12, MICRO):
+            items = [dataset[i] for i in order[index : index + MICRO]]
+            yield {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+    lines: list[str] = []
+    losses: list[float] = []
+    logger = TrainingLogger(
+        train_iters=6, log_interval=1, is_logging_rank=True, print_fn=lines.append
+    )
+    original = logger.training_log
+
+    def record(loss_dict: dict[str, float], **kwargs: Any) -> Any:
+        if loss_dict:
+            losses.append(loss_dict["lm loss"])
+        return original(loss_dict, **kwargs)
+
+    logger.training_log = record  # type: ignore[method-assign,assignment]
+    reason = finetune(
+        gpt_forward_step,
+        model,
+        optimizer,
+        scheduler,
+        epoch_batches,
+        epochs=2,
+        train_iters_per_epoch=3,
+        state=state,
+        config=TrainingConfig(
+            train_iters=6,
+            micro_batch_size=MICRO,
+            seq_length=GPT.seq_length,
+            save=run.save,
+            exit_interval=run.exit_interval,
+        ),
+        forward_backward_func=build_forward_backward_func(
+            state, model, optimizer, hidden_size=GPT.hidden_size
+        ),
+        progress=progress,
+        logger=logger,
+        end_of_epoch_callback=lambda _model, epoch: epochs_seen.append(epoch),
+        checkpoint_args=args,
+        print_fn=lines.append,
+    )
+    return {
+        "reason": reason,
+        "losses": losses,
+        "epochs": epochs_seen,
+        "iteration": progress.iteration,
+        "last_rank": dist.get_rank() == 1,
+    }
+
+
+def test_finetune_resumes_mid_epoch_and_calls_back_each_epoch(tmp_path: Path) -> None:
+    unbroken = _last(run_distributed(_finetune, 2, Run(pp=2), []))
+    assert unbroken["epochs"] == [0, 1]
+    assert len(unbroken["losses"]) == 6
+    first = _last(run_distributed(_finetune, 2, Run(pp=2, save=str(tmp_path), exit_interval=4), []))
+    assert (first["reason"], first["iteration"], first["epochs"]) == ("exit_interval", 4, [0])
+    resumed = _last(run_distributed(_finetune, 2, Run(pp=2, load=str(tmp_path)), []))
+    assert resumed["epochs"] == [1]
+    assert resumed["losses"] == pytest.approx(unbroken["losses"][4:], rel=1e-6)
+
+
+def test_a_batch_size_ramp_changes_the_microbatch_count() -> None:
+    calculator = build_num_microbatches_calculator(
+        global_batch_size=GLOBAL,
+        micro_batch_size=MICRO,
+        data_parallel_size=1,
+        rampup_batch_size=(4, 4, 16),
+    )
+    assert calculator.get() == 2
+    calculator.update(17, True)
+    assert calculator.get() == GLOBAL // MICRO
