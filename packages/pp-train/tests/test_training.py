@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pp_optim import LRScheduleConfig, OptimizerConfig
+from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
 from pp_state import ParallelConfig, ParallelState
 from pp_testing import run_distributed
 from pp_train import (
@@ -61,6 +61,7 @@ class Run:
     sigterm_at: int | None = None  # iteration at which the last rank gets SIGTERM
     autoresume_at: int | None = None
     eval_interval: int | None = None
+    overlap: bool = False  # grad buckets all-reduced during backward
 
 
 def _tokens() -> torch.Tensor:
@@ -128,6 +129,9 @@ def _setup(run: Run) -> tuple[Any, ...]:
             lr_warmup_steps=GLOBAL,
             lr_decay_steps=10 * GLOBAL,
             lr_decay_style="cosine",
+        ),
+        ddp_config=DDPConfig(
+            overlap_grad_reduce=run.overlap, bucket_size=2000 if run.overlap else None
         ),
         load=run.load,
         checkpoint_args=args,
@@ -224,7 +228,15 @@ def test_losses_equal_across_layouts() -> None:
     single = _last(run_distributed(_train, 1, Run()))
     assert len(single["losses"]) == 4
     assert single["losses"][-1] < single["losses"][0]  # it learns
-    for ranks, run in [(2, Run(pp=2)), (4, Run(pp=4)), (4, Run(pp=2, vp=2)), (4, Run(pp=2))]:
+    layouts = [
+        (2, Run(pp=2)),
+        (4, Run(pp=4)),
+        (4, Run(pp=2, vp=2)),
+        (4, Run(pp=4, vp=2)),
+        (4, Run(pp=2)),
+        (4, Run(pp=2, overlap=True)),
+    ]
+    for ranks, run in layouts:
         other = _last(run_distributed(_train, ranks, run, timeout=120))
         assert other["losses"] == pytest.approx(single["losses"], rel=2e-5), (ranks, run)
 
