@@ -35,6 +35,7 @@ __all__ = [
     "TrainerConfig",
     "average_gradients",
     "build_chunks",
+    "check_against_one_process",
     "forward_step",
     "global_batches",
     "main",
@@ -169,7 +170,7 @@ class TrainerConfig:
     @property
     def vp_size(self) -> int:
         """Model chunks per rank (1 without interleaving)."""
-        return self.virtual_stages or 1
+        return 1 if self.virtual_stages is None else self.virtual_stages
 
     @property
     def data_parallel_size(self) -> int:
@@ -179,7 +180,9 @@ class TrainerConfig:
     @property
     def microbatches(self) -> int:
         """Microbatches per step on each data-parallel rank."""
-        return self.num_microbatches or 2 * self.pipeline_model_parallel_size
+        if self.num_microbatches is None:
+            return 2 * self.pipeline_model_parallel_size
+        return self.num_microbatches
 
     @property
     def schedule(self) -> str:
@@ -457,12 +460,24 @@ def reference_losses(config: TrainerConfig) -> list[float]:
     return losses
 
 
-def _compare(config: TrainerConfig, losses: list[float]) -> bool:
-    """Rank 0 trains the whole model; the last rank compares; every rank gets the verdict."""
+def check_against_one_process(config: TrainerConfig, losses: list[float]) -> bool:
+    """Rank 0 trains the whole model, the last rank compares, and every rank gets the verdict.
+
+    Args:
+        config: The job.
+        losses: The pipelined run's losses on the last rank (anything elsewhere).
+
+    Returns:
+        Whether every step's loss is within `TOLERANCE` (relative) of the single process's.
+    """
+    # A group of its own, destroyed before exit: once torch.optim has imported torch._dynamo
+    # (torch 2.13), the default group outlives destroy_process_group, and a gloo worker that
+    # frees a collective's tensor during interpreter shutdown aborts the process.
+    group = dist.new_group(timeout=datetime.timedelta(seconds=config.timeout_seconds))
     reference = torch.zeros(config.iters, dtype=torch.float64)
     if dist.get_rank() == 0:
         reference = torch.tensor(reference_losses(config), dtype=torch.float64)
-    dist.broadcast(reference, src=0)
+    dist.broadcast(reference, src=0, group=group)
     last = config.world_size - 1
     failed = torch.zeros(1)
     if dist.get_rank() == last:
@@ -476,7 +491,8 @@ def _compare(config: TrainerConfig, losses: list[float]) -> bool:
                 f"(tolerance {TOLERANCE:g})"
             )
             failed.fill_(1)
-    dist.broadcast(failed, src=last)
+    dist.broadcast(failed, src=last, group=group)
+    dist.destroy_process_group(group)
     return not failed.item()
 
 
@@ -527,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         losses = train(config)
-        ok = _compare(config, losses) if config.check else True
+        ok = check_against_one_process(config, losses) if config.check else True
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1

@@ -509,6 +509,11 @@ def run(args: argparse.Namespace) -> str:
     say(memory_report())
     if writer is not None:
         writer.close()
+    # Release the pipeline's and the state's process groups before the default one goes.
+    communicator = getattr(forward_backward, "communicator", None)
+    if communicator is not None:
+        communicator.destroy()
+    state.destroy()
     return reason
 
 
