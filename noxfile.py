@@ -233,6 +233,8 @@ def demo(session: nox.Session) -> None:
         "2",
         "--train-iters",
         "100",
+        "--lr-warmup-iters",
+        "10",
         "--save",
         str(checkpoints),
         "--load",
