@@ -144,6 +144,11 @@ def test_interleaved_on_two_processes(tmp_path: Path) -> None:
             "--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers",
         ),
         (["--fp16", "--bf16"], 1, "not allowed with argument"),
+        (
+            ["--rampup-batch-size", "4", "2", "100", "--micro-batch-size", "4"],
+            1,
+            "passes through global batch sizes [6, 10, 14, 18, 22, 26, 30]",
+        ),
         (["--lr-decay-style", "step"], 1, "invalid choice: 'step'"),
     ],
 )

@@ -247,6 +247,8 @@ def _check_batches(parser: argparse.ArgumentParser, args: argparse.Namespace, dp
             f"{args.micro_batch_size} x data-parallel size {dp} = {unit}; use a multiple of "
             f"{unit} such as {below} or {below + unit}"
         )
+    if args.rampup_batch_size is not None:
+        _check_rampup(parser, args, dp)
     vp = args.virtual_pipeline_model_parallel_size
     if vp is not None and args.rampup_batch_size is None:
         try:
@@ -258,6 +260,28 @@ def _check_batches(parser: argparse.ArgumentParser, args: argparse.Namespace, dp
             )
         except ValueError as error:
             parser.error(f"interleaved schedule with {vp} chunks per stage: {error}")
+
+
+def _check_rampup(parser: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> None:
+    start, increment, samples = args.rampup_batch_size
+    try:
+        build_num_microbatches_calculator(
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_size=dp,
+            rampup_batch_size=(start, increment, samples),
+        )
+    except (TypeError, ValueError) as error:
+        parser.error(f"--rampup-batch-size {start} {increment} {samples}: {error}")
+    unit = args.micro_batch_size * dp
+    uneven = [size for size in range(start, args.global_batch_size, increment) if size % unit]
+    if uneven:
+        parser.error(
+            f"--rampup-batch-size {start} {increment} {samples} passes through global batch "
+            f"sizes {uneven} that --micro-batch-size {args.micro_batch_size} x data-parallel "
+            f"size {dp} = {unit} does not divide; use a start and increment that are "
+            f"multiples of {unit}"
+        )
 
 
 def _check_schedule(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
