@@ -55,14 +55,14 @@ def test_constant_bad_sizes(args: tuple[object, ...], error: type[Exception], pa
         ConstantNumMicroBatchesCalculator(*args)  # type: ignore[arg-type]
 
 
-def _brief_ramp() -> RampupBatchsizeNumMicroBatchesCalculator:
+def _example_ramp() -> RampupBatchsizeNumMicroBatchesCalculator:
     # start 16, increment 16, 1000 ramp samples, global 64, mbs 2, dp 2: 3 increments of
     # 333.33 samples, and 4 samples per round of microbatches.
     return RampupBatchsizeNumMicroBatchesCalculator(64, 2, 2, 16, 16, 1000)
 
 
 def test_ramp_starts_at_the_start_batch() -> None:
-    calculator = _brief_ramp()
+    calculator = _example_ramp()
     assert calculator.get_current_global_batch_size() == 16
     assert calculator.get() == 4
 
@@ -82,7 +82,7 @@ def test_ramp_starts_at_the_start_batch() -> None:
     ],
 )
 def test_ramp_trajectory(consumed: int, global_batch: int, microbatches: int) -> None:
-    calculator = _brief_ramp()
+    calculator = _example_ramp()
     calculator.update(consumed, consistency_check=True)
     assert calculator.get_current_global_batch_size() == global_batch
     assert calculator.get() == microbatches
@@ -90,7 +90,7 @@ def test_ramp_trajectory(consumed: int, global_batch: int, microbatches: int) ->
 
 def test_ramp_can_go_back_when_updated_with_fewer_samples() -> None:
     # The calculator is a pure function of consumed samples (a checkpoint reload may rewind).
-    calculator = _brief_ramp()
+    calculator = _example_ramp()
     calculator.update(700)
     calculator.update(10)
     assert calculator.get_current_global_batch_size() == 16
@@ -184,7 +184,7 @@ def test_ramp_bad_arguments(args: tuple[object, ...], error: type[Exception], me
 
 
 def test_update_rejects_negative_or_non_int_samples() -> None:
-    calculator = _brief_ramp()
+    calculator = _example_ramp()
     with pytest.raises(ValueError, match="consumed samples must be >= 0, got -1"):
         calculator.update(-1)
     with pytest.raises(TypeError, match="consumed samples must be an int"):

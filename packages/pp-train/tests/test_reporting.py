@@ -168,7 +168,7 @@ def test_log_string_takes_the_max_across_ranks() -> None:
 # --- the log line -----------------------------------------------------------------------------
 
 
-def test_format_log_line_as_in_the_brief() -> None:
+def test_format_log_line_matches_megatrons_layout() -> None:
     line = format_log_line(
         iteration=40,
         train_iters=100,
