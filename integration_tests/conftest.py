@@ -15,10 +15,13 @@ Torchrun = Callable[..., subprocess.CompletedProcess[str]]
 
 @pytest.fixture
 def torchrun() -> Torchrun:
-    """Run a script under torchrun on N local CPU ranks; returns the finished process."""
+    """Run a script (a path) or a module (``"-m name"``) under torchrun on N local CPU ranks.
+
+    Returns the finished process.
+    """
 
     def run(
-        script: Path, ranks: int, *args: str, timeout: float = 300
+        script: Path | str, ranks: int, *args: str, timeout: float = 300
     ) -> subprocess.CompletedProcess[str]:
         command = [
             sys.executable,
@@ -28,9 +31,10 @@ def torchrun() -> Torchrun:
             "--nproc-per-node",
             str(ranks),
         ]
+        target = script.split(" ", 1) if isinstance(script, str) else [str(script)]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
         return subprocess.run(
-            [*command, str(script), *args],
+            [*command, *target, *args],
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -6,9 +6,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+# The `torchrun` fixture from conftest.py: (script or "-m module", ranks, *args) -> process.
+Torchrun = Callable[..., subprocess.CompletedProcess[str]]
 
 TINY = [
     "--num-layers",
@@ -34,30 +38,12 @@ TINY = [
 ]
 
 
-def _pp_train(ranks: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(ranks),
-        "-m",
-        "pp_train",
-        *args,
-    ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env, check=False
-    )
-
-
 def _losses(stdout: str) -> dict[int, float]:
     found = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|", stdout)
     return {int(iteration): float(loss) for iteration, loss in found}
 
 
-def test_trains_stops_and_resumes_on_four_processes(tmp_path: Path) -> None:
+def test_trains_stops_and_resumes_on_four_processes(torchrun: Torchrun, tmp_path: Path) -> None:
     save = str(tmp_path / "ckpt")
     board = tmp_path / "tb"
     flags = [
@@ -73,13 +59,13 @@ def test_trains_stops_and_resumes_on_four_processes(tmp_path: Path) -> None:
         "--tensorboard-dir",
         str(board),
     ]
-    first = _pp_train(4, *flags, "--exit-interval", "10")
+    first = torchrun("-m pp_train", 4, *flags, "--exit-interval", "10")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "no checkpoint in" in first.stdout
     assert "pipeline 2, data parallel 2, 1F1B" in first.stdout
     assert "exiting at iteration 10: exit_interval" in first.stdout
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    second = _pp_train(4, *flags)
+    second = torchrun("-m pp_train", 4, *flags)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "loaded checkpoint from" in second.stdout
     assert "at iteration 10 (80 samples consumed)" in second.stdout
@@ -91,8 +77,9 @@ def test_trains_stops_and_resumes_on_four_processes(tmp_path: Path) -> None:
     assert list(board.glob("events.out.tfevents.*"))
 
 
-def test_interleaved_on_two_processes(tmp_path: Path) -> None:
-    done = _pp_train(
+def test_interleaved_on_two_processes(torchrun: Torchrun) -> None:
+    done = torchrun(
+        "-m pp_train",
         2,
         *TINY,
         "--pipeline-model-parallel-size",
@@ -167,13 +154,15 @@ def test_bad_flags_get_an_argparse_error(flags: list[str], world: int, message: 
     assert "usage: pp-train" in done.stderr
 
 
-def test_a_corrupt_checkpoint_is_refused_with_one_clear_line(tmp_path: Path) -> None:
+def test_a_corrupt_checkpoint_is_refused_with_one_clear_line(
+    torchrun: Torchrun, tmp_path: Path
+) -> None:
     save = tmp_path / "ckpt"
     flags = [*TINY, "--pipeline-model-parallel-size", "2", "--train-iters", "3"]
-    assert _pp_train(2, *flags, "--save", str(save)).returncode == 0
+    assert torchrun("-m pp_train", 2, *flags, "--save", str(save)).returncode == 0
     target = save / "iter_0000003" / "mp_rank_00_001" / "model_optim_rng.pt"
     target.write_bytes(b"not a checkpoint")
-    done = _pp_train(2, *flags, "--load", str(save))
+    done = torchrun("-m pp_train", 2, *flags, "--load", str(save))
     assert done.returncode != 0
     assert "pp-train: error:" in done.stderr
     assert "mp_rank_00_001" in done.stderr

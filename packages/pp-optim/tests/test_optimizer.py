@@ -391,3 +391,17 @@ def test_optimizer_and_buffer_built_from_a_parallel_state() -> None:
         get_megatron_optimizer(
             OptimizerConfig(), [_mlp(torch.float32)], parallel_state=state, tensor_parallel_rank=1
         )
+
+
+def test_check_state_dict_refuses_optimizer_state_of_other_shapes() -> None:
+    model = _mlp(torch.float16)
+    optimizer = _fp16_optimizer(model)
+    _train(model, optimizer, range(1))
+    state = optimizer.state_dict()
+    optimizer.check_state_dict(state)  # its own state fits
+    exp_avg = state["optimizer"]["state"][0]["exp_avg"]
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(exp_avg.shape[0] + 1, exp_avg.shape[1])
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 has shape \(9, 6\)"):
+        optimizer.check_state_dict(state)
+    with pytest.raises(ValueError, match="not a dict"):
+        optimizer.check_state_dict([state])

@@ -269,13 +269,27 @@ class MegatronOptimizer(abc.ABC):
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
         }
 
-    def _check_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def check_state_dict(self, state_dict: object) -> None:
+        """Raises unless `load_state_dict` would accept `state_dict`; changes nothing.
+
+        Checks the keys, the parameter-group sizes, the kind of scaler and the shape of every
+        per-parameter state tensor (Adam's moments), so a caller can validate several states
+        before loading any.
+
+        Raises:
+            ValueError: The state does not fit this optimizer; the message says how.
+        """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"optimizer state is a {type(state_dict).__name__}, not a dict")
         missing = {"optimizer", "grad_scaler"} - set(state_dict)
         if missing:
             raise ValueError(f"optimizer state lacks {sorted(missing)}; keys: {sorted(state_dict)}")
-        saved_groups = state_dict["optimizer"].get("param_groups", [])
-        sizes = [len(group["params"]) for group in self.optimizer.param_groups]
-        saved_sizes = [len(group["params"]) for group in saved_groups]
+        inner = state_dict["optimizer"]
+        if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+            raise ValueError("optimizer state has no torch optimizer state with 'param_groups'")
+        groups = self.optimizer.param_groups
+        sizes = [len(group["params"]) for group in groups]
+        saved_sizes = [len(group.get("params", [])) for group in inner["param_groups"]]
         if sizes != saved_sizes:
             raise ValueError(
                 f"optimizer state is for parameter groups of sizes {saved_sizes}; this optimizer"
@@ -285,6 +299,7 @@ class MegatronOptimizer(abc.ABC):
             saved = "no loss scaler" if state_dict["grad_scaler"] is None else "a loss scaler"
             mine = "none" if self.grad_scaler is None else type(self.grad_scaler).__name__
             raise ValueError(f"optimizer state was saved with {saved}; this optimizer has {mine}")
+        _check_state_shapes(inner, groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what `state_dict` returned; a refused state changes nothing.
@@ -292,7 +307,10 @@ class MegatronOptimizer(abc.ABC):
         Raises:
             ValueError: The state is for other parameter groups or another kind of scaler.
         """
-        self._check_state_dict(state_dict)
+        self.check_state_dict(state_dict)
+        self._load_checked(state_dict)
+
+    def _load_checked(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -432,6 +450,24 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         ]
         return state
 
+    def check_state_dict(self, state_dict: object) -> None:
+        """Adds the check of ``fp32_from_fp16_params`` against the fp32 main copies' shapes.
+
+        Raises:
+            ValueError: The state does not fit this optimizer; nothing is changed.
+        """
+        super().check_state_dict(state_dict)
+        assert isinstance(state_dict, dict)
+        saved = state_dict.get("fp32_from_fp16_params")
+        if not isinstance(saved, list) or not all(isinstance(group, list) for group in saved):
+            raise ValueError("optimizer state lacks 'fp32_from_fp16_params' (the fp32 copies)")
+        shapes = [[tuple(p.shape) for p in group] for group in self._main_copies_per_group()]
+        saved_shapes = [[_shape(p) for p in group] for group in saved]
+        if shapes != saved_shapes:
+            raise ValueError(
+                f"saved fp32 copies have shapes {saved_shapes}; this optimizer has {shapes}"
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the inner optimizer, the scaler and the fp32 main copies exactly.
 
@@ -439,22 +475,39 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             ValueError: The state is for another set of parameters (counts or shapes differ)
                 or another kind of scaler; nothing is changed.
         """
-        self._check_state_dict(state_dict)
-        saved = state_dict.get("fp32_from_fp16_params")
-        if saved is None:
-            raise ValueError("optimizer state lacks 'fp32_from_fp16_params' (the fp32 copies)")
+        self.check_state_dict(state_dict)
         current = self._main_copies_per_group()
-        shapes = [[tuple(p.shape) for p in group] for group in current]
-        saved_shapes = [[tuple(p.shape) for p in group] for group in saved]
-        if shapes != saved_shapes:
-            raise ValueError(
-                f"saved fp32 copies have shapes {saved_shapes}; this optimizer has {shapes}"
-            )
-        super().load_state_dict(state_dict)
+        self._load_checked(state_dict)
         with torch.no_grad():
-            for group, saved_group in zip(current, saved, strict=True):
+            for group, saved_group in zip(
+                current, state_dict["fp32_from_fp16_params"], strict=True
+            ):
                 for param, value in zip(group, saved_group, strict=True):
                     param.copy_(value)
+
+
+def _shape(value: object) -> tuple[int, ...] | str:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _check_state_shapes(inner: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """Every per-parameter state tensor of a torch optimizer state fits its parameter."""
+    params = [param for group in groups for param in group["params"]]
+    ids = [index for group in inner["param_groups"] for index in group["params"]]
+    by_id = dict(zip(ids, params, strict=True))
+    state = inner.get("state", {})
+    if not isinstance(state, dict):
+        raise ValueError("optimizer state's 'state' is not a dict")
+    for index, entries in state.items():
+        if index not in by_id or not isinstance(entries, dict):
+            raise ValueError(f"optimizer state holds an entry for unknown parameter {index!r}")
+        param = by_id[index]
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(
+                    f"optimizer state {name!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)}; the parameter has {tuple(param.shape)}"
+                )
 
 
 def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]]:

@@ -48,8 +48,8 @@ from pp_train.training import (
     setup_model_and_optimizer,
     train,
     train_step,
-    unwrap_model,
 )
+from pp_train.wrappers import unwrap_model
 
 __version__ = _version("pp-train")
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from pp_optim import Float16OptimizerWithFloat16Params, MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
+from pp_train.wrappers import unwrap_model
 
 __all__ = [
     "CHECKPOINT_FILENAME",
@@ -431,7 +432,7 @@ def _checkpoint_content(
         "consumed_valid_samples": consumed[1],
     }
     for key, chunk in zip(_model_keys(len(model)), model, strict=True):
-        content[key] = _unwrap(chunk).state_dict()
+        content[key] = unwrap_model(chunk).state_dict()
     if optimizer is not None:
         content["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
@@ -663,7 +664,7 @@ def _plan_load(content: dict[str, Any], request: _LoadRequest) -> _LoadPlan:
     try:
         if request.load_optim and request.optimizer is not None:
             optimizer = _required(content, "optimizer", "no_load_optim")
-            _check_optimizer_state(request.optimizer, optimizer, request.model)
+            request.optimizer.check_state_dict(optimizer)
         if request.load_optim and request.scheduler is not None:
             scheduler = _required(content, "opt_param_scheduler", "no_load_optim")
             _check_scheduler_state(request.scheduler, scheduler)
@@ -731,7 +732,7 @@ def _model_states(
         saved = content[key]
         if not isinstance(saved, Mapping):
             raise CheckpointError(f"{where} entry {key!r} is a {type(saved).__name__}, not a dict")
-        problem = _state_dict_problem(_unwrap(chunk).state_dict(), saved)
+        problem = _state_dict_problem(unwrap_model(chunk).state_dict(), saved)
         if problem is not None:
             raise CheckpointError(f"{where} model chunk {index} ({key!r}) does not fit: {problem}")
         states.append(saved)
@@ -764,70 +765,6 @@ def _required(content: dict[str, Any], key: str, flag: str) -> Any:
     return content[key]
 
 
-def _check_optimizer_state(
-    optimizer: MegatronOptimizer, saved: object, model: list[torch.nn.Module]
-) -> None:
-    """Raises ValueError unless `saved` fits `optimizer` (checked here so loading is total)."""
-    if not isinstance(saved, dict) or not {"optimizer", "grad_scaler"} <= set(saved):
-        raise ValueError("'optimizer' state must be a dict with 'optimizer' and 'grad_scaler'")
-    inner = saved["optimizer"]
-    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
-        raise ValueError("'optimizer' state has no torch optimizer state with 'param_groups'")
-    groups = optimizer.optimizer.param_groups
-    sizes = [len(group["params"]) for group in groups]
-    saved_sizes = [len(group.get("params", [])) for group in inner["param_groups"]]
-    if sizes != saved_sizes:
-        raise ValueError(
-            f"optimizer state is for parameter groups of sizes {saved_sizes}; this optimizer "
-            f"has {sizes}"
-        )
-    if (saved["grad_scaler"] is None) != (optimizer.grad_scaler is None):
-        kind = "no loss scaler" if saved["grad_scaler"] is None else "a loss scaler"
-        raise ValueError(f"optimizer state was saved with {kind}; this optimizer differs")
-    _check_optimizer_tensor_shapes(inner, groups)
-    if isinstance(optimizer, Float16OptimizerWithFloat16Params):
-        _check_main_copies(saved.get("fp32_from_fp16_params"), groups, model)
-
-
-def _check_optimizer_tensor_shapes(inner: dict[str, Any], groups: list[dict[str, Any]]) -> None:
-    params = [param for group in groups for param in group["params"]]
-    ids = [index for group in inner["param_groups"] for index in group["params"]]
-    by_id = dict(zip(ids, params, strict=True))
-    state = inner.get("state", {})
-    if not isinstance(state, dict):
-        raise ValueError("optimizer state's 'state' is not a dict")
-    for index, entries in state.items():
-        if index not in by_id or not isinstance(entries, dict):
-            raise ValueError(f"optimizer state holds an entry for unknown parameter {index!r}")
-        param = by_id[index]
-        for name, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                raise ValueError(
-                    f"optimizer state {name!r} of parameter {index} has shape "
-                    f"{tuple(value.shape)}; the parameter has {tuple(param.shape)}"
-                )
-
-
-def _check_main_copies(
-    saved: object, groups: list[dict[str, Any]], model: list[torch.nn.Module]
-) -> None:
-    if not isinstance(saved, list) or not all(isinstance(group, list) for group in saved):
-        raise ValueError("optimizer state lacks 'fp32_from_fp16_params' (the fp32 main copies)")
-    # The wrapper tags each half model parameter with its fp32 copy.
-    copies = {
-        id(param.main_param)
-        for chunk in model
-        for param in chunk.parameters()
-        if hasattr(param, "main_param")
-    }
-    shapes = [[tuple(p.shape) for p in group["params"] if id(p) in copies] for group in groups]
-    saved_shapes = [[_shape(value) for value in group] for group in saved]
-    if shapes != saved_shapes:
-        raise ValueError(
-            f"saved fp32 main copies have shapes {saved_shapes}; this optimizer has {shapes}"
-        )
-
-
 def _check_scheduler_state(scheduler: OptimizerParamScheduler, saved: object) -> None:
     """Raises unless `scheduler` would accept `saved`, without touching it."""
     if not isinstance(saved, Mapping):
@@ -839,7 +776,7 @@ def _check_scheduler_state(scheduler: OptimizerParamScheduler, saved: object) ->
 
 def _apply(plan: _LoadPlan, request: _LoadRequest) -> None:
     for chunk, saved in zip(request.model, plan.model, strict=True):
-        _unwrap(chunk).load_state_dict(saved, strict=True)
+        unwrap_model(chunk).load_state_dict(saved, strict=True)
     optimizer = request.optimizer
     if optimizer is not None:
         if plan.optimizer is not None:
@@ -854,7 +791,8 @@ def _apply(plan: _LoadPlan, request: _LoadRequest) -> None:
 
 
 # ----------------------------------------------------------------------------- collectives
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
+    """Where a rank's small collective tensors live: the GPU under NCCL, else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -862,7 +800,7 @@ def _collective_device() -> torch.device:
 
 def _gather_ints(value: int) -> list[int]:
     """Every rank's `value`, indexed by global rank."""
-    values = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_collective_device())
+    values = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=collective_device())
     values[dist.get_rank()] = value
     dist.all_reduce(values)
     return [int(v) for v in values.tolist()]
@@ -952,14 +890,6 @@ def _own_path(root: Path, iteration: int, state: ParallelState) -> Path:
 
 def _model_keys(chunks: int) -> list[str]:
     return ["model"] if chunks == 1 else [f"model{index}" for index in range(chunks)]
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The innermost module under wrappers (DDP, Float16Module) that expose ``.module``."""
-    inner = getattr(chunk, "module", None)
-    while isinstance(inner, torch.nn.Module):
-        chunk, inner = inner, getattr(inner, "module", None)
-    return chunk
 
 
 def _listed(items: Sequence[str]) -> str:

@@ -22,7 +22,7 @@ from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
 from pp_schedules import plan
 from pp_state import ParallelConfig, ParallelState
 from pp_train.checkpointing import CheckpointError
-from pp_train.data import ByteTokenizer, GPTDataset, load_corpus, microbatches, split_corpus
+from pp_train.data import ByteTokenizer, GPTDataset, corpus_tokens, microbatches, split_corpus
 from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
 from pp_train.microbatches import build_num_microbatches_calculator
 from pp_train.reporting import Timers, TrainingLogger, memory_report
@@ -33,8 +33,8 @@ from pp_train.training import (
     evaluate,
     setup_model_and_optimizer,
     train,
-    unwrap_model,
 )
+from pp_train.wrappers import unwrap_model
 
 __all__ = ["build_parser", "gpt_forward_step", "main", "validate_args"]
 
@@ -443,8 +443,7 @@ def run(args: argparse.Namespace) -> str:
         )
     elif args.load is not None:
         say(f"no checkpoint in {args.load}: starting from scratch")
-    tokens = torch.tensor(ByteTokenizer().encode(load_corpus()), dtype=torch.int64)
-    train_tokens, valid_tokens = split_corpus(tokens)
+    train_tokens, valid_tokens = split_corpus(corpus_tokens())
     dp_rank, dp_size = state.group_rank("dp_cp"), state.group_size("dp_cp")
 
     def iterators(dataset: GPTDataset, consumed: int) -> Any:

@@ -32,9 +32,15 @@ from pp_optim import (
 )
 from pp_schedules import ScheduleConfig, get_forward_backward_func
 from pp_state import ParallelState
-from pp_train.checkpointing import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from pp_train.checkpointing import (
+    LoadedCheckpoint,
+    collective_device,
+    load_checkpoint,
+    save_checkpoint,
+)
 from pp_train.microbatches import NumMicroBatchesCalculator
 from pp_train.reporting import TrainingLogger
+from pp_train.wrappers import unwrap_model
 
 __all__ = [
     "ExitReason",
@@ -50,7 +56,6 @@ __all__ = [
     "setup_model_and_optimizer",
     "train",
     "train_step",
-    "unwrap_model",
 ]
 
 ExitReason = Literal["train_iters", "exit_interval", "exit_duration", "signal", "autoresume"]
@@ -154,13 +159,6 @@ class TrainingProgress:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
-
-
-def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside any wrappers that hold it as ``.module`` (DDP, Float16Module)."""
-    while isinstance(getattr(module, "module", None), torch.nn.Module):
-        module = module.module  # type: ignore[assignment]
-    return module
 
 
 def _half_dtype(fp16: bool, bf16: bool) -> torch.dtype | None:
@@ -501,16 +499,11 @@ class _SignalFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _any_rank(flags: list[bool]) -> list[bool]:
+    """Each flag ORed over every rank, in one collective."""
+    values = torch.tensor(flags, dtype=torch.int32, device=collective_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in values.tolist()]
 
 
 @dataclasses.dataclass
@@ -545,6 +538,9 @@ class _LoopParts:
         )
 
 
+_AGREED_EXITS: tuple[ExitReason, ...] = ("signal", "autoresume", "exit_duration")
+
+
 def _exit_reason(
     parts: _LoopParts,
     *,
@@ -553,16 +549,18 @@ def _exit_reason(
     autoresume: Callable[[], bool] | None,
 ) -> ExitReason | None:
     config, iteration = parts.config, parts.progress.iteration
-    device = _collective_device()
-    if config.exit_signal_handler and _any_rank(signals.received, device):
-        return "signal"
     asks = autoresume is not None and iteration % config.adlr_autoresume_interval == 0
-    if asks and autoresume is not None and _any_rank(autoresume(), device):
-        return "autoresume"
-    if config.exit_duration_in_mins is not None:
-        minutes = (time.monotonic() - started) / 60.0
-        if _any_rank(minutes > config.exit_duration_in_mins, device):
-            return "exit_duration"
+    timed = config.exit_duration_in_mins is not None
+    if config.exit_signal_handler or asks or timed:
+        # The checks every rank must agree on share one all-reduce per iteration.
+        local = [
+            config.exit_signal_handler and signals.received,
+            asks and autoresume is not None and autoresume(),
+            timed and (time.monotonic() - started) / 60.0 > (config.exit_duration_in_mins or 0),
+        ]
+        for reason, flagged in zip(_AGREED_EXITS, _any_rank(local), strict=True):
+            if flagged:
+                return reason
     if config.exit_interval is not None and iteration % config.exit_interval == 0:
         return "exit_interval"
     return None
