@@ -2,6 +2,7 @@
 
 - `rank_layout`: which global ranks form each group (pure, no torch), equal to Megatron's.
 - `ParallelConfig` / `ParallelState`: every group of a job, built once and passed down.
+- `Placement`: which virtual stage each (rank, chunk) holds (looped, V-shape, or a table).
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
 
 Importing the package and calling `rank_layout` does not import torch; the names that need it
@@ -23,6 +24,7 @@ from pp_state.layout import (
     group_containing,
     rank_layout,
 )
+from pp_state.placement import PLACEMENTS, Placement
 
 if TYPE_CHECKING:
     from pp_state import parallel_state
@@ -70,10 +72,12 @@ __all__ = [
     "AXES",
     "DEFAULT_ORDER",
     "KINDS",
+    "PLACEMENTS",
     "GroupKind",
     "NotInitializedError",
     "ParallelConfig",
     "ParallelState",
+    "Placement",
     "StateDestroyedError",
     "__version__",
     "destroy_model_parallel",

@@ -422,6 +422,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
         get_virtual_pipeline_model_parallel_world_size(),
         ignore_virtual=ignore_virtual,
         vp_stage=vp_stage,
+        pp_size=get_pipeline_model_parallel_world_size(),
     )
 
 

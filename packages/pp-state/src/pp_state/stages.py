@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pp_state.placement import Placement
+
 __all__ = [
     "after_split",
     "at_split",
@@ -47,21 +49,52 @@ def resolve_vp_stage(
     return vp_stage
 
 
+def _placement(pp_size: int, vp_size: int | None, placement: Placement | None) -> Placement:
+    if placement is None:
+        return Placement.looped(pp_size, vp_size or 1)
+    if (placement.pp_size, placement.vp_size) != (pp_size, vp_size or 1):
+        raise ValueError(
+            f"the placement covers {placement.pp_size} ranks x {placement.vp_size} chunks, but "
+            f"the pipeline has {pp_size} x {vp_size or 1}"
+        )
+    return placement
+
+
 def first_stage(
-    pp_rank: int, vp_size: int | None, *, ignore_virtual: bool, vp_stage: int | None
+    pp_rank: int,
+    vp_size: int | None,
+    *,
+    ignore_virtual: bool,
+    vp_stage: int | None,
+    pp_size: int | None = None,
+    placement: Placement | None = None,
 ) -> bool:
-    """Whether pipeline rank `pp_rank` (in virtual stage `vp_stage`) is the first stage."""
-    stage = resolve_vp_stage(vp_size, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
-    return (stage is None or stage == 0) and pp_rank == 0
+    """Whether pipeline rank `pp_rank` (in virtual stage `vp_stage`) holds the first stage.
+
+    The placement (looped by default, as Megatron's) says which (rank, chunk) that is.
+    """
+    chunk = resolve_vp_stage(vp_size, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+    where = _placement(pp_size or pp_rank + 1, vp_size, placement)
+    if chunk is None:
+        return where.holds_first(pp_rank)
+    return where.is_first(pp_rank, chunk)
 
 
 def last_stage(
-    pp_rank: int, pp_size: int, vp_size: int | None, *, ignore_virtual: bool, vp_stage: int | None
+    pp_rank: int,
+    pp_size: int,
+    vp_size: int | None,
+    *,
+    ignore_virtual: bool,
+    vp_stage: int | None,
+    placement: Placement | None = None,
 ) -> bool:
-    """Whether pipeline rank `pp_rank` (in virtual stage `vp_stage`) is the last stage."""
-    stage = resolve_vp_stage(vp_size, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
-    last_chunk = stage is None or vp_size is None or stage == vp_size - 1
-    return last_chunk and pp_rank == pp_size - 1
+    """Whether pipeline rank `pp_rank` (in virtual stage `vp_stage`) holds the last stage."""
+    chunk = resolve_vp_stage(vp_size, ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+    where = _placement(pp_size, vp_size, placement)
+    if chunk is None:
+        return where.holds_last(pp_rank)
+    return where.is_last(pp_rank, chunk)
 
 
 def checked_stage(stage: int, pp_size: int) -> int:

@@ -18,6 +18,7 @@ from pp_state.layout import (
     parse_order,
     rank_layout,
 )
+from pp_state.placement import Placement
 from pp_state.stages import (
     after_split,
     at_split,
@@ -377,14 +378,20 @@ class ParallelState:
         return stages[(self.pipeline_model_parallel_rank - 1) % len(stages)]
 
     def is_pipeline_first_stage(
-        self, *, ignore_virtual: bool = True, vp_stage: int | None = None
+        self,
+        *,
+        ignore_virtual: bool = True,
+        vp_stage: int | None = None,
+        placement: Placement | None = None,
     ) -> bool:
         """Whether this rank runs the first pipeline stage.
 
         Args:
             ignore_virtual: Answer for the physical stage, whatever the model chunk.
             vp_stage: The model chunk asked about; required when interleaving and
-                `ignore_virtual` is False. Only chunk 0 of stage 0 is first.
+                `ignore_virtual` is False. Only the chunk holding virtual stage 0 is first.
+            placement: Which virtual stage each (rank, chunk) holds; looped (Megatron's)
+                by default.
 
         Raises:
             ValueError: `vp_stage` is missing or out of range.
@@ -394,14 +401,21 @@ class ParallelState:
             self.virtual_pipeline_model_parallel_size,
             ignore_virtual=ignore_virtual,
             vp_stage=vp_stage,
+            pp_size=self.pipeline_model_parallel_size,
+            placement=placement,
         )
 
     def is_pipeline_last_stage(
-        self, *, ignore_virtual: bool = True, vp_stage: int | None = None
+        self,
+        *,
+        ignore_virtual: bool = True,
+        vp_stage: int | None = None,
+        placement: Placement | None = None,
     ) -> bool:
         """Whether this rank runs the last pipeline stage; see `is_pipeline_first_stage`.
 
-        When interleaving, only the last chunk (vp_stage == vp - 1) of the last rank is last.
+        With the looped placement only the last chunk (vp_stage == vp - 1) of the last rank is
+        last; with the V placement it is chunk 1 of rank 0.
         """
         return last_stage(
             self.pipeline_model_parallel_rank,
@@ -409,6 +423,7 @@ class ParallelState:
             self.virtual_pipeline_model_parallel_size,
             ignore_virtual=ignore_virtual,
             vp_stage=vp_stage,
+            placement=placement,
         )
 
     def _stage(self, rank: int | None) -> int:
