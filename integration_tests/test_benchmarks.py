@@ -19,7 +19,7 @@ def test_p2p_overhead_benchmark_reports_every_operation(
     torchrun: Torchrun, mode: list[str]
 ) -> None:
     script = ROOT / "packages" / "pp-comm" / "benchmarks" / "p2p_overhead.py"
-    done = torchrun(script, 2, "--quick", "--rounds", "1", *mode)
+    done = torchrun(script, 2, "--quick", "--rounds", "1", "--json", *mode)
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(records) == 12  # 6 operation pairs x 2 sizes

@@ -2,16 +2,20 @@
 
 Run on two ranks under torchrun (``python3 -m nox -s bench`` does it):
 
-    torchrun --standalone --nproc-per-node 2 packages/pp-comm/benchmarks/p2p_overhead.py
+    torchrun --standalone --nproc-per-node 2 packages/pp-comm/benchmarks/p2p_overhead.py --both
 
 For every operation pair and payload size, both ways of moving the same tensors are timed in
-alternating rounds in the same run, and rank 0 prints one JSON line with the median time per
-call of each and their ratio (pp-comm / raw). Goal: ratio <= 1.10.
+alternating rounds (A B, then B A, ...) in the same run. Each round gives one ratio of the
+two adjacent timings (pp-comm / raw); the reported ratio is the median of those, which drift
+in machine load affects least; the times are the medians of each side. A last row per size
+times raw against itself: the spread of ratios the machine gives for equal work. Rank 0
+prints a table (``--json``: one JSON line per row instead). Goal: ratio <= 1.10.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -24,6 +28,8 @@ import torch.distributed as dist
 from pp_comm import CommConfig, P2PCommunicator
 
 SIZES = {"4KB": 4 * 1024, "4MB": 4 * 1024 * 1024}
+GOAL = 1.10
+NOISE_ROW = "(raw vs raw: the noise)"
 
 
 def raw_exchange(
@@ -31,10 +37,11 @@ def raw_exchange(
 ) -> None:
     """The same transfer with plain torch.distributed calls.
 
-    Like any pipeline (and pp-comm), it receives into a new tensor each time: received
-    activations are kept for the backward pass, so a receive buffer cannot be reused.
+    Like any pipeline (and pp-comm), it receives into a new tensor that requires grad each
+    time: received activations are kept for the backward pass, so a receive buffer cannot be
+    reused, and the stage's backward needs their gradient.
     """
-    recv = None if recv_like is None else torch.empty_like(recv_like)
+    recv = None if recv_like is None else _buffer(recv_like)
     if batched:
         ops = []
         if send is not None:
@@ -57,6 +64,37 @@ def raw_exchange(
         work.wait()
 
 
+def _buffer(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(like, requires_grad=True)
+
+
+def raw_exchange_both_ways(out: torch.Tensor, like: torch.Tensor, peer: int, batched: bool) -> None:
+    """Send and receive in both directions between the same two ranks (two of each).
+
+    All four are posted before any is waited for, as one pipeline call does it (and Megatron's
+    unbatched path): even ranks send first, odd ranks receive first.
+    """
+    if batched:
+        ops = [
+            dist.P2POp(dist.isend, out, peer),
+            dist.P2POp(dist.irecv, _buffer(like), peer),
+            dist.P2POp(dist.isend, out, peer),
+            dist.P2POp(dist.irecv, _buffer(like), peer),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return
+    works = []
+    for _ in range(2):
+        send_first = dist.get_rank() % 2 == 0
+        for kind in ("send", "recv") if send_first else ("recv", "send"):
+            posted = dist.isend(out, peer) if kind == "send" else dist.irecv(_buffer(like), peer)
+            assert posted is not None
+            works.append(posted)
+    for work in works:
+        work.wait()
+
+
 def scenarios(
     comm: P2PCommunicator, numel: int
 ) -> dict[str, tuple[Callable[[], object], Callable[[], None]]]:
@@ -71,18 +109,20 @@ def scenarios(
     def both() -> None:
         raw_exchange(out, buf, peer, batched)
 
+    def raw_send() -> None:
+        raw_exchange(out, None, peer, batched)
+
+    def raw_recv() -> None:
+        raw_exchange(None, buf, peer, batched)
+
     return {
         "send_forward/recv_forward": (
             (lambda: comm.send_forward(out)) if first else (lambda: comm.recv_forward(shape)),
-            (lambda: raw_exchange(out, None, peer, batched))
-            if first
-            else (lambda: raw_exchange(None, buf, peer, batched)),
+            raw_send if first else raw_recv,
         ),
         "send_backward/recv_backward": (
             (lambda: comm.recv_backward(shape)) if first else (lambda: comm.send_backward(out)),
-            (lambda: raw_exchange(None, buf, peer, batched))
-            if first
-            else (lambda: raw_exchange(out, None, peer, batched)),
+            raw_recv if first else raw_send,
         ),
         "send_forward_recv_backward/send_backward_recv_forward": (
             (lambda: comm.send_forward_recv_backward(out, shape))
@@ -102,23 +142,32 @@ def scenarios(
             lambda: comm.send_forward_backward_recv_forward_backward(out, out, True, True, shape),
             lambda: raw_exchange_both_ways(out, buf, peer, batched),
         ),
+        NOISE_ROW: (both, both),
     }
 
 
-def raw_exchange_both_ways(out: torch.Tensor, like: torch.Tensor, peer: int, batched: bool) -> None:
-    """Send and receive in both directions between the same two ranks (two of each)."""
-    if batched:
-        ops = [
-            dist.P2POp(dist.isend, out, peer),
-            dist.P2POp(dist.irecv, torch.empty_like(like), peer),
-            dist.P2POp(dist.isend, out, peer),
-            dist.P2POp(dist.irecv, torch.empty_like(like), peer),
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return
-    raw_exchange(out, like, peer, batched)
-    raw_exchange(out, like, peer, batched)
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One row: an operation pair at one size in one posting mode."""
+
+    operation: str
+    size: str
+    mode: str
+    pp_comm_s: float
+    raw_s: float
+    ratio: float
+
+    def record(self) -> dict[str, object]:
+        """The JSON form (times in microseconds)."""
+        return {
+            "benchmark": "p2p_overhead",
+            "operation": self.operation,
+            "size": self.size,
+            "mode": self.mode,
+            "pp_comm_us": round(self.pp_comm_s * 1e6, 1),
+            "raw_us": round(self.raw_s * 1e6, 1),
+            "ratio": round(self.ratio, 3),
+        }
 
 
 def timed(call: Callable[[], object], iterations: int) -> float:
@@ -130,49 +179,91 @@ def timed(call: Callable[[], object], iterations: int) -> float:
     return (time.perf_counter() - start) / iterations
 
 
+def compare(
+    ours: Callable[[], object], raw: Callable[[], object], iterations: int, rounds: int
+) -> tuple[float, float, float]:
+    """Median seconds per call of each, and the median of the per-round ratios."""
+    for _ in range(3):  # warm up both paths
+        ours()
+        raw()
+    ours_times, raw_times = [], []
+    for round_ in range(rounds):
+        # Alternate which goes first, so drift in machine load hits both alike.
+        if round_ % 2:
+            raw_times.append(timed(raw, iterations))
+            ours_times.append(timed(ours, iterations))
+        else:
+            ours_times.append(timed(ours, iterations))
+            raw_times.append(timed(raw, iterations))
+    ratios = [o / r for o, r in zip(ours_times, raw_times, strict=True)]
+    return statistics.median(ours_times), statistics.median(raw_times), statistics.median(ratios)
+
+
+def run_mode(comm: P2PCommunicator, args: argparse.Namespace) -> list[Result]:
+    """Every operation pair at every size with `comm`'s posting mode."""
+    mode = "batched" if comm.config.batch_p2p_comm else "unbatched"
+    results = []
+    for label, nbytes in SIZES.items():
+        # Many short rounds: a burst of load from elsewhere spoils a few rounds, not the median.
+        iterations = 20 if nbytes < 1024 * 1024 else 3
+        if args.quick:
+            iterations = 2
+        for name, (ours, raw) in scenarios(comm, nbytes // 4).items():
+            ours_s, raw_s, ratio = compare(ours, raw, iterations, args.rounds)
+            results.append(Result(name, label, mode, ours_s, raw_s, ratio))
+            if args.json and dist.get_rank() == 0 and name != NOISE_ROW:
+                print(json.dumps(results[-1].record()), flush=True)
+    return results
+
+
+def table(results: list[Result]) -> str:
+    """The results as an aligned text table."""
+    header = ("operation", "size", "mode", "pp-comm ms", "raw ms", "ratio", "goal", "pass")
+    rows = [
+        (
+            r.operation,
+            r.size,
+            r.mode,
+            f"{r.pp_comm_s * 1e3:.3f}",
+            f"{r.raw_s * 1e3:.3f}",
+            f"{r.ratio:.2f}",
+            f"{GOAL:.2f}",
+            "" if r.operation == NOISE_ROW else ("yes" if r.ratio <= GOAL else "NO"),
+        )
+        for r in results
+    ]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [
+            cell.ljust(width) if i < 3 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
 def main() -> None:
-    """Time every operation pair against its raw equivalent; rank 0 prints JSON lines."""
+    """Time every operation pair against its raw equivalent; rank 0 prints the results."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--unbatched", action="store_true", help="post isend/irecv one by one")
+    parser.add_argument("--both", action="store_true", help="batched, then unbatched")
     parser.add_argument("--quick", action="store_true", help="few iterations: check it runs")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     torch.set_num_threads(1)
     assert dist.get_world_size() == 2, "run on 2 ranks"
-    config = CommConfig(batch_p2p_comm=not args.unbatched)
-    comm = P2PCommunicator(None, config=config)
-    for label, nbytes in SIZES.items():
-        numel = nbytes // 4
-        iterations = 200 if nbytes < 1024 * 1024 else 20
-        if args.quick:
-            iterations = 2
-        for name, (ours, raw) in scenarios(comm, numel).items():
-            for _ in range(3):  # warm up both paths
-                ours()
-                raw()
-            ours_times, raw_times = [], []
-            for round_ in range(args.rounds):
-                # Alternate which goes first, so drift in machine load hits both alike.
-                if round_ % 2:
-                    raw_times.append(timed(raw, iterations))
-                    ours_times.append(timed(ours, iterations))
-                else:
-                    ours_times.append(timed(ours, iterations))
-                    raw_times.append(timed(raw, iterations))
-            ours_s, raw_s = statistics.median(ours_times), statistics.median(raw_times)
-            if dist.get_rank() == 0:
-                record = {
-                    "benchmark": "p2p_overhead",
-                    "operation": name,
-                    "size": label,
-                    "mode": "unbatched" if args.unbatched else "batched",
-                    "pp_comm_us": round(ours_s * 1e6, 1),
-                    "raw_us": round(raw_s * 1e6, 1),
-                    "ratio": round(ours_s / raw_s, 3),
-                }
-                print(json.dumps(record), flush=True)
-    comm.destroy()
+    modes = [True, False] if args.both else [not args.unbatched]
+    results = []
+    for batched in modes:
+        comm = P2PCommunicator(None, config=CommConfig(batch_p2p_comm=batched))
+        results += run_mode(comm, args)
+        comm.destroy()
+    if not args.json and dist.get_rank() == 0:
+        print(table(results), flush=True)
     dist.destroy_process_group()
 
 

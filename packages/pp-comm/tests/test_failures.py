@@ -187,6 +187,9 @@ def test_a_one_stage_pipeline_has_no_peer() -> None:
 
 def _not_a_member() -> str:
     group = dist.new_group([0, 1])
+    # gloo connects a new group's members without a barrier: one that left at once could
+    # close its connections while the other is still connecting.
+    dist.barrier()
     if dist.get_rank() != 2:
         return ""
     try:
@@ -276,6 +279,7 @@ def _asymmetric_groups() -> list[float]:
     pipeline = dist.new_group([0, 1])
     if dist.get_rank() == 0:
         dist.new_group([0], use_local_synchronization=True)
+    dist.barrier()  # every group is connected before rank 2 leaves (see _not_a_member)
     if dist.get_rank() == 2:
         return []
     comm = P2PCommunicator(pipeline, config=CommConfig(timeout=datetime.timedelta(seconds=20)))

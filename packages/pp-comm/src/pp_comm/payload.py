@@ -171,12 +171,18 @@ def normalize_specs_cached(
     """`normalize_specs`, remembered for arguments seen before.
 
     A schedule repeats the same shapes every microbatch, and this sits on every transfer's path.
+    Errors are not remembered: a bad argument raises every time.
     """
     try:
-        key = (_freeze(tensor_shapes), _freeze(dtypes), default_dtype, operation)
-    except TypeError:
+        if type(tensor_shapes) is tuple and (dtypes is None or type(dtypes) is torch.dtype):
+            # The usual call (one shape as a tuple, one dtype): a tuple is immutable, so the
+            # argument is its own key; no frozen form of it can look like a shape.
+            key: object = (tensor_shapes, dtypes, default_dtype)
+        else:
+            key = (_freeze(tensor_shapes), _freeze(dtypes), default_dtype)
+        found = _SPEC_CACHE.get(key)
+    except TypeError:  # something unhashable inside
         return normalize_specs(tensor_shapes, dtypes, default_dtype, operation=operation)
-    found = _SPEC_CACHE.get(key)
     if found is None:
         specs, single = normalize_specs(tensor_shapes, dtypes, default_dtype, operation=operation)
         if len(_SPEC_CACHE) >= _SPEC_CACHE_LIMIT:

@@ -1,0 +1,204 @@
+"""How the two sides of a transfer agree on shapes, and so when each receive can be posted.
+
+Receivers name shapes up front (`FixedShapes`), or a header says them (`ShapeHeaders`).
+
+With ``variable_seq_lengths`` or ``debug``, every message is preceded by a fixed-size header
+(count, dtype and shape of each tensor). Headers are posted the same way as the data (so the
+shape exchange cannot deadlock where the data would not; Megatron-LM issue 5100 came from a
+shape exchange that ignored the posting mode) under their own tag (see `pp_comm.transport`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from typing_extensions import Protocol
+
+from pp_comm.buffers import Buffers
+from pp_comm.config import CommConfig
+from pp_comm.errors import P2PMismatchError
+from pp_comm.payload import HEADER_LENGTH, TensorSpec, decode_header, describe, encode_header
+from pp_comm.transport import DATA_TAG, HEADER_TAG, Posted, Transfer, Transport, in_microbatch
+
+__all__ = ["FixedShapes", "ShapeAgreement", "ShapeHeaders", "shape_agreement"]
+
+_HEADER_SPECS = (TensorSpec((HEADER_LENGTH,), torch.int64),)
+
+
+class ShapeAgreement(Protocol):
+    """Settles each receive's shapes, then posts the data of a call."""
+
+    checks: bool
+    """Whether `mismatch` can find anything (else callers skip it)."""
+
+    def post(self, transfers: list[Transfer], operation: str, deadline: float) -> list[Posted]:
+        """Post the call's transfers (and headers); return every work still to wait for."""
+
+    def mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
+        """The error to raise once the messages are in, if they are not what was asked for."""
+
+
+class FixedShapes:
+    """Receivers name every shape; nothing travels ahead of the data."""
+
+    checks = False
+
+    def __init__(self, transport: Transport, buffers: Buffers) -> None:
+        """Post through `transport` into buffers from `buffers`."""
+        self._transport = transport
+        self._buffers = buffers
+
+    def post(self, transfers: list[Transfer], operation: str, deadline: float) -> list[Posted]:
+        """Receives get the shapes they asked for; everything is posted at once.
+
+        Raises:
+            ValueError: A receive did not name a shape (before anything is posted).
+        """
+        self._buffers.fill(transfers, operation)
+        return self._transport.post(transfers, tag=DATA_TAG, operation=operation)
+
+    def mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
+        """Nothing to compare: the receiver's shapes are used as they are."""
+        return None
+
+
+class ShapeHeaders:
+    """A header ahead of every message says what it holds."""
+
+    checks = True
+
+    def __init__(
+        self, config: CommConfig, transport: Transport, buffers: Buffers, device: torch.device
+    ) -> None:
+        """Headers travel through `transport`; received headers land on `device`."""
+        self._transport = transport
+        self._buffers = buffers
+        self._device = device
+        self._debug = config.debug
+
+    def post(self, transfers: list[Transfer], operation: str, deadline: float) -> list[Posted]:
+        """Exchange headers, then post the data as the headers say.
+
+        Only received headers are waited for: a sender needs nothing from its receiver, so
+        its header travels ahead of its data without blocking it (a send that waited here
+        could deadlock a schedule whose receiver posts late). Header sends are returned to be
+        completed with the data.
+
+        Raises:
+            ValueError: A message cannot be described by a header (too many tensors, dims).
+            P2PTimeoutError, P2PError: A header did not arrive.
+        """
+        headers = [self._header_for(transfer, operation) for transfer in transfers]
+        posted = self._transport.post(headers, tag=HEADER_TAG, operation=operation)
+        if self._transport.matches_by_tag:
+            return self._post_as_headers_arrive(transfers, headers, posted, operation, deadline)
+        arriving = [p for p in posted if not all(t.sends for t in p[1])]
+        self._transport.wait(arriving, operation, deadline)
+        for transfer, header in zip(transfers, headers, strict=True):
+            if not transfer.sends:
+                transfer.specs = decode_header(header.tensors[0])
+        self._buffers.fill(transfers, operation)
+        in_flight = [p for p in posted if all(t.sends for t in p[1])]
+        return in_flight + self._transport.post(transfers, tag=DATA_TAG, operation=operation)
+
+    def _post_as_headers_arrive(
+        self,
+        transfers: list[Transfer],
+        headers: list[Transfer],
+        posted: list[Posted],
+        operation: str,
+        deadline: float,
+    ) -> list[Posted]:
+        """gloo: post the sends' data at once, and each receive as soon as its header is in.
+
+        A sender may split into several calls what its receiver takes in one: waiting for
+        every header before posting any data would then wait for a header the sender posts
+        only once this call's data has arrived. gloo posts never block, so the order of
+        posts cannot deadlock; receives are taken in the given order, which on each link is
+        the order the sender posted them.
+        """
+        sends = [t for t in transfers if t.sends]
+        self._buffers.fill(sends, operation)
+        data = self._transport.post(sends, tag=DATA_TAG, operation=operation)
+        work_of = {id(carried[0]): work for work, carried in posted}  # one header per work
+        for transfer, header in zip(transfers, headers, strict=True):
+            if transfer.sends:
+                continue
+            self._transport.wait([(work_of[id(header)], (header,))], operation, deadline)
+            transfer.specs = decode_header(header.tensors[0])
+            self._buffers.fill((transfer,), operation)
+            data += self._transport.post([transfer], tag=DATA_TAG, operation=operation)
+        return [p for p in posted if p[1][0].sends] + data
+
+    def _header_for(self, transfer: Transfer, operation: str) -> Transfer:
+        if transfer.sends:
+            buffer = encode_header(transfer.tensors, operation).to(self._device)
+        else:
+            buffer = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._device)
+        header = Transfer(
+            transfer.slot,
+            transfer.peer,
+            [buffer],
+            specs=_HEADER_SPECS,
+            microbatch=transfer.microbatch,
+        )
+        # Errors name the message a header describes, not the header.
+        header.described = transfer.specs if transfer.sends else transfer.requested
+        return header
+
+    def mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
+        """A receive whose sender sent other than asked: a different count, or (debug) specs.
+
+        The message was received in full (as sent), so nothing is left pending and the
+        communicator stays usable.
+        """
+        for transfer in transfers:
+            if transfer.sends:
+                continue
+            expected, got = transfer.requested, transfer.specs
+            if not self._debug:
+                if len(got) != len(expected):
+                    return ValueError(
+                        f"{self._where(transfer, operation)}: asked for {len(expected)} "
+                        f"tensor(s), but rank {transfer.peer} sent {len(got)}"
+                    )
+            elif not _agrees(expected, got):
+                return self._mismatch_error(transfer, operation)
+        return None
+
+    def _where(self, transfer: Transfer, operation: str) -> str:
+        topology = self._transport.topology
+        return (
+            f"rank {topology.rank} (stage {topology.stage}) in "
+            f"{operation}{in_microbatch(transfer.microbatch)}"
+        )
+
+    def _mismatch_error(self, transfer: Transfer, operation: str) -> P2PMismatchError:
+        topology = self._transport.topology
+        return P2PMismatchError(
+            f"{self._where(transfer, operation)}: expected {describe(transfer.requested)} from "
+            f"rank {transfer.peer} (stage {topology.stage_of(transfer.peer)}), "
+            f"but it sent {describe(transfer.specs)}",
+            rank=topology.rank,
+            peer=transfer.peer,
+            operation=operation,
+            microbatch=transfer.microbatch,
+        )
+
+
+def _agrees(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) -> bool:
+    """Same count and dtypes, and the same shapes where the receiver named one."""
+    return len(expected) == len(got) and all(
+        (e.shape is None or e.shape == g.shape) and e.dtype == g.dtype
+        for e, g in zip(expected, got, strict=True)
+    )
+
+
+def shape_agreement(
+    config: CommConfig, transport: Transport, buffers: Buffers, device: torch.device
+) -> ShapeAgreement:
+    """Headers when the config asks for variable shapes or debug checks, else fixed shapes."""
+    if config.exchanges_shapes:
+        return ShapeHeaders(config, transport, buffers, device)
+    return FixedShapes(transport, buffers)

@@ -1,0 +1,105 @@
+"""`P2PHandle`: the transfers of one call in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pp_comm.transport import Posted, Transfer, Transport
+
+__all__ = ["P2PHandle"]
+
+
+class P2PHandle:
+    """Transfers in flight; `wait_recv` completes the receives, `wait` everything.
+
+    Made by `P2PCommunicator.exchange` and `communicate`.
+    """
+
+    __slots__ = (
+        "_deadline",
+        "_gather",
+        "_operation",
+        "_pending",
+        "_received",
+        "_transfers",
+        "_transport",
+    )
+
+    def __init__(
+        self,
+        transport: Transport | None,
+        posted: list[Posted],
+        transfers: Sequence[Transfer],
+        *,
+        operation: str,
+        deadline: float = 0.0,
+        gather: Callable[[Sequence[Transfer]], None] | None = None,
+    ) -> None:
+        """Hold `posted` works until waited; `gather` rebuilds scattered receives, if any."""
+        self._transport = transport
+        self._pending = posted
+        self._transfers = transfers
+        self._operation = operation
+        self._deadline = deadline
+        self._gather = gather
+        self._received = not posted
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this call sends or receives into (what it keeps alive until done)."""
+        return [t for transfer in self._transfers for t in transfer.wire]
+
+    def is_completed(self) -> bool:
+        """Whether `wait` would return at once.
+
+        With scatter-gather, received tensors are whole only after `wait` or `wait_recv` has
+        gathered them, so this stays False until then. On gloo a send reports completion only
+        once waited.
+        """
+        if not self._pending:
+            return True
+        if self._gather is not None and not self._received:
+            return False
+        return all(work.is_completed() for work, _ in self._pending)
+
+    def wait_recv(self) -> None:
+        """Block until every receive of the call has completed; sends may stay in flight.
+
+        Received tensors are ready (gathered, when scattered) on return; call `wait` later to
+        complete the sends. On gloo each send and receive is its own work, so only receives
+        are waited for; on NCCL a batch (``batch_p2p_comm``) has one work for all its sends
+        and receives, which this then waits for as a whole.
+
+        Raises:
+            P2PTimeoutError, P2PError: See `wait`.
+        """
+        if self._received:
+            return
+        arriving = [p for p in self._pending if not all(t.sends for t in p[1])]
+        if arriving:
+            assert self._transport is not None
+            self._transport.wait(arriving, self._operation, self._deadline)
+            self._pending = [p for p in self._pending if all(t.sends for t in p[1])]
+        self._finish_receives()
+
+    def wait(self) -> None:
+        """Block until every transfer of the call completes (gathering scattered tensors).
+
+        Raises:
+            P2PTimeoutError: A transfer did not complete within the configured timeout (from
+                when the call was made); the message names this rank, the peer, the
+                operation, the microbatch and what was expected.
+            P2PError: The peer failed (for instance its process died).
+        """
+        if self._pending:
+            assert self._transport is not None
+            self._transport.wait(self._pending, self._operation, self._deadline)
+            self._pending = []
+        if not self._received:
+            self._finish_receives()
+
+    def _finish_receives(self) -> None:
+        self._received = True
+        if self._gather is not None:
+            self._gather(self._transfers)

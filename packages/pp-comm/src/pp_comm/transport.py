@@ -1,0 +1,268 @@
+"""Posting transfers on the process groups, waiting for them, and turning failures into errors.
+
+On gloo (CPU tensors) a receive meets the oldest unmatched send of the same peer and tag, so
+tags keep streams apart: each channel (activations, gradients) and each kind (shape headers,
+data) has its own tag. The n-th header a stage sends on a link meets the n-th header receive
+of its neighbour, and the same for data, however each side groups its messages into calls;
+and with two stages, where next and previous are the same rank, an activation can never meet
+a receive meant for a gradient.
+
+NCCL ignores tags (``batch_isend_irecv`` and individual sends alike): sends and receives
+between two ranks of one communicator match in posting order. There the two channels of a
+two-stage pipeline use two process groups (see `pp_comm.topology`), and headers and data
+share one stream: a call posts all its headers before its data, so both sides see the same
+sequence, and agree, as long as they group their header-carrying messages (variable shapes
+or debug) into calls alike. Without headers, pairing is by order alone on every backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
+
+import torch
+import torch.distributed as dist
+
+from pp_comm.config import CommConfig
+from pp_comm.errors import P2PError, P2PTimeoutError
+from pp_comm.message import SEND_SLOTS
+from pp_comm.ordering import CHANNEL_OF_SLOT, SLOTS, Slot, batched_order, unbatched_order
+from pp_comm.payload import TensorSpec, describe
+from pp_comm.topology import Topology
+
+__all__ = ["DATA_TAG", "HEADER_TAG", "Posted", "Transfer", "Transport", "matches_by_tag"]
+
+DATA_TAG = 0
+"""Tag of data on the forward channel (gloo adds `_BACKWARD_TAG` on the backward channel)."""
+HEADER_TAG = 2
+"""Tag of shape headers on the forward channel."""
+_BACKWARD_TAG = 1
+_SLACK_S = 0.01
+
+
+def matches_by_tag(device: torch.device) -> bool:
+    """Whether transfers of tensors on `device` meet by peer and tag (gloo), not in order only.
+
+    CUDA tensors travel over NCCL, which ignores tags; CPU tensors over gloo, which does not.
+    """
+    return device.type != "cuda"
+
+
+class Transfer:
+    """One message of one call on the wire (a plain class: several are built per call).
+
+    Attributes:
+        slot: Direction and kind.
+        sends: Whether it is a send.
+        peer: The neighbour's global rank.
+        microbatch: For error messages.
+        requested: A receive's specs as asked for (shapes may be unknown).
+        requires_grad: Whether a receive's floating-point buffers require grad.
+        tensors: What is sent, or the buffers received into (once allocated).
+        wire: What actually travels (1/tp chunks when scattering).
+        described: What errors name, when not `specs` (a header names its message).
+    """
+
+    __slots__ = (
+        "_specs",
+        "described",
+        "microbatch",
+        "peer",
+        "requested",
+        "requires_grad",
+        "sends",
+        "slot",
+        "tensors",
+        "wire",
+    )
+
+    def __init__(
+        self,
+        slot: Slot,
+        peer: int,
+        tensors: list[torch.Tensor],
+        *,
+        specs: Sequence[TensorSpec] | None = None,
+        requires_grad: bool = False,
+        microbatch: int | None = None,
+    ) -> None:
+        self.slot = slot
+        self.sends = slot in SEND_SLOTS
+        self.peer = peer
+        self.tensors = tensors
+        self.wire = tensors
+        self._specs = specs
+        self.requested: Sequence[TensorSpec] = specs or ()
+        self.requires_grad = requires_grad
+        self.microbatch = microbatch
+        self.described: Sequence[TensorSpec] | None = None
+
+    @property
+    def specs(self) -> Sequence[TensorSpec]:
+        """Shapes and dtypes (for a send, read off its tensors when first needed)."""
+        if self._specs is None:
+            self._specs = [TensorSpec(tuple(t.shape), t.dtype) for t in self.tensors]
+        return self._specs
+
+    @specs.setter
+    def specs(self, specs: Sequence[TensorSpec]) -> None:
+        self._specs = specs
+
+
+Posted: TypeAlias = tuple[dist.Work, Sequence[Transfer]]
+"""One posted operation and the transfers it carries (what an error about it names)."""
+
+
+class Transport:
+    """Posts transfers in a deadlock-free order, waits with a deadline, reports failures.
+
+    Attributes:
+        matches_by_tag: Whether a receive meets a send of the same tag (gloo; posts never
+            block) or, as on NCCL, sends and receives meet in posting order, tags ignored.
+        broken: Why this communicator refuses further calls (a transfer may be pending), or
+            None while it is usable.
+    """
+
+    def __init__(self, topology: Topology, config: CommConfig, device: torch.device) -> None:
+        """Fix the posting mode and precompute each slot's group and peer."""
+        self.topology = topology
+        self.config = config
+        self.broken: str | None = None
+        self._timeout = config.timeout
+        self._timeout_s = config.timeout.total_seconds()
+        self.matches_by_tag = matches_by_tag(device)
+        self._coalesced = config.batch_p2p_comm and not self.matches_by_tag
+        order = (
+            batched_order(SLOTS)
+            if config.batch_p2p_comm
+            else unbatched_order(topology.stage, SLOTS)
+        )
+        rank_of_slot = {slot: index for index, slot in enumerate(order)}
+        self._slot_rank: Callable[[Transfer], int] = lambda t: rank_of_slot[t.slot]
+        # Per slot: how to post on its group, to which group rank, with what tag offset.
+        self._posts = {
+            slot: (
+                topology.group_of(slot).send
+                if slot in SEND_SLOTS
+                else topology.group_of(slot).recv,
+                topology.group_peer[slot],
+                _BACKWARD_TAG if self.matches_by_tag and CHANNEL_OF_SLOT[slot] == "backward" else 0,
+            )
+            for slot in SLOTS
+        }
+
+    def post(self, transfers: list[Transfer], *, tag: int, operation: str) -> list[Posted]:
+        """Post every transfer; each posted work comes with the transfers it carries.
+
+        Transfers are posted by slot in the order the posting mode says (see
+        `pp_comm.ordering`), keeping the given order among transfers of one slot. gloo runs
+        a batch as individual posts anyway; posting on the group directly (what torch's
+        isend/irecv end in) saves their per-call Python work, and lets a caller wait for the
+        receives of a call while its sends are still in flight.
+
+        Raises:
+            P2PError: The backend refused a post (a peer that died before this call).
+        """
+        if len(transfers) > 1:
+            transfers = sorted(transfers, key=self._slot_rank)
+        try:
+            if self._coalesced:
+                return self._post_coalesced(transfers, tag)
+            posted: list[Posted] = []
+            for transfer in transfers:
+                post, peer, channel_tag = self._posts[transfer.slot]
+                carried = (transfer,)
+                for wire in transfer.wire:
+                    posted.append((post([wire], peer, tag + channel_tag), carried))
+            return posted
+        except RuntimeError as error:
+            self.broken = f"{operation} failed"
+            raise self.failure(error, transfers, operation, None) from error
+
+    def _post_coalesced(self, ordered: list[Transfer], tag: int) -> list[Posted]:
+        """One ``batch_isend_irecv`` per process group used, launched by NCCL as one group call.
+
+        Both channels share the pipeline group unless there are two stages. A batch has one
+        work, so waiting for its receives waits for its sends too.
+        """
+        posted: list[Posted] = []
+        groups: list[dist.ProcessGroup] = []
+        for group in self.topology.channels.values():
+            if all(group is not seen for seen in groups):
+                groups.append(group)
+        for group in groups:
+            members = [t for t in ordered if self.topology.group_of(t.slot) is group]
+            ops = [
+                dist.P2POp(dist.isend if t.sends else dist.irecv, wire, t.peer, group, tag)
+                for t in members
+                for wire in t.wire
+            ]
+            if ops:
+                posted.extend((work, members) for work in dist.batch_isend_irecv(ops))
+        return posted
+
+    def wait(self, posted: Sequence[Posted], operation: str, deadline: float) -> None:
+        """Wait for every work until `deadline` (a `time.monotonic` value).
+
+        Raises:
+            P2PTimeoutError: A work did not complete in time.
+            P2PError: A work failed (the peer died, for instance).
+        """
+        timeout, timeout_s = self._timeout, self._timeout_s
+        for work, transfers in posted:
+            remaining = deadline - time.monotonic()
+            # Early in a call the whole timeout is left: wait with the timedelta made once
+            # (the deadline then moves by under _SLACK_S) instead of building one per wait.
+            if remaining < timeout_s - _SLACK_S:
+                timeout = datetime.timedelta(seconds=max(remaining, 0.001))
+            try:
+                work.wait(timeout)
+            except RuntimeError as error:
+                self.broken = f"{operation} failed"
+                raise self.failure(error, transfers, operation, deadline) from error
+
+    def failure(
+        self,
+        error: RuntimeError,
+        transfers: Sequence[Transfer],
+        operation: str,
+        deadline: float | None,
+    ) -> P2PError:
+        """The error naming this rank, the peer, the operation and the microbatch."""
+        microbatch = transfers[0].microbatch
+        parts = [self._part(transfer, microbatch) for transfer in transfers]
+        cause = str(error).strip()
+        timed_out = (
+            deadline is not None and time.monotonic() >= deadline
+        ) or "timed out" in cause.lower()
+        what = (
+            f"timed out after {self.config.timeout.total_seconds():g} s" if timed_out else "failed"
+        )
+        first_line = cause.splitlines()[0][:300] if cause else type(error).__name__
+        message = (
+            f"{self.topology.where()} {what} in {operation}{in_microbatch(microbatch)}: "
+            f"{'; '.join(parts)}. Cause: {first_line}"
+        )
+        kind = P2PTimeoutError if timed_out else P2PError
+        return kind(
+            message,
+            rank=self.topology.rank,
+            peer=transfers[0].peer,
+            operation=operation,
+            microbatch=microbatch,
+        )
+
+    def _part(self, transfer: Transfer, microbatch: int | None) -> str:
+        verb = "sending to" if transfer.sends else "receiving from"
+        other = "" if transfer.microbatch == microbatch else in_microbatch(transfer.microbatch)
+        return (
+            f"{verb} rank {transfer.peer} (stage {self.topology.stage_of(transfer.peer)}) "
+            f"{describe(transfer.described or transfer.specs)}{other}"
+        )
+
+
+def in_microbatch(microbatch: int | None) -> str:
+    """Text like " (microbatch 7)" for messages; empty when no microbatch was named."""
+    return "" if microbatch is None else f" (microbatch {microbatch})"
