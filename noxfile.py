@@ -173,7 +173,9 @@ def layers(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """Tests across packages, with the whole stack installed."""
-    _install(session, ALL_PACKAGES, *TEST_TOOLS, *(x for e in TEST_EXTRAS.values() for x in e))
+    # Pillow draws the schedule-trace picture of docs/pp-schedules.md (docs/examples).
+    extras = (x for e in TEST_EXTRAS.values() for x in e)
+    _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow")
     # The >>> examples in docs/*.md and the package READMEs run as doctests, so the docs
     # cannot drift from the code.
     readmes = sorted(str(path) for path in PACKAGES.glob("*/README.md"))
@@ -194,6 +196,7 @@ BENCHMARKS = [
     ("pp-comm", "p2p_overhead.py", ["--unbatched"], 2),
     ("pp-schedules", "schedules_vs_torch.py", [], 2),
     ("pp-schedules", "schedules_vs_torch.py", [], 4),
+    ("pp-schedules", "schedules_vs_torch.py", [], 8),
     ("pp-schedules", "synthetic_vs_simulator.py", [], 8),
     ("pp-optim", "grad_allreduce.py", [], 2),
 ]
@@ -201,7 +204,7 @@ BENCHMARKS = [
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: each prints JSON lines of ratios measured side by side in one run."""
+    """Benchmarks: each prints a table of ratios measured side by side in one run."""
     _install(session, LIBRARIES, "numpy")  # torch.distributed.pipelining needs numpy
     for package, script, arguments, ranks in BENCHMARKS:
         session.run(

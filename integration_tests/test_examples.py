@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -41,3 +42,32 @@ def test_p2p_pipeline_example_matches_a_single_process(torchrun: Torchrun, ranks
     done = torchrun(EXAMPLES / "p2p_pipeline.py", ranks)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{ranks} stages: gradients equal the single-process run: True" in done.stdout
+
+
+def test_schedule_trace_example_writes_measured_and_simulated_tracks(
+    torchrun: Torchrun, tmp_path: Path
+) -> None:
+    trace, png = tmp_path / "trace.json", tmp_path / "trace.png"
+    done = torchrun(
+        EXAMPLES / "schedule_trace.py", 2, "--microbatches", "4", "--forward-ms", "2",
+        "--backward-ms", "4", "--trace", str(trace), "--png", str(png),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "measured/simulated" in done.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    # Measured (pid 0) and simulated (pid 1) tracks for both ranks; 4 F and 4 B per rank each.
+    for pid in (0, 1):
+        for rank in (0, 1):
+            kinds = [e["cat"] for e in spans if (e["pid"], e["tid"]) == (pid, rank)]
+            assert kinds.count("forward") == 4
+            assert kinds.count("backward") == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedule_trace_example_refuses_an_unwritable_path_before_starting(
+    torchrun: Torchrun, tmp_path: Path
+) -> None:
+    done = torchrun(EXAMPLES / "schedule_trace.py", 2, "--trace", str(tmp_path / "no" / "t.json"))
+    assert done.returncode != 0
+    assert "does not exist" in done.stdout + done.stderr

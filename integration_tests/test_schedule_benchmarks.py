@@ -19,10 +19,30 @@ def _records(done: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
 
 
 def test_schedules_against_torch_pipelining(torchrun: Torchrun) -> None:
-    args = ["--steps", "1", "--width", "16", "--rows", "2", "--microbatches", "4"]
+    args = ["--steps", "1", "--width", "16", "--rows", "2", "--microbatches", "4", "--json"]
+    args += ["--forward-ms", "1", "--backward-ms", "2", "--blocks", "4"]
     records = _records(torchrun(BENCHMARKS / "schedules_vs_torch.py", 2, *args))
-    assert [r["schedule"] for r in records] == ["gpipe", "1f1b", "interleaved_1f1b"]
-    assert all(float(r["ratio"]) > 0 for r in records)  # type: ignore[arg-type]
+    assert [(r["model"], r["schedule"]) for r in records] == [
+        (model, name)
+        for model in ("sleep", "mlp")
+        for name in ("gpipe", "1f1b", "interleaved_1f1b")
+    ]
+    assert all(float(r["ours_vs_torch"]) > 0 for r in records)  # type: ignore[arg-type]
+    # Sleep stages have a theoretical makespan: the plan's, with zero transfer time.
+    sleep = [r for r in records if r["model"] == "sleep"]
+    assert [r["nominal_ms"] for r in sleep] == [15.0, 15.0, 13.5]
+    assert all(r["theory_ms"] >= r["nominal_ms"] for r in sleep)
+
+
+def test_the_table_has_a_goal_and_a_verdict_per_row(torchrun: Torchrun) -> None:
+    args = ["--steps", "1", "--microbatches", "2", "--models", "sleep", "--schedules", "1f1b"]
+    args += ["--forward-ms", "1", "--backward-ms", "2"]
+    done = torchrun(BENCHMARKS / "schedules_vs_torch.py", 2, *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("config", "sleep"))]
+    assert lines[0].split()[:3] == ["configuration", "ours", "ms"]
+    assert lines[1].startswith("sleep 1f1b pp2 vp1 m2")
+    assert lines[1].split()[-1] in ("yes", "NO")
 
 
 def test_synthetic_stages_against_the_simulator(torchrun: Torchrun) -> None:

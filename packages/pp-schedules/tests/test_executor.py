@@ -5,15 +5,24 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
 
 from pp_comm import CommConfig, P2PCommunicator
-from pp_schedules import ScheduleConfig, get_forward_backward_func, plan, validate
+from pp_schedules import (
+    PlanError,
+    ScheduleConfig,
+    get_forward_backward_func,
+    parse_schedule,
+    plan,
+    validate,
+)
+from pp_state import Placement
 from pp_testing import (
+    StageStack,
     reference_run,
     run_distributed,
     stage_chunks,
@@ -23,6 +32,16 @@ from pp_testing import (
 )
 
 WIDTH, SEQ, BATCH, LAYERS = 8, 3, 2, 8
+
+
+def _chunks(
+    layers: Sequence[torch.nn.Module], pp: int, vp: int, rank: int, **kwargs: Any
+) -> list[StageStack]:
+    """This rank's chunks under Megatron's looped placement."""
+    placement = Placement.looped(pp, vp)
+    return stage_chunks(
+        layers, stages=placement.stages[rank], num_stages=placement.num_stages, **kwargs
+    )
 
 
 def _step(  # noqa: PLR0917 - run_distributed passes arguments by position
@@ -35,9 +54,7 @@ def _step(  # noqa: PLR0917 - run_distributed passes arguments by position
 ) -> dict[str, Any]:
     comm_config = comm_config or CommConfig(timeout=datetime.timedelta(seconds=60))
     comm = P2PCommunicator(None, config=comm_config)
-    chunks = stage_chunks(
-        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=vp, rank=comm.stage
-    )
+    chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, vp, comm.stage)
     data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
     forward_backward = get_forward_backward_func(comm, vp_size=vp, config=config)
     store = forward_backward(
@@ -78,11 +95,11 @@ def _dealloc(deallocate: bool) -> dict[str, Any]:
     # Stages end in a residual add, which keeps no reference to its output for backward:
     # once sent and deallocated, an output is kept alive only by its in-flight send.
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
-    chunks = stage_chunks(
+    chunks = _chunks(
         tiny_layers(LAYERS, WIDTH),
-        pp_size=comm.num_stages,
-        vp_size=1,
-        rank=comm.stage,
+        comm.num_stages,
+        1,
+        comm.stage,
         final_activation=False,
     )
     data = tiny_microbatches(8, seq=SEQ, batch=BATCH, width=WIDTH)
@@ -109,8 +126,9 @@ def test_deallocating_sent_outputs_cuts_the_bytes_held() -> None:
     freed = run_distributed(_dealloc, 4, True)
     output_bytes = SEQ * BATCH * WIDTH * 4
     for rank in range(3):  # every stage but the last sends its outputs
-        # 1F1B holds at most 4 - rank outputs; freed ones shrink to one element each.
-        assert kept[rank]["bytes"] - freed[rank]["bytes"] == (4 - rank) * (output_bytes - 4)
+        # 1F1B holds at most 4 - rank outputs; freed ones shrink to one element each once
+        # their send is posted (at the peak the newest is still whole, awaiting its send).
+        assert kept[rank]["bytes"] - freed[rank]["bytes"] == (3 - rank) * (output_bytes - 4)
         # The in-flight sends still hold the buffers (gloo completes sends once waited).
         assert freed[rank]["in_flight"] > 0
     assert freed[3]["bytes"] == kept[3]["bytes"]
@@ -177,9 +195,7 @@ def _note_sync(flags: list[bool], recorder: _Recorder) -> Callable[[torch.Tensor
 
 def _no_sync_pattern(vp: int, m: int) -> dict[int, list[bool]]:
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
-    chunks = stage_chunks(
-        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=vp, rank=comm.stage
-    )
+    chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, vp, comm.stage)
     recorders = [_Recorder() for _ in range(vp)]
     seen: dict[int, list[bool]] = {chunk: [] for chunk in range(vp)}
     for chunk, stage in enumerate(chunks):
@@ -223,9 +239,7 @@ def _timed() -> dict[str, int]:
             counts[f"{self.name} stop"] += 1
 
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
-    chunks = stage_chunks(
-        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=1, rank=comm.stage
-    )
+    chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, 1, comm.stage)
     data = tiny_microbatches(3, seq=SEQ, batch=BATCH, width=WIDTH)
     forward_backward = get_forward_backward_func(
         comm, config=ScheduleConfig(hidden_size=WIDTH, timers=Timer)
@@ -249,7 +263,7 @@ def test_compute_timers_wrap_every_step() -> None:
 def test_one_stage_runs_without_a_communicator() -> None:
     layers = tiny_layers(LAYERS, WIDTH)
     data = tiny_microbatches(3, seq=SEQ, batch=BATCH, width=WIDTH)
-    (stage,) = stage_chunks(layers, pp_size=1, vp_size=1, rank=0)
+    (stage,) = _chunks(layers, 1, 1, 0)
     forward_backward = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
     assert forward_backward.schedule == "no_pipelining"
     store = forward_backward(
@@ -317,9 +331,7 @@ def test_interleaving_refuses_shared_iterators_and_a_single_no_sync() -> None:
 
 def _per_token_loss_and_failure() -> dict[str, Any]:
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=30)))
-    chunks = stage_chunks(
-        tiny_layers(LAYERS, WIDTH), pp_size=comm.num_stages, vp_size=1, rank=comm.stage
-    )
+    chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, 1, comm.stage)
     data = tiny_microbatches(2, seq=SEQ, batch=BATCH, width=WIDTH)
     plain = tiny_forward_step()
 
@@ -378,3 +390,129 @@ def test_per_token_losses_bad_flags_and_a_failed_step() -> None:
         "broken by an earlier failure (a pipeline step failed: RuntimeError)"
         in results[0]["after_failure"]
     )
+
+
+# ------------------------------------------------------------------------ the plan is what runs
+class _SpyCommunicator(P2PCommunicator):
+    """Records each pp-comm call as the slots and microbatches of its messages."""
+
+    calls: list[list[tuple[str, int | None]]]
+
+    def exchange(self, messages: Any, **kwargs: Any) -> Any:
+        self.calls.append([(m.slot, m.microbatch) for m in messages])
+        return super().exchange(messages, **kwargs)
+
+    def communicate(self, **kwargs: Any) -> Any:  # nothing else may communicate
+        self.calls.append([("communicate", None)])
+        return super().communicate(**kwargs)
+
+
+ONE_F_ONE_B = """\
+rank 0: F0 SEND_F0 F1 SEND_F1+RECV_B0 B0 RECV_B1 B1
+rank 1: RECV_F0 F0 B0 SEND_B0+RECV_F1 F1 B1 SEND_B1
+"""
+EDITS = {
+    "as lowered": ONE_F_ONE_B,
+    "split": ONE_F_ONE_B.replace("SEND_F1+RECV_B0", "SEND_F1 RECV_B0"),
+    "merged": ONE_F_ONE_B.replace("SEND_F1+RECV_B0 B0 RECV_B1", "SEND_F1+RECV_B0+RECV_B1 B0"),
+    "moved": ONE_F_ONE_B.replace("B0 SEND_B0+RECV_F1 F1 B1", "B0 RECV_F1 F1 SEND_B0 B1"),
+}
+
+
+def _spied_step(text: str, forward_only: bool = False) -> dict[str, Any]:
+    comm = _SpyCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=30)))
+    comm.calls = []
+    written = parse_schedule(text)
+    chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, written.vp_size, comm.stage)
+    data = tiny_microbatches(written.num_microbatches, seq=SEQ, batch=BATCH, width=WIDTH)
+    forward_backward = get_forward_backward_func(
+        comm, config=ScheduleConfig(hidden_size=WIDTH), plan=text
+    )
+    forward_backward.record_timeline()
+    try:
+        store = forward_backward(
+            forward_step_func=tiny_forward_step(), data_iterator=iter(data), model=chunks,
+            num_microbatches=written.num_microbatches, seq_length=SEQ, micro_batch_size=BATCH,
+            forward_only=forward_only,
+        )  # fmt: skip
+    except PlanError as error:
+        return {"error": str(error), "calls": comm.calls}
+    finally:
+        comm.destroy()
+    return {
+        "calls": comm.calls,
+        "losses": [float(d["lm loss"]) for d in store],
+        "grads": [layer.weight.grad for chunk in chunks for layer in chunk.layers],
+        "timeline": [(s.name, s.kind) for s in forward_backward.timeline],
+    }
+
+
+def _expected_calls(text: str, rank: int) -> list[list[tuple[str, int | None]]]:
+    steps = validate(parse_schedule(text)).steps[rank]
+    return [
+        [(m.slot, m.action.microbatch) for m in step.exchange.messages]
+        for step in steps
+        if step.exchange is not None
+    ]
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_each_exchange_of_the_plan_is_one_pp_comm_call(edit: str) -> None:
+    text = EDITS[edit]
+    results = run_distributed(_spied_step, 2, text, timeout=120)
+    for rank, result in enumerate(results):
+        # The executed transfers are exactly the plan's exchanges, in order, nothing else.
+        assert result["calls"] == _expected_calls(text, rank)
+        # Every compute step and exchange shows in the measured timeline, in plan order.
+        steps = validate(parse_schedule(text)).steps[rank]
+        assert [name for name, _ in result["timeline"]] == [str(step) for step in steps]
+    data = tiny_microbatches(2, seq=SEQ, batch=BATCH, width=WIDTH)
+    expected_losses, expected_grads = reference_run(tiny_layers(LAYERS, WIDTH), data)
+    assert results[1]["losses"] == pytest.approx(expected_losses, rel=1e-6)
+    grads = results[0]["grads"] + results[1]["grads"]
+    for got, (weight, _) in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, weight, rtol=1e-5, atol=1e-7)
+
+
+def test_the_calls_change_with_the_plan() -> None:
+    assert _expected_calls(EDITS["split"], 0) != _expected_calls(EDITS["as lowered"], 0)
+    assert len(_expected_calls(EDITS["merged"], 0)) == len(_expected_calls(ONE_F_ONE_B, 0)) - 1
+    assert _expected_calls(EDITS["moved"], 1) != _expected_calls(ONE_F_ONE_B, 1)
+
+
+def test_an_invalid_plan_is_refused_with_the_grid_before_any_transfer() -> None:
+    stuck = "rank 0: F0 RECV_B0 SEND_F0 B0\nrank 1: RECV_F0 F0 B0 SEND_B0\n"
+    results = run_distributed(_spied_step, 2, stuck, timeout=60)
+    for result in results:
+        assert result["calls"] == []
+        assert result["error"].startswith("the plan deadlocks: rank 0 waits at step 1 (RECV_B0)")
+        assert "rank 1: [RECV_F0]" in result["error"]
+
+
+def test_forward_only_runs_the_plans_forward_steps() -> None:
+    results = run_distributed(_spied_step, 2, EDITS["moved"], True, timeout=60)
+    assert results[0]["calls"] == [[("send_next", 0)], [("send_next", 1)]]
+    assert results[1]["calls"] == [[("recv_prev", 0)], [("recv_prev", 1)]]
+    assert all(kind in ("F", "exchange") for _, kind in results[1]["timeline"])
+
+
+def test_timeline_is_off_unless_asked() -> None:
+    forward_backward = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
+    (stage,) = _chunks(tiny_layers(LAYERS, WIDTH), 1, 1, 0)
+    data = tiny_microbatches(2, seq=SEQ, batch=BATCH, width=WIDTH)
+    arguments: dict[str, Any] = {
+        "forward_step_func": tiny_forward_step(), "model": [stage], "num_microbatches": 2,
+        "seq_length": SEQ, "micro_batch_size": BATCH,
+    }  # fmt: skip
+    forward_backward(data_iterator=iter(data), **arguments)
+    assert forward_backward.timeline == []
+    forward_backward.record_timeline()
+    forward_backward(data_iterator=iter(data), **arguments)
+    assert [s.name for s in forward_backward.timeline] == ["F0", "B0", "F1", "B1"]
+    assert all(s.end >= s.start for s in forward_backward.timeline)
+
+
+def test_a_plan_for_other_microbatches_is_refused() -> None:
+    forward_backward = get_forward_backward_func(None, plan="F0 B0 F1 B1")
+    with pytest.raises(ValueError, match="the plan covers 2 microbatches, but this step runs 3"):
+        forward_backward.plan_for(3, forward_only=False)

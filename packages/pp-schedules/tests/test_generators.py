@@ -61,7 +61,8 @@ def test_refuses_what_megatron_refuses_and_says_what_would_work(config: dict[str
 @pytest.mark.parametrize("pp", [4, 5, 8])
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_one_f_one_b_rules_beyond_the_golden_sizes(pp: int, m: int) -> None:
-    for rank, actions in enumerate(plan("1f1b", pp_size=pp, num_microbatches=m)):
+    for rank, row in enumerate(plan("1f1b", pp_size=pp, num_microbatches=m)):
+        actions = list(row)
         warmup = min(pp - rank - 1, m)
         assert actions[:warmup] == [Action("F", i) for i in range(warmup)]
         # Then strict alternation F, B while forwards remain, then the remaining backwards.

@@ -6,7 +6,11 @@
   rank x step grid on failure; `simulate(...)`: makespan, bubbles, activation memory, ASCII
   and Chrome-trace timelines.
 
-- `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm.
+- `Plan`, `parse_schedule`, `format_schedule`: a plan as data (actions, placement, and its
+  own exchanges if written), read from and written to text (torch's action strings too).
+- `chrome_trace`, `summary`: measured timelines beside the simulator's.
+- `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm; it walks
+  the validated plan's steps.
 
 The planning modules import no torch; the executor's names load it on first use.
 """
@@ -28,6 +32,7 @@ from pp_schedules.generators import (
     plan,
 )
 from pp_schedules.lowering import Exchange, Message, Step, lower, lowered_actions
+from pp_schedules.plans import Plan, as_plan, format_schedule, parse_schedule
 from pp_schedules.simulation import (
     Costs,
     Simulation,
@@ -36,17 +41,32 @@ from pp_schedules.simulation import (
     ideal_makespan,
     simulate,
 )
+from pp_schedules.timeline import (
+    MeasuredSpan,
+    TimelineRecorder,
+    chrome_trace,
+    measured_makespan,
+    summary,
+)
 from pp_schedules.validation import PlanError, PlanReport, render_grid, validate
+from pp_state.placement import Placement
 
 if TYPE_CHECKING:
     from pp_schedules.executor import (
         ForwardStepFunc,
         PipelineExecutor,
+        PlanLike,
         RunStats,
         ScheduleConfig,
         custom_backward,
         deallocate_output_tensor,
         get_forward_backward_func,
+    )
+    from pp_schedules.profiling import (
+        check_trace_path,
+        gather_timeline,
+        measured_costs,
+        write_schedule_trace,
     )
 
 __version__ = _version("pp-schedules")
@@ -54,6 +74,7 @@ __version__ = _version("pp-schedules")
 _EXECUTOR = {
     "ForwardStepFunc",
     "PipelineExecutor",
+    "PlanLike",
     "RunStats",
     "ScheduleConfig",
     "custom_backward",
@@ -62,9 +83,14 @@ _EXECUTOR = {
 }
 
 
+_PROFILING = {"check_trace_path", "gather_timeline", "measured_costs", "write_schedule_trace"}
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXECUTOR:
         return getattr(importlib.import_module("pp_schedules.executor"), name)
+    if name in _PROFILING:
+        return getattr(importlib.import_module("pp_schedules.profiling"), name)
     raise AttributeError(f"module 'pp_schedules' has no attribute {name!r}")
 
 
@@ -76,20 +102,30 @@ __all__ = [
     "Costs",
     "Exchange",
     "ForwardStepFunc",
+    "MeasuredSpan",
     "Message",
     "PipelineExecutor",
+    "Placement",
+    "Plan",
     "PlanError",
+    "PlanLike",
     "PlanReport",
     "RunStats",
     "ScheduleConfig",
     "Simulation",
     "Span",
     "Step",
+    "TimelineRecorder",
     "__version__",
+    "as_plan",
     "bubble_formula",
+    "check_trace_path",
+    "chrome_trace",
     "custom_backward",
     "deallocate_output_tensor",
     "format_plan",
+    "format_schedule",
+    "gather_timeline",
     "get_forward_backward_func",
     "gpipe",
     "ideal_makespan",
@@ -97,12 +133,17 @@ __all__ = [
     "interleaved_table",
     "lower",
     "lowered_actions",
+    "measured_costs",
+    "measured_makespan",
     "no_pipelining",
     "one_f_one_b",
     "parse_action",
     "parse_plan",
+    "parse_schedule",
     "plan",
     "render_grid",
     "simulate",
+    "summary",
     "validate",
+    "write_schedule_trace",
 ]

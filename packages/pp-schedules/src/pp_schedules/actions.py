@@ -5,8 +5,8 @@ Pure Python: planning code imports no torch, so it is tested in milliseconds.
 A compute action is ``F`` (forward) or ``B`` (backward) of one microbatch on one model chunk.
 Lowering adds communication actions: ``SEND_F`` / ``RECV_F`` move the activations of a
 (microbatch, chunk) to / from the next virtual stage, ``SEND_B`` / ``RECV_B`` its gradients to
-/ from the previous one. Virtual stage ``chunk * pp_size + rank`` is chunk ``chunk`` on rank
-``rank`` (Megatron's layout).
+/ from the previous one. Which virtual stage a chunk holds is the plan's placement
+(`pp_state.Placement`).
 
 String form: ``F3`` is the forward of microbatch 3 on chunk 0, ``B3.1`` the backward of
 microbatch 3 on chunk 1, ``SEND_F3.1`` sends the activations of that forward.

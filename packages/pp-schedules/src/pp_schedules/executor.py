@@ -9,9 +9,13 @@ an injected ``grad_scale_func``, DDP gradient sync off for all but the last micr
 chunk, outputs deallocated once sent (with the custom backward that allows it), and the list
 of loss dicts returned on the last stage.
 
-It runs a plan the way `validate` checks it: sends are posted as soon as their tensor exists
-and completed in the background; a receive is posted and waited for right before the step that
-needs it.
+It runs exactly the plan `validate` approved: for each rank it walks the lowered steps in
+order, each compute step one forward or backward and each exchange one pp-comm call posting its
+sends and receives together. It waits for an exchange's receives at once and lets its sends
+complete in the background; a send is waited for (and its buffers freed) as soon as the plan
+shows that the peer has received it, or at the end of the call. Which stage each chunk holds,
+and so where tensors go, comes from the plan's placement; between two chunks of one rank (the
+turn of a V) a tensor is handed over in memory.
 """
 
 from __future__ import annotations
@@ -25,14 +29,19 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from pp_comm import NullTimers, P2PCommunicator, P2PHandle, Timers
+from pp_comm import NullTimers, P2PCommunicator, P2PHandle, P2PMessage, Timers
 from pp_schedules.actions import Action
 from pp_schedules.generators import plan
-from pp_schedules.validation import PlanReport, validate
+from pp_schedules.lowering import Exchange, Message, Step
+from pp_schedules.plans import Plan, as_plan
+from pp_schedules.timeline import MeasuredSpan, TimelineRecorder
+from pp_schedules.validation import PlanReport, sends_delivered, validate
+from pp_state.placement import Placement
 
 __all__ = [
     "ForwardStepFunc",
     "PipelineExecutor",
+    "PlanLike",
     "RunStats",
     "ScheduleConfig",
     "custom_backward",
@@ -42,6 +51,9 @@ __all__ = [
 
 ForwardStepFunc = Callable[..., tuple[Any, Callable[..., Any]]]
 """``forward_step_func(data_iterator, model_chunk) -> (output, loss_func)``."""
+
+PlanLike = Plan | str | Sequence[Sequence[Action]]
+"""A plan, its text form (see `pp_schedules.parse_schedule`), or compute action lists."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +67,14 @@ class ScheduleConfig:
     schedule: str | None = None
     """A schedule name for `pp_schedules.plan`; by default no_pipelining for one stage,
     interleaved_1f1b with virtual stages, 1f1b otherwise."""
+
+    plan: PlanLike | None = None
+    """A plan to run instead of a named schedule: a `Plan`, its text, or compute action lists.
+    It is validated before anything is sent; a forward-only call runs its forward steps."""
+
+    placement: str | Placement | None = None
+    """Which virtual stage each chunk holds for a named schedule: "looped" (Megatron's, the
+    default) or "v"; a given plan carries its own."""
 
     microbatch_group_size_per_vp_stage: int | None = None
     """Interleaving group size (the pipeline size by default)."""
@@ -165,7 +185,7 @@ def _wrapped_attr(module: torch.nn.Module, name: str) -> Any:
 
 
 class PipelineExecutor:
-    """Runs a schedule's plan on this rank's model chunks; see `get_forward_backward_func`."""
+    """Runs a validated plan on this rank's model chunks; see `get_forward_backward_func`."""
 
     def __init__(
         self,
@@ -173,17 +193,30 @@ class PipelineExecutor:
         *,
         vp_size: int | None = None,
         config: ScheduleConfig | None = None,
+        plan: PlanLike | None = None,
     ) -> None:
-        """Bind to a pipeline (None: a single stage) and a config."""
+        """Bind to a pipeline (None: a single stage), a config and optionally a plan.
+
+        Raises:
+            ValueError: A plan or placement that does not fit the pipeline, or a split rank
+                with virtual stages.
+        """
         self.communicator = communicator
         self.config = config or ScheduleConfig()
         self.pp_size = communicator.num_stages if communicator is not None else 1
         self.rank = communicator.stage if communicator is not None else 0
+        given = plan if plan is not None else self.config.plan
+        self.user_plan = None if given is None else as_plan(given)
+        if self.user_plan is not None and vp_size is None:
+            vp_size = self.user_plan.vp_size
         self.vp_size = vp_size or 1
+        self.placement = self._placement()
         self.schedule = self.config.schedule or (
             "no_pipelining"
-            if self.pp_size == 1
+            if self.pp_size == 1 and self.vp_size == 1
             else "interleaved_1f1b"
+            if self.vp_size > 1 and self.placement.name == "looped"
+            else "gpipe"
             if self.vp_size > 1
             else "1f1b"
         )
@@ -195,57 +228,82 @@ class PipelineExecutor:
                 f"{self.pp_size - 1}) and no virtual stages (vp_size {self.vp_size})"
             )
         self.stats = RunStats()
-        self._plans: dict[tuple[int, bool], PlanReport] = {}
+        self.timeline: list[MeasuredSpan] = []
+        self._recording = False
+        self._plans: dict[tuple[int, bool], _Prepared] = {}
+
+    def _placement(self) -> Placement:
+        if self.user_plan is not None:
+            placement = self.user_plan.placement
+            if (placement.pp_size, placement.vp_size) != (self.pp_size, self.vp_size):
+                raise ValueError(
+                    f"the plan is for {placement.pp_size} ranks x {placement.vp_size} chunks, "
+                    f"but the pipeline has {self.pp_size} ranks and vp_size {self.vp_size}"
+                )
+            if self.config.placement is not None and str(self.config.placement) != str(placement):
+                raise ValueError(
+                    f"the plan runs on placement {placement}, but the config asks for "
+                    f"{self.config.placement}"
+                )
+            return placement
+        chosen = self.config.placement
+        if isinstance(chosen, Placement):
+            return chosen
+        return Placement.named(chosen or "looped", self.pp_size, self.vp_size)
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        """Record every compute step and exchange of the following calls in `timeline`."""
+        self._recording = enabled
 
     def plan_for(
         self, num_microbatches: int, forward_only: bool
     ) -> tuple[list[Action], PlanReport]:
-        """This rank's actions and the validated plan (cached per microbatch count)."""
+        """This rank's compute actions and the validated plan (cached per microbatch count).
+
+        Raises:
+            ValueError: The schedule refuses the configuration, or a given plan is for
+                another number of microbatches.
+            PlanError: The plan is invalid (the message draws the grid).
+        """
+        prepared = self._prepared(num_microbatches, forward_only)
+        report = prepared.report
+        return [s.compute for s in report.steps[self.rank] if s.compute is not None], report
+
+    def _prepared(self, num_microbatches: int, forward_only: bool) -> _Prepared:
         key = (num_microbatches, forward_only)
         if key not in self._plans:
-            actions = plan(
+            report = validate(
+                self._plan(num_microbatches, forward_only),
+                num_microbatches=num_microbatches,
+                forward_only=forward_only,
+            )
+            self._plans[key] = _Prepared(report, sends_delivered(report.steps)[self.rank])
+        return self._plans[key]
+
+    def _plan(self, num_microbatches: int, forward_only: bool) -> Plan:
+        if self.user_plan is None:
+            return plan(
                 self.schedule,
                 pp_size=self.pp_size,
                 num_microbatches=num_microbatches,
                 vp_size=self.vp_size,
                 microbatch_group_size_per_vp_stage=self.config.microbatch_group_size_per_vp_stage,
                 forward_only=forward_only,
+                placement=self.placement,
             )
-            self._plans[key] = validate(
-                actions,
-                num_microbatches=num_microbatches,
-                vp_size=self.vp_size,
-                forward_only=forward_only,
+        chosen = self.user_plan.without_backward() if forward_only else self.user_plan
+        if chosen.num_microbatches != num_microbatches:
+            raise ValueError(
+                f"the plan covers {chosen.num_microbatches} microbatches, but this step runs "
+                f"{num_microbatches}; give a plan for {num_microbatches} or change "
+                "num_microbatches"
             )
-        report = self._plans[key]
-        return [
-            step.compute for step in report.steps[self.rank] if step.compute is not None
-        ], report
+        return chosen
 
-    def __call__(
-        self,
-        *,
-        forward_step_func: ForwardStepFunc,
-        data_iterator: Any,
-        model: torch.nn.Module | Sequence[torch.nn.Module],
-        num_microbatches: int,
-        seq_length: int,
-        micro_batch_size: int,
-        decoder_seq_length: int | None = None,
-        forward_only: bool = False,
-        collect_non_loss_data: bool = False,
-    ) -> list[Any]:
-        """Run forward (and backward) of `num_microbatches` microbatches over the pipeline.
-
-        Returns:
-            On the last stage, what each microbatch's ``loss_func`` reported (its loss dict, or
-            with `collect_non_loss_data` and `forward_only` its non-loss data); elsewhere [].
-
-        Raises:
-            ValueError: The model chunks or data iterators do not match the virtual size, a
-                single no_sync_func or shared iterator comes with virtual stages, or
-                `collect_non_loss_data` comes without `forward_only`.
-        """
+    def _check_call(
+        self, model: Any, data_iterator: Any, collect: bool, fwd: bool
+    ) -> tuple[list[torch.nn.Module], Sequence[Any]]:
+        """The call's chunks and per-chunk iterators, after checking they fit the executor."""
         chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
         iterators = (
             data_iterator
@@ -271,175 +329,281 @@ class PipelineExecutor:
                 f"with {self.vp_size} model chunks, no_sync_func must be a list with one context "
                 "factory per chunk (each chunk re-enables gradient sync for its last microbatch)"
             )
-        if collect_non_loss_data and not forward_only:
+        if collect and not fwd:
             raise ValueError(
                 "collect_non_loss_data needs forward_only=True: there is no loss to backward"
             )
-        actions, _ = self.plan_for(num_microbatches, forward_only)
+        return chunks, iterators
+
+    def __call__(
+        self,
+        *,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Any,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+    ) -> list[Any]:
+        """Run forward (and backward) of `num_microbatches` microbatches over the pipeline.
+
+        Walks this rank's steps of the validated plan in order: each compute step is one
+        forward or backward, each exchange one pp-comm call; nothing else communicates.
+
+        Returns:
+            On the rank holding the last stage, what each microbatch's ``loss_func`` reported
+            (its loss dict, or with `collect_non_loss_data` and `forward_only` its non-loss
+            data); elsewhere [].
+
+        Raises:
+            ValueError: The model chunks or data iterators do not match the virtual size, a
+                single no_sync_func or shared iterator comes with virtual stages,
+                `collect_non_loss_data` comes without `forward_only`, or the plan does not
+                fit the call.
+            PlanError: The plan is invalid; nothing was sent.
+        """
+        chunks, iterators = self._check_call(
+            model, data_iterator, collect_non_loss_data, forward_only
+        )
+        prepared = self._prepared(num_microbatches, forward_only)
         run = _Run(
             self,
-            chunks,
-            iterators,
-            actions,
-            num_microbatches=num_microbatches,
-            seq_and_batch=(seq_length, micro_batch_size),
-            decoder_seq_length=decoder_seq_length,
-            forward_only=forward_only,
+            _Call(
+                chunks=chunks,
+                iterators=iterators,
+                forward_step_func=forward_step_func,
+                num_microbatches=num_microbatches,
+                seq_and_batch=(seq_length, micro_batch_size),
+                decoder_seq_length=decoder_seq_length,
+                forward_only=forward_only,
+                collect_non_loss_data=collect_non_loss_data,
+            ),
+            prepared,
         )
         try:
-            with run.sync_control():
-                for action in actions:
-                    if action.kind == "F":
-                        run.forward(action, forward_step_func, collect_non_loss_data)
-                    else:
-                        run.backward(action)
-            run.finish()
+            run.walk()
         except BaseException as error:
             # Sends of this step may still be pending; a later step would receive them.
             if self.communicator is not None:
                 self.communicator.invalidate(f"a pipeline step failed: {type(error).__name__}")
             raise
         self.stats = run.stats
+        self.timeline = run.recorder.spans if run.recorder is not None else []
         return run.store
 
 
-class _Run:
-    """One call's state on one rank."""
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A validated plan and, for this rank, where its sends are known to have arrived."""
 
-    def __init__(
-        self,
-        executor: PipelineExecutor,
-        chunks: list[torch.nn.Module],
-        iterators: Sequence[Any],
-        actions: Sequence[Action],
-        *,
-        num_microbatches: int,
-        seq_and_batch: tuple[int, int],
-        decoder_seq_length: int | None,
-        forward_only: bool,
-    ) -> None:
+    report: PlanReport
+    delivered: dict[int, list[int]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Call:
+    """The arguments of one call."""
+
+    chunks: list[torch.nn.Module]
+    iterators: Sequence[Any]
+    forward_step_func: ForwardStepFunc
+    num_microbatches: int
+    seq_and_batch: tuple[int, int]
+    decoder_seq_length: int | None
+    forward_only: bool
+    collect_non_loss_data: bool
+
+
+_Key = tuple[int, int]  # (microbatch, chunk)
+
+
+class _Run:
+    """One call's state on one rank: it walks the rank's lowered steps."""
+
+    def __init__(self, executor: PipelineExecutor, call: _Call, prepared: _Prepared) -> None:
         self.x = executor
-        self.chunks = chunks
-        self.iterators = iterators
-        self.num_microbatches = num_microbatches
-        self.forward_only = forward_only
+        self.call = call
+        self.steps = prepared.report.steps[executor.rank]
+        self.delivered = prepared.delivered
+        self.placement = executor.placement
         hidden = executor.config.hidden_size
-        seq, batch = seq_and_batch
+        seq, batch = call.seq_and_batch
         self.shape: tuple[int, ...] | None = None if hidden is None else (seq, batch, hidden)
         self.decoder_shape: tuple[int, ...] | None = (
-            None if hidden is None else (decoder_seq_length or seq, batch, hidden)
+            None if hidden is None else (call.decoder_seq_length or seq, batch, hidden)
         )
         self.split = executor.config.pipeline_model_parallel_split_rank
-        self.inputs: dict[tuple[int, int], list[torch.Tensor] | None] = {}
-        self.outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self.pending: list[P2PHandle] = []
+        self.inputs: dict[_Key, list[torch.Tensor] | None] = {}
+        self.outputs: dict[_Key, list[torch.Tensor]] = {}
+        # Tensors between a step and the exchange that moves them, by (channel, mb, chunk).
+        self.arrived: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self.to_send: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        # Hand-overs between chunks of this rank (the turn of a V).
+        self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self.pending: dict[int, P2PHandle] = {}
         self.store: list[Any] = []
         self.stats = RunStats()
+        self.recorder = TimelineRecorder(executor.rank) if executor._recording else None
+        actions = [s.compute for s in self.steps if s.compute is not None]
         # Each chunk's last backward re-enables its gradient sync.
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "B"}
         self.sync_stacks: dict[int, contextlib.ExitStack] = {}
 
-    # -------------------------------------------------------------------- stage geometry
-    def _virtual(self, chunk: int) -> int:
-        return chunk * self.x.pp_size + self.x.rank
+    def walk(self) -> None:
+        """Run every step of this rank in order, then complete the sends still in flight."""
+        with self.sync_control():
+            for index, step in enumerate(self.steps):
+                if step.compute is None:
+                    assert step.exchange is not None
+                    self.exchange(index, step.exchange)
+                elif step.compute.kind == "F":
+                    self.forward(step.compute)
+                else:
+                    self.backward(step.compute)
+                for done in self.delivered.get(index, ()):
+                    self.pending.pop(done).wait()
+        self.finish()
 
+    # -------------------------------------------------------------------- stage geometry
     def _first(self, chunk: int) -> bool:
-        return self._virtual(chunk) == 0
+        return self.placement.is_first(self.x.rank, chunk)
 
     def _last(self, chunk: int) -> bool:
-        return self._virtual(chunk) == self.x.pp_size * self.x.vp_size - 1
+        return self.placement.is_last(self.x.rank, chunk)
+
+    def _local_neighbour(self, chunk: int, step: int) -> int | None:
+        """The chunk of this rank `step` stages away, if that stage is on this rank."""
+        neighbour = self.placement.neighbour(self.x.rank, chunk, step)
+        return neighbour[1] if neighbour is not None and neighbour[0] == self.x.rank else None
 
     def _decoder(self, stage: int) -> bool:
-        """Whether `stage` runs the decoder of an encoder-decoder model."""
+        """Whether pipeline rank `stage` runs the decoder of an encoder-decoder model."""
         return self.split is not None and stage >= self.split
 
-    def _shapes_sent_by(self, stage: int) -> list[tuple[int, ...] | None]:
+    def _shapes_sent_by(self, stage: int) -> tuple[tuple[int, ...] | None, ...]:
         """What `stage` sends on (Megatron's get_tensor_shapes); decoders add encoder output."""
         if self._decoder(stage):
-            return [self.decoder_shape, self.shape]
-        return [self.shape]
+            return (self.decoder_shape, self.shape)
+        return (self.shape,)
 
     # -------------------------------------------------------------------- communication
-    def _receive(self, from_prev: bool, microbatch: int) -> list[torch.Tensor]:
-        comm = self.x.communicator
-        assert comm is not None
-        stage = self.x.rank
-        received_prev, received_next, _ = comm.communicate(
-            recv_prev=from_prev,
-            recv_next=not from_prev,
-            tensor_shapes=self._shapes_sent_by(stage - 1 if from_prev else stage),
-            operation="recv_forward" if from_prev else "recv_backward",
-            microbatch=microbatch,
-            requires_grad=from_prev and not self.forward_only,
+    def _message(self, message: Message) -> P2PMessage:
+        action = message.action
+        key = (message.channel, action.microbatch, action.chunk)
+        if message.is_send:
+            # The transfer reads through detached aliases, which keep the storage alive until
+            # the send completes; the stage's own tensors can let go of it at once.
+            tensors = [t.detach() for t in self.to_send.pop(key)]
+            return P2PMessage(slot=message.slot, tensors=tensors, microbatch=action.microbatch)
+        activations = message.channel == "forward"
+        sender = message.peer if activations else self.x.rank
+        return P2PMessage(
+            slot=message.slot,
+            shapes=self._shapes_sent_by(sender),
+            requires_grad=activations and not self.call.forward_only,
+            microbatch=action.microbatch,
         )
-        received = received_prev if from_prev else received_next
-        return _as_list(received)
 
-    def _send(
-        self, to_next: bool, tensors: list[torch.Tensor], microbatch: int, free: list[torch.Tensor]
-    ) -> None:
+    def exchange(self, index: int, exchange: Exchange) -> None:
+        """Post the exchange as one pp-comm call; wait for its receives, not its sends."""
         comm = self.x.communicator
-        assert comm is not None
-        # The transfer reads through detached aliases, which keep the storage alive until the
-        # send completes; the stage's own tensors can let go of it at once (Megatron frees
-        # outputs right after sending; only their autograd nodes are needed for backward).
-        payload = [t.detach() for t in tensors]
-        _, _, handle = comm.communicate(
-            tensor_send_next=payload if to_next else None,
-            tensor_send_prev=None if to_next else payload,
-            async_op=True,
-            operation="send_forward" if to_next else "send_backward",
-            microbatch=microbatch,
-        )
-        deallocate_output_tensor(free)
-        self.pending.append(handle)
-        self._retire_sends(block=False)
+        assert comm is not None, "a plan with transfers needs a communicator"
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        messages = [self._message(m) for m in exchange.messages]
+        received, handle = comm.exchange(messages, operation=exchange.operation, async_op=True)
+        handle.wait_recv()
+        for message, tensors in zip(exchange.messages, received, strict=True):
+            action = message.action
+            if tensors is not None:
+                self.arrived[(message.channel, action.microbatch, action.chunk)] = tensors
+            elif message.channel == "forward" and self.x.config.deallocate_pipeline_outputs:
+                deallocate_output_tensor(self._own_outputs((action.microbatch, action.chunk)))
+        if any(m.is_send for m in exchange.messages):
+            self.pending[index] = handle
+        if not self.call.forward_only:
+            self._measure()
+        if self.recorder is not None:
+            first = exchange.messages[0].action
+            self.recorder.add(
+                str(Step(exchange=exchange)), "exchange", first.microbatch, first.chunk,
+                start, self.recorder.now(),
+            )  # fmt: skip
 
-    def _retire_sends(self, block: bool) -> None:
-        """Drop sends that completed (all of them when `block`), releasing their buffers."""
-        still: list[P2PHandle] = []
-        for handle in self.pending:
-            if block or handle.is_completed():
-                handle.wait()
-            else:
-                still.append(handle)
-        self.pending = still
+    def _own_outputs(self, key: _Key) -> list[torch.Tensor]:
+        """The outputs this stage computed (not the encoder output it passes along)."""
+        outputs = self.outputs.get(key, [])
+        if self._decoder(self.x.rank) and len(outputs) > 1:
+            return outputs[:1]
+        return outputs
 
     # -------------------------------------------------------------------- compute
-    def forward(
-        self, action: Action, forward_step_func: ForwardStepFunc, collect_non_loss_data: bool
-    ) -> None:
+    def _inputs(self, action: Action) -> list[torch.Tensor] | None:
+        if self._first(action.chunk):
+            return None
+        producer = self._local_neighbour(action.chunk, -1)
+        if producer is not None:
+            return self.local.pop(("forward", action.microbatch, action.chunk))
+        return self.arrived.pop(("forward", action.microbatch, action.chunk))
+
+    def forward(self, action: Action) -> None:
         chunk, microbatch = action.chunk, action.microbatch
-        inputs = None if self._first(chunk) else self._receive(True, microbatch)
+        call = self.call
+        inputs = self._inputs(action)
         # Megatron hands set_input_tensor a list: [None] on the first stage.
-        _wrapped_attr(self.chunks[chunk], "set_input_tensor")(
+        _wrapped_attr(call.chunks[chunk], "set_input_tensor")(
             inputs if inputs is not None else [None]
         )
         timer = self.x.timers("forward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
         timer.start()
-        with torch.no_grad() if self.forward_only else contextlib.nullcontext():
-            output, loss_func = forward_step_func(self.iterators[chunk], self.chunks[chunk])
+        with torch.no_grad() if call.forward_only else contextlib.nullcontext():
+            output, loss_func = call.forward_step_func(call.iterators[chunk], call.chunks[chunk])
             outputs = _as_list(output)
             if self._last(chunk):
-                outputs = [self._loss(output, loss_func, collect_non_loss_data)]
+                outputs = [self._loss(output, loss_func)]
         timer.stop()
+        self._record(action, start)
         self.stats.steps += 1
-        own = list(outputs)
         if self._decoder(self.x.rank) and not self._last(chunk):
             assert inputs is not None
             outputs = [outputs[0], inputs[-1]]  # pass the encoder's output along
-        if not self._last(chunk):
-            freed = own if self.x.config.deallocate_pipeline_outputs else []
-            self._send(True, outputs, microbatch, free=freed)
-        if not self.forward_only:
+        self._hand_on(action, outputs, +1)
+        if not call.forward_only:
             self.inputs[(microbatch, chunk)] = inputs
             self.outputs[(microbatch, chunk)] = outputs
             self._measure()
 
-    def _loss(
-        self, output: Any, loss_func: Callable[..., Any], collect_non_loss_data: bool
-    ) -> torch.Tensor:
-        if collect_non_loss_data:
+    def _hand_on(self, action: Action, tensors: list[torch.Tensor], step: int) -> None:
+        """Keep a step's result for the exchange that sends it, or for the next local chunk."""
+        channel = "forward" if step > 0 else "backward"
+        edge = self._first(action.chunk) if step < 0 else self._last(action.chunk)
+        if edge:
+            return
+        consumer = self._local_neighbour(action.chunk, step)
+        if consumer is None:
+            self.to_send[(channel, action.microbatch, action.chunk)] = tensors
+            return
+        # A new leaf per tensor, as a receive would give: the consumer's backward stops there.
+        handed = [
+            t.detach().requires_grad_(step > 0 and not self.call.forward_only)
+            if t.is_floating_point()
+            else t.detach()
+            for t in tensors
+        ]
+        self.local[(channel, action.microbatch, consumer)] = handed
+
+    def _record(self, action: Action, start: float) -> None:
+        if self.recorder is not None:
+            self.recorder.add(
+                str(action), action.kind, action.microbatch, action.chunk, start,
+                self.recorder.now(),
+            )  # fmt: skip
+
+    def _loss(self, output: Any, loss_func: Callable[..., Any]) -> torch.Tensor:
+        if self.call.collect_non_loss_data:
             self.store.append(loss_func(output, non_loss_data=True))
             return torch.zeros(())
         result = loss_func(output)
@@ -449,31 +613,31 @@ class _Run:
         else:
             loss, reduced = result
         self.store.append(reduced)
-        return loss / self.num_microbatches  # type: ignore[no-any-return]
+        return loss / self.call.num_microbatches  # type: ignore[no-any-return]
+
+    def _output_grads(self, action: Action) -> list[torch.Tensor] | None:
+        if self._last(action.chunk):
+            return None
+        if self._local_neighbour(action.chunk, +1) is not None:
+            return self.local.pop(("backward", action.microbatch, action.chunk))
+        return self.arrived.pop(("backward", action.microbatch, action.chunk))
 
     def backward(self, action: Action) -> None:
         chunk, microbatch = action.chunk, action.microbatch
-        grads = None if self._last(chunk) else self._receive(False, microbatch)
+        grads = self._output_grads(action)
         inputs = self.inputs.pop((microbatch, chunk))
         outputs = self.outputs.pop((microbatch, chunk))
         if microbatch == self.last_backward.get(chunk):
             self._enable_sync(chunk)
         timer = self.x.timers("backward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
         timer.start()
         for tensor in inputs or []:
-            tensor.retain_grad()
-        if grads is None:
-            loss = outputs[0]
-            if self.x.config.grad_scale_func is not None:
-                loss = self.x.config.grad_scale_func(loss)
-            custom_backward(loss, None)
-        else:
-            passthrough = self._decoder(self.x.rank) and len(grads) > 1
-            own = outputs[:1] if passthrough else outputs
-            pairs = [(o, g) for o, g in zip(own, grads, strict=False) if o.requires_grad]
-            if pairs:
-                custom_backward([o for o, _ in pairs], [g for _, g in pairs])
+            if tensor.requires_grad:
+                tensor.retain_grad()
+        self._run_backward(outputs, grads)
         timer.stop()
+        self._record(action, start)
         self.stats.steps += 1
         if not self._first(chunk):
             input_grads = [
@@ -482,8 +646,21 @@ class _Run:
             if grads is not None and self._decoder(self.x.rank) and len(grads) > 1:
                 # The encoder's output was passed along: its gradient comes back too.
                 input_grads[-1] = input_grads[-1] + grads[1]
-            self._send(False, input_grads, microbatch, free=[])
+            self._hand_on(action, input_grads, -1)
         self._measure()
+
+    def _run_backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+        if grads is None:
+            loss = outputs[0]
+            if self.x.config.grad_scale_func is not None:
+                loss = self.x.config.grad_scale_func(loss)
+            custom_backward(loss, None)
+            return
+        passthrough = self._decoder(self.x.rank) and len(grads) > 1
+        own = outputs[:1] if passthrough else outputs
+        pairs = [(o, g) for o, g in zip(own, grads, strict=False) if o.requires_grad]
+        if pairs:
+            custom_backward([o for o, _ in pairs], [g for _, g in pairs])
 
     def _measure(self) -> None:
         stored = [
@@ -491,7 +668,7 @@ class _Run:
             for tensors in (*self.outputs.values(), *(v for v in self.inputs.values() if v))
             for t in tensors
         ]
-        in_flight = [t for handle in self.pending for t in handle.tensors()]
+        in_flight = [t for handle in self.pending.values() for t in handle.tensors()]
         stats = self.stats
         stats.peak_activations = max(stats.peak_activations, len(self.outputs))
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, _storage_bytes(stored))
@@ -501,11 +678,11 @@ class _Run:
     @contextlib.contextmanager
     def sync_control(self) -> Iterator[None]:
         func = self.x.config.no_sync_func
-        if func is None or self.forward_only:
+        if func is None or self.call.forward_only:
             yield
             return
         funcs: list[Callable[[], AbstractContextManager[Any]]] = (
-            list(func) if isinstance(func, (list, tuple)) else [func] * len(self.chunks)  # type: ignore[list-item]
+            list(func) if isinstance(func, (list, tuple)) else [func] * len(self.call.chunks)  # type: ignore[list-item]
         )
         for chunk, make in enumerate(funcs):
             stack = contextlib.ExitStack()
@@ -524,8 +701,12 @@ class _Run:
             stack.close()
 
     def finish(self) -> None:
-        self._retire_sends(block=True)
+        for handle in self.pending.values():
+            handle.wait()
+        self.pending.clear()
         assert not self.outputs, "every forward got its backward"
+        assert not self.arrived, "every received tensor was used"
+        assert not self.to_send, "every result that leaves the rank was sent"
 
 
 def get_forward_backward_func(
@@ -533,16 +714,20 @@ def get_forward_backward_func(
     *,
     vp_size: int | None = None,
     config: ScheduleConfig | None = None,
+    plan: PlanLike | None = None,
 ) -> PipelineExecutor:
     """The function that runs one step's forward and backward passes, as Megatron's.
 
     Args:
         communicator: This rank's pipeline communicator; None for a single stage.
-        vp_size: Model chunks per rank; above 1 selects interleaved 1F1B.
+        vp_size: Model chunks per rank; above 1 selects interleaved 1F1B (the plan's, when a
+            plan is given).
         config: Hidden size, schedule override, loss scaling, no_sync, timers.
+        plan: A plan to run (a `Plan`, its text, or compute action lists) instead of the
+            config's schedule; validated before anything is sent.
 
     Returns:
         A callable taking Megatron's keyword arguments (see `PipelineExecutor.__call__`);
         its ``stats`` describe the last call.
     """
-    return PipelineExecutor(communicator, vp_size=vp_size, config=config)
+    return PipelineExecutor(communicator, vp_size=vp_size, config=config, plan=plan)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pp_schedules.actions import Action
+from pp_schedules.plans import Plan
+from pp_state.placement import Placement
 
 __all__ = [
     "SCHEDULES",
@@ -22,7 +24,7 @@ __all__ = [
     "plan",
 ]
 
-Plan = list[list[Action]]
+Actions = list[list[Action]]
 
 
 def _check_int(name: str, value: int, least: int) -> None:
@@ -32,7 +34,7 @@ def _check_int(name: str, value: int, least: int) -> None:
         raise ValueError(f"{name} must be {least} or more, got {value}")
 
 
-def no_pipelining(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Plan:
+def no_pipelining(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Actions:
     """One stage: forward then backward of each microbatch in turn (Megatron's no-pipelining).
 
     Raises:
@@ -50,20 +52,30 @@ def no_pipelining(*, pp_size: int, num_microbatches: int, forward_only: bool = F
     return [actions]
 
 
-def gpipe(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Plan:
-    """Every rank: all forwards, then all backwards (in microbatch order)."""
-    forwards = [Action("F", m) for m in range(num_microbatches)]
-    backwards = [] if forward_only else [Action("B", m) for m in range(num_microbatches)]
+def gpipe(
+    *, pp_size: int, num_microbatches: int, vp_size: int = 1, forward_only: bool = False
+) -> Actions:
+    """Every rank: all forwards, then all backwards (in microbatch order).
+
+    With several chunks per rank (torch's looped breadth-first schedule), every microbatch
+    goes through chunk 0, then chunk 1, ...; backwards run the chunks in reverse.
+    """
+    forwards = [Action("F", m, c) for c in range(vp_size) for m in range(num_microbatches)]
+    backwards = (
+        []
+        if forward_only
+        else [Action("B", m, c) for c in reversed(range(vp_size)) for m in range(num_microbatches)]
+    )
     return [forwards + backwards for _ in range(pp_size)]
 
 
-def one_f_one_b(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Plan:
+def one_f_one_b(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Actions:
     """Megatron's non-interleaved 1F1B: warmup forwards, steady one-forward-one-backward, cooldown.
 
     Rank r runs min(pp_size - r - 1, m) warmup forwards, so it holds at most pp_size - r
     microbatches' activations at once.
     """
-    plan: Plan = []
+    plan: Actions = []
     for rank in range(pp_size):
         if forward_only:
             plan.append([Action("F", m) for m in range(num_microbatches)])
@@ -134,7 +146,7 @@ def interleaved_1f1b(
     vp_size: int,
     microbatch_group_size_per_vp_stage: int | None = None,
     forward_only: bool = False,
-) -> Plan:
+) -> Actions:
     """Megatron's interleaved 1F1B over `vp_size` model chunks per rank.
 
     Rank r runs (pp_size - r - 1) * 2 + (vp_size - 1) * group warmup forwards (all of them
@@ -156,7 +168,7 @@ def interleaved_1f1b(
     total = len(table)
     forwards = [Action("F", m, chunk) for m, chunk in table]
     backwards = [Action("B", m, vp_size - 1 - chunk) for m, chunk in table]
-    plan: Plan = []
+    plan: Actions = []
     for rank in range(pp_size):
         if forward_only:
             plan.append(list(forwards))
@@ -171,10 +183,10 @@ def interleaved_1f1b(
     return plan
 
 
-def _pipelined(generate: Callable[..., Plan]) -> Callable[..., Plan]:
+def _pipelined(generate: Callable[..., Actions]) -> Callable[..., Actions]:
     def checked(
         *, pp_size: int, num_microbatches: int, forward_only: bool = False, **_: object
-    ) -> Plan:
+    ) -> Actions:
         return generate(
             pp_size=pp_size, num_microbatches=num_microbatches, forward_only=forward_only
         )
@@ -182,13 +194,60 @@ def _pipelined(generate: Callable[..., Plan]) -> Callable[..., Plan]:
     return checked
 
 
-SCHEDULES: dict[str, Callable[..., Plan]] = {
+def _looped_gpipe(
+    *, pp_size: int, num_microbatches: int, vp_size: int, forward_only: bool = False, **_: object
+) -> Actions:
+    return gpipe(
+        pp_size=pp_size,
+        num_microbatches=num_microbatches,
+        vp_size=vp_size,
+        forward_only=forward_only,
+    )
+
+
+SCHEDULES: dict[str, Callable[..., Actions]] = {
     "no_pipelining": _pipelined(no_pipelining),
-    "gpipe": _pipelined(gpipe),
+    "gpipe": _looped_gpipe,
     "1f1b": _pipelined(one_f_one_b),
     "interleaved_1f1b": interleaved_1f1b,
 }
 """Generators by name, as `plan` takes them."""
+
+
+def _check_arguments(
+    name: str, pp_size: int, num_microbatches: int, vp_size: int, group: int | None
+) -> None:
+    """The checks every schedule shares: a known name, sizes, and chunks where they apply."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    _check_int("pp_size", pp_size, 1)
+    _check_int("num_microbatches", num_microbatches, 1)
+    _check_int("vp_size", vp_size, 1)
+    one_chunk = name in ("no_pipelining", "1f1b")
+    if one_chunk and vp_size != 1:
+        raise ValueError(
+            f"{name} runs one model chunk per rank, but vp_size is {vp_size}; "
+            "use 'interleaved_1f1b' or 'gpipe'"
+        )
+    if name != "interleaved_1f1b" and group is not None:
+        raise ValueError(
+            f"microbatch_group_size_per_vp_stage applies to 'interleaved_1f1b' only, not {name!r}"
+        )
+
+
+def _resolve_placement(placement: Placement | str | None, pp_size: int, vp_size: int) -> Placement:
+    """The placement named or given, checked against the pipeline's size."""
+    where = (
+        Placement.named(placement or "looped", pp_size, vp_size)
+        if placement is None or isinstance(placement, str)
+        else placement
+    )
+    if (where.pp_size, where.vp_size) != (pp_size, vp_size):
+        raise ValueError(
+            f"the placement covers {where.pp_size} ranks x {where.vp_size} chunks, but the "
+            f"plan has {pp_size} x {vp_size}"
+        )
+    return where
 
 
 def plan(
@@ -199,6 +258,7 @@ def plan(
     vp_size: int = 1,
     microbatch_group_size_per_vp_stage: int | None = None,
     forward_only: bool = False,
+    placement: Placement | str | None = None,
 ) -> Plan:
     """One list of compute actions per pipeline rank, in execution order.
 
@@ -206,36 +266,28 @@ def plan(
         name: "no_pipelining", "gpipe", "1f1b" or "interleaved_1f1b".
         pp_size: Pipeline stages (ranks).
         num_microbatches: Microbatches per step.
-        vp_size: Model chunks per rank (interleaved_1f1b only; 1 otherwise).
+        vp_size: Model chunks per rank (interleaved_1f1b and gpipe; 1 otherwise).
         microbatch_group_size_per_vp_stage: Interleaving group size; pp_size by default.
         forward_only: Forward steps only (evaluation).
+        placement: Which stage each (rank, chunk) holds: "looped" (Megatron's, the default),
+            "v", or a `pp_state.Placement`. The order of steps does not change; `validate`
+            says whether it runs on that placement.
 
     Returns:
-        For each rank, its actions; each has ``kind`` ("F" or "B"), ``microbatch`` and ``chunk``.
+        A `Plan`: for each rank, its actions (each has ``kind`` "F" or "B", ``microbatch``
+        and ``chunk``), and the placement.
 
     Raises:
         ValueError: An unknown schedule, a size below 1, or a configuration the schedule
             refuses; the message states the rule and the valid values.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
-    _check_int("pp_size", pp_size, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
-    _check_int("vp_size", vp_size, 1)
-    one_chunk = name in ("no_pipelining", "gpipe", "1f1b")
-    if one_chunk and vp_size != 1:
-        raise ValueError(
-            f"{name} runs one model chunk per rank, but vp_size is {vp_size}; "
-            "use 'interleaved_1f1b'"
-        )
-    if one_chunk and microbatch_group_size_per_vp_stage is not None:
-        raise ValueError(
-            f"microbatch_group_size_per_vp_stage applies to 'interleaved_1f1b' only, not {name!r}"
-        )
-    return SCHEDULES[name](
+    _check_arguments(name, pp_size, num_microbatches, vp_size, microbatch_group_size_per_vp_stage)
+    where = _resolve_placement(placement, pp_size, vp_size)
+    actions = SCHEDULES[name](
         pp_size=pp_size,
         num_microbatches=num_microbatches,
         vp_size=vp_size,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         forward_only=forward_only,
     )
+    return Plan.of(actions, where)

@@ -1,11 +1,16 @@
 """Lowering: insert the transfers a compute plan needs, grouped into exchanges.
 
-Virtual stage ``chunk * pp_size + rank`` holds chunk ``chunk`` of rank ``rank``. A forward on
-any virtual stage but the first receives its input from the stage before (``RECV_F``, placed
-just before it) and, on any but the last, sends its output on (``SEND_F``, just after it).
-Backwards mirror this with ``RECV_B`` / ``SEND_B``. The transfers between two compute steps of
-a rank form one *exchange*, posted together and completed together (Megatron's combined calls,
-such as ``send_forward_recv_backward``), which is how the executor runs them.
+Which rank and chunk hold the stage before and after each compute step comes from the plan's
+`pp_state.Placement` (looped by default). A forward on any virtual stage but the first receives
+its input from the stage before (``RECV_F``, placed just before it) and, on any but the last,
+sends its output on (``SEND_F``, just after it); backwards mirror this with ``RECV_B`` /
+``SEND_B``. When the neighbouring stage sits on the same rank (the turn of a V), the tensor is
+handed over in memory and no transfer is written.
+
+The transfers between two compute steps of a rank form one *exchange*, posted together as one
+pp-comm call and completed together (Megatron's combined calls, such as
+``send_forward_recv_backward``). A plan may also carry its own exchanges (see
+`pp_schedules.parse_schedule`); then they are taken as written and `validate` checks them.
 """
 
 from __future__ import annotations
@@ -15,10 +20,36 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pp_schedules.actions import Action
+from pp_state.placement import Placement
 
-__all__ = ["Exchange", "Message", "Step", "lower", "lowered_actions", "peer_of"]
+__all__ = [
+    "Exchange",
+    "Message",
+    "Step",
+    "incoming_message",
+    "lower",
+    "lowered_actions",
+    "outgoing_message",
+    "placement_of",
+]
 
 Channel = Literal["forward", "backward"]
+Slot = Literal["send_next", "recv_prev", "send_prev", "recv_next"]
+
+# Megatron's names for an exchange, by what it sends and receives (pp-comm's operations).
+_OPERATIONS: dict[frozenset[str], str] = {
+    frozenset({"SEND_F"}): "send_forward",
+    frozenset({"SEND_B"}): "send_backward",
+    frozenset({"RECV_F"}): "recv_forward",
+    frozenset({"RECV_B"}): "recv_backward",
+    frozenset({"SEND_F", "RECV_B"}): "send_forward_recv_backward",
+    frozenset({"SEND_B", "RECV_F"}): "send_backward_recv_forward",
+    frozenset({"SEND_F", "RECV_F"}): "send_forward_recv_forward",
+    frozenset({"SEND_B", "RECV_B"}): "send_backward_recv_backward",
+    frozenset(
+        {"SEND_F", "SEND_B", "RECV_F", "RECV_B"}
+    ): "send_forward_backward_recv_forward_backward",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +62,17 @@ class Message:
         peer: The other rank.
         peer_chunk: The chunk of the compute step on the other side.
         channel: "forward" (activations) or "backward" (gradients).
+        slot: The pp-comm slot it travels in: ``send_next`` / ``recv_prev`` towards the next
+            rank of the ring, ``send_prev`` / ``recv_next`` towards the previous one. With two
+            ranks both neighbours are one rank; there activations use the first pair and
+            gradients the second, so they travel on separate channels.
     """
 
     action: Action
     peer: int
     peer_chunk: int
     channel: Channel
+    slot: Slot
 
     @property
     def is_send(self) -> bool:
@@ -45,9 +81,15 @@ class Message:
 
     def key(self, rank: int) -> tuple[str, int, int, int]:
         """The tensor, named alike on both sides: channel, microbatch, sender and receiver chunk."""
+        del rank  # the key is the same on both sides by construction
         if self.is_send:
             return (self.channel, self.action.microbatch, self.action.chunk, self.peer_chunk)
         return (self.channel, self.action.microbatch, self.peer_chunk, self.action.chunk)
+
+    @property
+    def link_channel(self) -> str:
+        """The process-group channel pp-comm uses for this slot (transfers match per channel)."""
+        return "forward" if self.slot in ("send_next", "recv_prev") else "backward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +97,13 @@ class Exchange:
     """The transfers posted together between two compute steps of one rank."""
 
     messages: tuple[Message, ...]
+
+    @property
+    def operation(self) -> str:
+        """Megatron's name for it (``send_forward_recv_backward``, ...), or "exchange"."""
+        kinds = frozenset(m.action.kind for m in self.messages)
+        simple = len({m.action.kind for m in self.messages}) == len(self.messages)
+        return _OPERATIONS.get(kinds, "exchange") if simple else "exchange"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,83 +121,138 @@ class Step:
         return "+".join(str(m.action) for m in self.exchange.messages)
 
 
-def peer_of(rank: int, chunk: int, pp_size: int, step: int) -> tuple[int, int] | None:
-    """The (rank, chunk) `step` virtual stages away (+1 next, -1 previous); None before 0."""
-    virtual = chunk * pp_size + rank + step
-    if virtual < 0:
+def placement_of(
+    plan: Sequence[Sequence[Action]], vp_size: int | None, placement: Placement | None
+) -> Placement:
+    """The placement a plan runs with: given, carried by the plan, or looped.
+
+    Raises:
+        ValueError: The placement does not match the plan's ranks or `vp_size`.
+    """
+    chosen = placement or getattr(plan, "placement", None)
+    if chosen is None:
+        return Placement.looped(max(len(plan), 1), vp_size or 1)
+    if chosen.pp_size != len(plan) or (vp_size is not None and chosen.vp_size != vp_size):
+        raise ValueError(
+            f"the placement covers {chosen.pp_size} ranks x {chosen.vp_size} chunks, but the "
+            f"plan has {len(plan)} ranks and vp_size is {vp_size}"
+        )
+    return chosen
+
+
+def _slot(rank: int, peer: int, pp_size: int, channel: Channel, sending: bool) -> Slot:
+    """The pp-comm slot for a transfer between `rank` and its neighbour `peer`."""
+    if pp_size == 2:
+        # Activations leave towards "next" and arrive from "prev"; gradients the other way.
+        towards_next = (channel == "forward") == sending
+    elif peer in ((rank + 1) % pp_size, (rank - 1) % pp_size):
+        towards_next = peer == (rank + 1) % pp_size
+    else:
+        raise ValueError(
+            f"rank {rank} and rank {peer} are not neighbours in a ring of {pp_size}: the "
+            "placement must put consecutive stages on the same or neighbouring ranks"
+        )
+    if sending:
+        return "send_next" if towards_next else "send_prev"
+    return "recv_next" if towards_next else "recv_prev"
+
+
+def _message(kind: str, action: Action, rank: int, peer: tuple[int, int], pp: int) -> Message:
+    channel: Channel = "forward" if kind.endswith("F") else "backward"
+    slot = _slot(rank, peer[0], pp, channel, kind.startswith("SEND"))
+    moved = Action(kind, action.microbatch, action.chunk)  # type: ignore[arg-type]
+    return Message(moved, peer[0], peer[1], channel, slot)
+
+
+def incoming_message(action: Action, rank: int, placement: Placement) -> Message | None:
+    """The receive compute step `action` of `rank` needs; None if none or handed over locally."""
+    step = -1 if action.kind == "F" else +1
+    peer = placement.neighbour(rank, action.chunk, step)
+    if peer is None or peer[0] == rank:
         return None
-    return virtual % pp_size, virtual // pp_size
+    kind = "RECV_F" if action.kind == "F" else "RECV_B"
+    return _message(kind, action, rank, peer, placement.pp_size)
 
 
-def _incoming(action: Action, rank: int, pp_size: int, vp_size: int) -> Message | None:
-    last_virtual = pp_size * vp_size - 1
-    virtual = action.chunk * pp_size + rank
-    if action.kind == "F" and virtual > 0:
-        peer = peer_of(rank, action.chunk, pp_size, -1)
-        assert peer is not None
-        return Message(
-            Action("RECV_F", action.microbatch, action.chunk), peer[0], peer[1], "forward"
+def outgoing_message(action: Action, rank: int, placement: Placement) -> Message | None:
+    """The send that follows compute step `action` of `rank`; None if none or local."""
+    step = +1 if action.kind == "F" else -1
+    peer = placement.neighbour(rank, action.chunk, step)
+    if peer is None or peer[0] == rank:
+        return None
+    kind = "SEND_F" if action.kind == "F" else "SEND_B"
+    return _message(kind, action, rank, peer, placement.pp_size)
+
+
+def message_for(action: Action, rank: int, placement: Placement) -> Message:
+    """The message a written SEND_*/RECV_* action of `rank` stands for.
+
+    Raises:
+        ValueError: The action moves nothing there (the first stage receives no activations,
+            a hand-over within the rank needs no transfer).
+    """
+    compute = Action("F" if action.kind.endswith("F") else "B", action.microbatch, action.chunk)
+    if action.kind.startswith("SEND"):
+        message = outgoing_message(compute, rank, placement)
+    else:
+        message = incoming_message(compute, rank, placement)
+    if message is None:
+        stage = placement.stage(rank, action.chunk)
+        raise ValueError(
+            f"rank {rank}: {action} moves nothing: stage {stage} has no peer on another rank "
+            f"in that direction (placement {placement})"
         )
-    if action.kind == "B" and virtual < last_virtual:
-        peer = peer_of(rank, action.chunk, pp_size, +1)
-        assert peer is not None
-        return Message(
-            Action("RECV_B", action.microbatch, action.chunk), peer[0], peer[1], "backward"
+    return message
+
+
+def _check_chunk(action: Action, rank: int, vp_size: int) -> None:
+    if not action.is_compute:
+        raise ValueError(f"rank {rank}: lower() takes compute actions only, got {action}")
+    if not 0 <= action.chunk < vp_size:
+        raise ValueError(
+            f"rank {rank}: {action} names chunk {action.chunk}, but vp_size is {vp_size}"
         )
-    return None
 
 
-def _outgoing(action: Action, rank: int, pp_size: int, vp_size: int) -> Message | None:
-    last_virtual = pp_size * vp_size - 1
-    virtual = action.chunk * pp_size + rank
-    if action.kind == "F" and virtual < last_virtual:
-        peer = peer_of(rank, action.chunk, pp_size, +1)
-        assert peer is not None
-        return Message(
-            Action("SEND_F", action.microbatch, action.chunk), peer[0], peer[1], "forward"
-        )
-    if action.kind == "B" and virtual > 0:
-        peer = peer_of(rank, action.chunk, pp_size, -1)
-        assert peer is not None
-        return Message(
-            Action("SEND_B", action.microbatch, action.chunk), peer[0], peer[1], "backward"
-        )
-    return None
-
-
-def lower(plan: Sequence[Sequence[Action]], *, vp_size: int = 1) -> list[list[Step]]:
+def lower(
+    plan: Sequence[Sequence[Action]],
+    *,
+    vp_size: int | None = None,
+    placement: Placement | None = None,
+) -> list[list[Step]]:
     """Each rank's compute actions with the exchanges they need, in execution order.
 
     Args:
-        plan: One list of compute actions per rank (see `pp_schedules.plan`).
-        vp_size: Model chunks per rank.
+        plan: One list of compute actions per rank (see `pp_schedules.plan`); a `Plan` that
+            carries its own exchanges gives them back as written.
+        vp_size: Model chunks per rank (the placement's, or 1, by default).
+        placement: Which stage each (rank, chunk) holds; the plan's, or looped.
 
     Returns:
         For each rank, its steps: compute actions, and between them at most one exchange
         holding the previous compute's send and the next compute's receive.
 
     Raises:
-        ValueError: The plan holds a non-compute action or a chunk outside ``range(vp_size)``.
+        ValueError: The plan holds a non-compute action, a chunk outside ``range(vp_size)``,
+            or the placement puts consecutive stages on ranks that are not neighbours.
     """
-    pp_size = len(plan)
+    written = getattr(plan, "steps", None)
+    if written is not None:
+        return [list(rank_steps) for rank_steps in written]
+    where = placement_of(plan, vp_size, placement)
     lowered: list[list[Step]] = []
     for rank, actions in enumerate(plan):
         steps: list[Step] = []
         pending: list[Message] = []
         for action in actions:
-            if not action.is_compute:
-                raise ValueError(f"rank {rank}: lower() takes compute actions only, got {action}")
-            if not 0 <= action.chunk < vp_size:
-                raise ValueError(
-                    f"rank {rank}: {action} names chunk {action.chunk}, but vp_size is {vp_size}"
-                )
-            incoming = _incoming(action, rank, pp_size, vp_size)
+            _check_chunk(action, rank, where.vp_size)
+            incoming = incoming_message(action, rank, where)
             if incoming is not None:
                 pending.append(incoming)
             if pending:
                 steps.append(Step(exchange=Exchange(tuple(pending))))
             steps.append(Step(compute=action))
-            outgoing = _outgoing(action, rank, pp_size, vp_size)
+            outgoing = outgoing_message(action, rank, where)
             pending = [outgoing] if outgoing is not None else []
         if pending:
             steps.append(Step(exchange=Exchange(tuple(pending))))

@@ -28,6 +28,9 @@ class Costs:
     """One backward of one microbatch on one model chunk."""
     transfer: float = 0.0
     """One transfer between neighbouring stages, from posting the send to arrival."""
+    exchange: float = 0.0
+    """The fixed time a rank spends posting one exchange (the per-call work of the
+    communication library and the executor), whatever it moves."""
 
     def __post_init__(self) -> None:
         """Costs are not negative, and compute takes time.
@@ -35,10 +38,11 @@ class Costs:
         Raises:
             ValueError: A negative cost, or a zero forward or backward.
         """
-        if min(self.forward, self.backward) <= 0 or self.transfer < 0:
+        if min(self.forward, self.backward) <= 0 or min(self.transfer, self.exchange) < 0:
             raise ValueError(
-                f"forward and backward costs must be positive and transfer at least 0, got "
-                f"forward={self.forward}, backward={self.backward}, transfer={self.transfer}"
+                "forward and backward costs must be positive and transfer and exchange at least "
+                f"0, got forward={self.forward}, backward={self.backward}, "
+                f"transfer={self.transfer}, exchange={self.exchange}"
             )
 
 
@@ -124,65 +128,101 @@ def _mark(action: Action) -> str:
     return "abcdefghij"[action.microbatch % 10]
 
 
+_Link = tuple[int, int, str]
+
+
+class _Simulator:
+    """The clocks of every rank while the lowered plan is run with `costs`."""
+
+    def __init__(self, report: PlanReport, costs: Costs) -> None:
+        self.steps = report.steps
+        self.costs = costs
+        pp_size = len(self.steps)
+        self.clock = [0.0] * pp_size
+        self.cursor = [0] * pp_size
+        # When each send of each link was posted, in posting order; how many were received.
+        self.posted: dict[_Link, list[float]] = defaultdict(list)
+        self.taken: dict[_Link, int] = defaultdict(int)
+        self.sends_posted = [-1] * pp_size  # the exchange whose sends each rank has posted
+        self.spans: list[list[Span]] = [[] for _ in range(pp_size)]
+        self.busy = [0.0] * pp_size
+
+    def run(self) -> None:
+        """Advance every rank as far as it can, until none can."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for rank in range(len(self.steps)):
+                while self.cursor[rank] < len(self.steps[rank]) and self._advance(rank):
+                    self.cursor[rank] += 1
+                    progressed = True
+        assert all(self.cursor[rank] == len(self.steps[rank]) for rank in range(len(self.steps))), (
+            "validate() first"
+        )
+
+    def _advance(self, rank: int) -> bool:
+        """Run the rank's current step; False if it waits for a send not posted yet."""
+        step = self.steps[rank][self.cursor[rank]]
+        if step.compute is not None:
+            cost = self.costs.forward if step.compute.kind == "F" else self.costs.backward
+            start = self.clock[rank]
+            self.spans[rank].append(Span(rank, step.compute, start, start + cost))
+            self.clock[rank] += cost
+            self.busy[rank] += cost
+            return True
+        assert step.exchange is not None
+        if self.sends_posted[rank] != self.cursor[rank]:
+            # Sends go out as soon as the rank reaches the exchange.
+            self.clock[rank] += self.costs.exchange
+            for message in step.exchange.messages:
+                if message.is_send:
+                    self.posted[(rank, message.peer, message.link_channel)].append(self.clock[rank])
+            self.sends_posted[rank] = self.cursor[rank]
+        links = [(m.peer, rank, m.link_channel) for m in step.exchange.messages if not m.is_send]
+        arrivals = _arrivals(links, self.posted, self.taken)
+        if arrivals is None:
+            return False
+        self.clock[rank] = max([self.clock[rank], *(t + self.costs.transfer for t in arrivals)])
+        for link in links:
+            self.taken[link] += 1
+        return True
+
+
 def simulate(report: PlanReport, costs: Costs | None = None) -> Simulation:
     """Time a validated plan.
 
     Args:
         report: What `pp_schedules.validate` returned for the plan.
-        costs: Cost of a forward, a backward and a transfer.
+        costs: Cost of a forward, a backward, a transfer and an exchange's posting.
 
     Returns:
         The timeline, makespan, bubble fraction and peak activations of each rank.
     """
-    costs = costs or Costs()
-    steps = report.steps
-    pp_size = len(steps)
-    clock = [0.0] * pp_size
-    cursor = [0] * pp_size
-    # When each send of each link was posted, in posting order.
-    posted: dict[tuple[int, int, str], list[float]] = defaultdict(list)
-    taken: dict[tuple[int, int, str], int] = defaultdict(int)
-    sends_posted = [-1] * pp_size  # the exchange whose sends each rank has posted
-    spans: list[list[Span]] = [[] for _ in range(pp_size)]
-    busy = [0.0] * pp_size
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank in range(pp_size):
-            while cursor[rank] < len(steps[rank]):
-                step = steps[rank][cursor[rank]]
-                if step.compute is not None:
-                    cost = costs.forward if step.compute.kind == "F" else costs.backward
-                    spans[rank].append(Span(rank, step.compute, clock[rank], clock[rank] + cost))
-                    clock[rank] += cost
-                    busy[rank] += cost
-                else:
-                    assert step.exchange is not None
-                    if sends_posted[rank] != cursor[rank]:
-                        # Sends go out as soon as the rank reaches the exchange.
-                        for message in step.exchange.messages:
-                            if message.is_send:
-                                posted[(rank, message.peer, message.channel)].append(clock[rank])
-                        sends_posted[rank] = cursor[rank]
-                    receives = [m for m in step.exchange.messages if not m.is_send]
-                    if receives:
-                        (message,) = receives  # lowering puts at most one receive per exchange
-                        link = (message.peer, rank, message.channel)
-                        if taken[link] >= len(posted[link]):
-                            break  # its send is not posted yet
-                        clock[rank] = max(clock[rank], posted[link][taken[link]] + costs.transfer)
-                        taken[link] += 1
-                cursor[rank] += 1
-                progressed = True
-    assert all(cursor[rank] == len(steps[rank]) for rank in range(pp_size)), "validate() first"
-    makespan = max(clock) if clock else 0.0
-    bubbles = [1.0 - busy[rank] / makespan if makespan else 0.0 for rank in range(pp_size)]
+    simulator = _Simulator(report, costs or Costs())
+    simulator.run()
+    makespan = max(simulator.clock) if simulator.clock else 0.0
+    bubbles = [1.0 - busy / makespan if makespan else 0.0 for busy in simulator.busy]
     return Simulation(
-        spans=spans,
+        spans=simulator.spans,
         makespan=makespan,
         bubble_fraction=bubbles,
         peak_activations=list(report.peak_in_flight),
     )
+
+
+def _arrivals(
+    links: list[_Link], posted: dict[_Link, list[float]], taken: dict[_Link, int]
+) -> list[float] | None:
+    """When the partner send of each receive was posted; None if one is not posted yet."""
+    times = []
+    seen: dict[_Link, int] = defaultdict(int)
+    for link in links:
+        index = taken[link] + seen[link]
+        seen[link] += 1
+        if index >= len(posted[link]):
+            return None
+        times.append(posted[link][index])
+    return times
 
 
 def ideal_makespan(

@@ -1,11 +1,16 @@
 """Checking a plan before it runs: completeness, order, and freedom from deadlock.
 
 The deadlock check runs the lowered plan the way the executor runs it: a rank executes its
-steps in order; sends are posted as soon as their tensor exists and never block (they are
-waited for at the end of the step); a receive blocks until its partner send is posted; and
-transfers between two ranks on one channel match in the order they were posted. It also checks
-that each matched pair moves the same tensor (microbatch and chunks), so a plan cannot silently
-feed a stage the wrong activations.
+steps in order; an exchange posts its sends and receives together, sends never block (they
+complete in the background); an exchange finishes once each of its receives has a partner send
+posted; and transfers between two ranks on one channel match in the order they were posted. It
+also checks that each matched pair moves the same tensor (microbatch and chunks), so a plan
+cannot silently feed a stage the wrong activations.
+
+A plan that writes its own exchanges must write each transfer its compute steps need exactly
+once, receives before and sends after their compute step. Where the placement puts two
+consecutive stages on one rank, the tensor is handed over in memory: the producing step must
+come first on that rank.
 """
 
 from __future__ import annotations
@@ -15,7 +20,15 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pp_schedules.actions import Action
-from pp_schedules.lowering import Step, lower
+from pp_schedules.lowering import (
+    Message,
+    Step,
+    incoming_message,
+    lower,
+    outgoing_message,
+    placement_of,
+)
+from pp_state.placement import Placement
 
 __all__ = ["PlanError", "PlanReport", "render_grid", "validate"]
 
@@ -32,10 +45,16 @@ class PlanReport:
         steps: The lowered plan the executor runs (see `pp_schedules.lowering.lower`).
         peak_in_flight: For each rank, the most (microbatch, chunk) forwards whose backward
             has not run yet: the activations it must hold at once.
+        placement: Which virtual stage each (rank, chunk) holds.
+        num_microbatches: Microbatches per step.
+        forward_only: The plan has no backward steps.
     """
 
     steps: list[list[Step]]
     peak_in_flight: list[int]
+    placement: Placement | None = None
+    num_microbatches: int = 0
+    forward_only: bool = False
 
 
 def render_grid(steps: Sequence[Sequence[object]], marks: dict[int, int] | None = None) -> str:
@@ -126,9 +145,9 @@ class _Links:
             for index, step in enumerate(rank_steps):
                 for number, message in enumerate(step.exchange.messages if step.exchange else ()):
                     queue = (
-                        self.sends[(rank, message.peer, message.channel)]
+                        self.sends[(rank, message.peer, message.link_channel)]
                         if message.is_send
-                        else self.recvs[(message.peer, rank, message.channel)]
+                        else self.recvs[(message.peer, rank, message.link_channel)]
                     )
                     self.position[(rank, index, number)] = len(queue)
                     queue.append((message.key(rank), index))
@@ -143,7 +162,7 @@ class _Links:
                 rank, index = (src, sent[k][1]) if k < len(sent) else (dst, received[k][1])
                 raise PlanError(
                     f"rank {src} sends {len(sent)} and rank {dst} receives {len(received)} "
-                    f"{channel} tensors: transfer {k} has no partner\n"
+                    f"tensors on the {channel} channel: transfer {k} has no partner\n"
                     + render_grid(self.steps, {rank: index})
                 )
             for k, ((sent_key, sent_at), (received_key, received_at)) in enumerate(
@@ -163,7 +182,7 @@ class _Links:
             if message.is_send:
                 continue  # posted without waiting; completed at the end of the step
             k = self.position[(rank, index, number)]
-            partner_index = self.sends[(message.peer, rank, message.channel)][k][1]
+            partner_index = self.sends[(message.peer, rank, message.link_channel)][k][1]
             # The partner send is posted once its rank has reached that step.
             if cursor[message.peer] < partner_index:
                 return False
@@ -197,24 +216,95 @@ def _describe(key: tuple[str, int, int, int]) -> str:
     return f"the {what} of microbatch {microbatch} (chunk {sender_chunk} -> chunk {receiver_chunk})"
 
 
+def _positions(actions: Sequence[Action]) -> dict[Action, int]:
+    return {action: index for index, action in enumerate(actions)}
+
+
+def _check_local(plan: Sequence[Sequence[Action]], placement: Placement) -> None:
+    """Hand-overs within a rank (the turn of a V): the producing step comes first."""
+    for rank, actions in enumerate(plan):
+        where = _positions(actions)
+        for action, index in where.items():
+            step = -1 if action.kind == "F" else +1
+            neighbour = placement.neighbour(rank, action.chunk, step)
+            if neighbour is None or neighbour[0] != rank:
+                continue
+            producer = Action(action.kind, action.microbatch, neighbour[1])
+            if where.get(producer, len(actions)) > index:
+                raise PlanError(
+                    f"rank {rank} step {index}: {action} needs what {producer} hands over on "
+                    f"the same rank (stages {placement.stage(rank, neighbour[1])} -> "
+                    f"{placement.stage(rank, action.chunk)}), which runs later\n"
+                    + render_grid(plan, {rank: index})
+                )
+
+
+def _expected(
+    steps: Sequence[Step], rank: int, placement: Placement
+) -> dict[Action, tuple[Message, int, bool]]:
+    """Each transfer the rank's compute steps need: (message, compute index, before it)."""
+    expected: dict[Action, tuple[Message, int, bool]] = {}
+    for index, step in enumerate(steps):
+        if step.compute is None:
+            continue
+        incoming = incoming_message(step.compute, rank, placement)
+        outgoing = outgoing_message(step.compute, rank, placement)
+        if incoming is not None:
+            expected[incoming.action] = (incoming, index, True)
+        if outgoing is not None:
+            expected[outgoing.action] = (outgoing, index, False)
+    return expected
+
+
+def _check_written(steps: Sequence[Sequence[Step]], placement: Placement) -> None:
+    """A plan's own exchanges hold each needed transfer once, on the right side of its step."""
+    for rank, rank_steps in enumerate(steps):
+        expected = _expected(rank_steps, rank, placement)
+        for index, step in enumerate(rank_steps):
+            for message in step.exchange.messages if step.exchange else ():
+                need = expected.pop(message.action, None)
+                if need is None:
+                    raise PlanError(
+                        f"rank {rank} step {index}: {message.action} is not needed here or "
+                        "written twice\n" + render_grid(steps, {rank: index})
+                    )
+                _, at, before = need
+                if (index > at) if before else (index < at):
+                    where = "before" if before else "after"
+                    raise PlanError(
+                        f"rank {rank} step {index}: {message.action} must come {where} the "
+                        f"compute step it serves (step {at})\n" + render_grid(steps, {rank: index})
+                    )
+        if expected:
+            missing = ", ".join(str(action) for action in list(expected)[:8])
+            raise PlanError(
+                f"rank {rank} never runs {missing}: a plan that writes its transfers writes "
+                "all of them\n" + render_grid(steps)
+            )
+
+
 def validate(
     plan: Sequence[Sequence[Action]],
     *,
-    num_microbatches: int,
-    vp_size: int = 1,
+    num_microbatches: int | None = None,
+    vp_size: int | None = None,
     forward_only: bool = False,
+    placement: Placement | None = None,
 ) -> PlanReport:
-    """Check a compute plan and lower it for execution.
+    """Check a plan and lower it for execution.
 
     Checks that every rank forwards (and, unless `forward_only`, backwards) each
-    (microbatch, chunk) exactly once, forward before backward; that every transfer has a
-    partner moving the same tensor; and that the exchanges cannot deadlock.
+    (microbatch, chunk) exactly once, forward before backward; that hand-overs within a rank
+    come in order; that written exchanges hold exactly the needed transfers; that every
+    transfer has a partner moving the same tensor; and that the exchanges cannot deadlock.
 
     Args:
-        plan: One list of compute actions per rank.
-        num_microbatches: Microbatches per step.
-        vp_size: Model chunks per rank.
+        plan: One list of compute actions per rank, or a `Plan` (which may carry its
+            placement and its own exchanges).
+        num_microbatches: Microbatches per step (by default, those the plan names).
+        vp_size: Model chunks per rank (by default the placement's).
         forward_only: The plan has no backward steps.
+        placement: Which stage each (rank, chunk) holds; the plan's, or looped.
 
     Returns:
         The lowered steps and each rank's peak number of activations held.
@@ -223,7 +313,75 @@ def validate(
         PlanError: The first problem found, with the rank x step grid and the failing step in
             brackets.
     """
-    _check_complete(plan, num_microbatches, vp_size, forward_only)
-    steps = lower(plan, vp_size=vp_size)
+    where = placement_of(plan, vp_size, placement)
+    if num_microbatches is None:
+        num_microbatches = 1 + max((a.microbatch for rank in plan for a in rank), default=-1)
+    _check_complete(plan, num_microbatches, where.vp_size, forward_only)
+    _check_local(plan, where)
+    try:
+        steps = lower(plan, placement=where)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    if getattr(plan, "steps", None) is not None:
+        _check_written(steps, where)
     _run(steps)
-    return PlanReport(steps=steps, peak_in_flight=[_peak_in_flight(actions) for actions in plan])
+    return PlanReport(
+        steps=steps,
+        peak_in_flight=[_peak_in_flight(actions) for actions in plan],
+        placement=where,
+        num_microbatches=num_microbatches,
+        forward_only=forward_only,
+    )
+
+
+def sends_delivered(steps: Sequence[Sequence[Step]]) -> list[dict[int, list[int]]]:
+    """For each rank, the exchanges whose sends are known to have arrived after each step.
+
+    A send to rank P has arrived once P finished the step that receives it; P finished that
+    step before posting any later step. So when this rank receives from P a tensor that P
+    posted at a later step, every such send is done. The executor completes (and frees) a
+    send's buffers there instead of at the end of the call, since gloo reports a send complete
+    only once waited for.
+
+    Returns:
+        ``result[rank][i]``: the exchange steps of `rank` whose every send is known to have
+        arrived once step `i`'s receives are in; exchanges never listed complete at the end.
+    """
+    links = _Links(steps)
+    result: list[dict[int, list[int]]] = []
+    for rank, rank_steps in enumerate(steps):
+        # For each peer: (this rank's step, the peer's step at which it posted what arrived).
+        arrivals: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for index, step in enumerate(rank_steps):
+            for number, message in enumerate(step.exchange.messages if step.exchange else ()):
+                if not message.is_send:
+                    k = links.position[(rank, index, number)]
+                    sent_at = links.sends[(message.peer, rank, message.link_channel)][k][1]
+                    arrivals[message.peer].append((index, sent_at))
+        done: dict[int, list[int]] = defaultdict(list)
+        for index, step in enumerate(rank_steps):
+            known = [
+                _known_at(links, (rank, index, number), message, arrivals[message.peer])
+                for number, message in enumerate(step.exchange.messages if step.exchange else ())
+                if message.is_send
+            ]
+            if known and all(at is not None for at in known):
+                done[max(at for at in known if at is not None)].append(index)
+        result.append(dict(done))
+    return result
+
+
+def _known_at(
+    links: _Links,
+    where: tuple[int, int, int],
+    message: Message,
+    arrivals: Sequence[tuple[int, int]],
+) -> int | None:
+    """The first step after which the send at `where` (rank, step, message) is known done."""
+    rank, index, _ = where
+    k = links.position[where]
+    received_at = links.recvs[(rank, message.peer, message.link_channel)][k][1]
+    for step, sent_at in arrivals:
+        if step >= index and sent_at > received_at:
+            return step
+    return None

@@ -2,7 +2,7 @@
 
 The model is a stack of Linear + tanh layers with a mean-squared loss. Every rank builds the
 same layers from one seed and keeps the slice of its virtual stages (virtual stage
-``chunk * pp + rank`` holds layers ``[v * per, (v + 1) * per)``), so a pipelined run can be
+stage ``v`` holds layers ``[v * per, (v + 1) * per)``), so a pipelined run can be
 compared with `reference_run` on one process, loss for loss and gradient for gradient.
 """
 
@@ -82,26 +82,24 @@ def tiny_microbatches(
 def stage_chunks(
     layers: Sequence[torch.nn.Module],
     *,
-    pp_size: int,
-    vp_size: int,
-    rank: int,
+    stages: Sequence[int],
+    num_stages: int,
     final_activation: bool = True,
 ) -> list[StageStack]:
-    """This rank's model chunks: chunk c holds virtual stage ``c * pp_size + rank``.
+    """This rank's model chunks: chunk c holds virtual stage ``stages[c]`` of `num_stages`.
+
+    Which stage a chunk holds is the caller's placement (pp-state's ``Placement.stages[rank]``);
+    the layers split evenly over the stages, stage v holding ``[v * per, (v + 1) * per)``.
 
     Raises:
-        ValueError: The layers do not split evenly over pp_size * vp_size virtual stages.
+        ValueError: The layers do not split evenly over the virtual stages.
     """
-    stages = pp_size * vp_size
-    if len(layers) % stages:
-        raise ValueError(f"{len(layers)} layers do not split over {stages} virtual stages")
-    per = len(layers) // stages
+    if len(layers) % num_stages:
+        raise ValueError(f"{len(layers)} layers do not split over {num_stages} virtual stages")
+    per = len(layers) // num_stages
     return [
-        StageStack(
-            layers[(c * pp_size + rank) * per : (c * pp_size + rank + 1) * per],
-            final_activation=final_activation,
-        )
-        for c in range(vp_size)
+        StageStack(layers[stage * per : (stage + 1) * per], final_activation=final_activation)
+        for stage in stages
     ]
 
 

@@ -1,0 +1,96 @@
+"""Profiling a pipeline step: gather every rank's measured timeline and set it beside the plan's.
+
+After a call of an executor with `PipelineExecutor.record_timeline` on, `write_schedule_trace`
+gathers the spans of every rank of the pipeline group, simulates the same plan with the costs
+measured in that step, writes one Chrome-trace JSON file (Perfetto opens it) from the first
+stage, and returns a one-line summary (measured vs simulated makespan and bubble).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pp_schedules.executor import PipelineExecutor
+from pp_schedules.simulation import Costs, Simulation, simulate
+from pp_schedules.timeline import MeasuredSpan, chrome_trace, summary
+
+__all__ = ["check_trace_path", "gather_timeline", "measured_costs", "write_schedule_trace"]
+
+
+def check_trace_path(path: str | os.PathLike[str]) -> Path:
+    """`path` as a Path, after checking a file can be written there (nothing is left behind).
+
+    Raises:
+        ValueError: The folder does not exist or is not writable, or the path is a folder.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"trace path {target} is a folder; give a file name such as trace.json")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"trace path {target}: folder {folder} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".pp-trace-check-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"trace path {target} cannot be written: {error.strerror}") from None
+    return target
+
+
+def gather_timeline(
+    executor: PipelineExecutor, group: dist.ProcessGroup | None = None
+) -> list[list[MeasuredSpan]]:
+    """Every pipeline rank's spans of the executor's last call, in pipeline-rank order.
+
+    Collective over `group` (the pipeline group; the default group when None): every member
+    calls it.
+    """
+    size = dist.get_world_size(group)
+    gathered: list[object] = [None] * size
+    dist.all_gather_object(gathered, list(executor.timeline), group=group)
+    ranks: list[list[MeasuredSpan]] = [list(spans) for spans in gathered]  # type: ignore[call-overload]
+    return sorted(ranks, key=lambda spans: spans[0].rank if spans else 0)
+
+
+def measured_costs(spans: Sequence[Sequence[MeasuredSpan]]) -> Costs:
+    """Median forward and backward times of the measured steps, in milliseconds."""
+
+    def median_ms(kind: str) -> float:
+        times = [(s.end - s.start) * 1e3 for rank in spans for s in rank if s.kind == kind]
+        return max(statistics.median(times), 1e-6) if times else 1e-6
+
+    return Costs(forward=median_ms("F"), backward=median_ms("B"))
+
+
+def write_schedule_trace(
+    path: str | os.PathLike[str],
+    executor: PipelineExecutor,
+    *,
+    num_microbatches: int,
+    group: dist.ProcessGroup | None = None,
+    costs: Costs | None = None,
+) -> str:
+    """Write the measured and simulated timelines of the executor's last call; return a summary.
+
+    Args:
+        path: The Chrome-trace JSON file, written by the first pipeline rank.
+        executor: An executor whose last call ran with `record_timeline` on.
+        num_microbatches: The microbatches of that call (selects the plan to simulate).
+        group: The pipeline group (the default group when None).
+        costs: Costs for the simulator in milliseconds; by default the measured medians.
+
+    Returns:
+        One line: measured makespan and bubble, the simulator's, and their ratio.
+    """
+    spans = gather_timeline(executor, group)
+    _, report = executor.plan_for(num_microbatches, forward_only=False)
+    simulation: Simulation = simulate(report, costs or measured_costs(spans))
+    if dist.get_rank(group) == 0:
+        Path(path).write_text(chrome_trace(spans, simulation), encoding="utf-8")
+    return summary(spans, simulation)

@@ -1,0 +1,173 @@
+"""Measured timelines: what each rank did when, beside what the simulator predicted.
+
+The executor records one `MeasuredSpan` per compute step and per exchange when asked to
+(`PipelineExecutor.record_timeline`); when not asked, it records nothing and pays one
+attribute test per step. `chrome_trace` writes the measured spans of every rank and, as
+separate tracks, the simulator's timeline of the same plan, as one Chrome-trace JSON document
+that Perfetto (ui.perfetto.dev) and chrome://tracing open. `summary` compares the two in one
+line.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+from pp_schedules.simulation import Simulation
+
+__all__ = ["MeasuredSpan", "TimelineRecorder", "chrome_trace", "measured_makespan", "summary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredSpan:
+    """One step as it ran.
+
+    Attributes:
+        rank: Pipeline rank.
+        name: The step's string form (``F3.1``, ``SEND_F3+RECV_B1``).
+        kind: "F", "B" for compute; "exchange" for transfers (from posting to the arrival of
+            every receive).
+        microbatch: The compute step's microbatch (the first message's for an exchange).
+        chunk: The model chunk (the first message's for an exchange).
+        start: Wall-clock seconds (``time.time()``) when it began; wall clock, so that ranks
+            on one machine (and on NTP-synchronised machines) share a time axis.
+        end: When it ended.
+    """
+
+    rank: int
+    name: str
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+class TimelineRecorder:
+    """Collects the spans of one rank for one call of the executor."""
+
+    def __init__(self, rank: int) -> None:
+        """Record for pipeline rank `rank`."""
+        self.rank = rank
+        self.spans: list[MeasuredSpan] = []
+
+    @staticmethod
+    def now() -> float:
+        """The clock spans are measured with (wall-clock seconds)."""
+        return time.time()
+
+    def add(  # noqa: PLR0917 - one span's fields
+        self, name: str, kind: str, microbatch: int, chunk: int, start: float, end: float
+    ) -> None:
+        """Append one span."""
+        self.spans.append(MeasuredSpan(self.rank, name, kind, microbatch, chunk, start, end))
+
+
+def measured_makespan(spans: Sequence[Sequence[MeasuredSpan]]) -> float:
+    """From the first start to the last end over every rank, in seconds."""
+    flat = [span for rank in spans for span in rank]
+    if not flat:
+        return 0.0
+    return max(s.end for s in flat) - min(s.start for s in flat)
+
+
+def _busy(spans: Sequence[MeasuredSpan]) -> float:
+    return sum(s.end - s.start for s in spans if s.kind != "exchange")
+
+
+def _measured_events(spans: Sequence[Sequence[MeasuredSpan]]) -> list[dict[str, object]]:
+    flat = [span for rank in spans for span in rank]
+    origin = min((s.start for s in flat), default=0.0)
+    events: list[dict[str, object]] = []
+    for span in flat:
+        events.append(
+            {
+                "name": span.name,
+                "cat": {"F": "forward", "B": "backward"}.get(span.kind, "exchange"),
+                "ph": "X",
+                "ts": (span.start - origin) * 1e6,
+                "dur": (span.end - span.start) * 1e6,
+                "pid": 0,
+                "tid": span.rank,
+                "args": {"microbatch": span.microbatch, "chunk": span.chunk},
+            }
+        )
+    return events
+
+
+def _track_names(pid: int, label: str, ranks: int) -> list[dict[str, object]]:
+    names: list[dict[str, object]] = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}},
+        {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}},
+    ]
+    names += [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in range(ranks)
+    ]
+    return names
+
+
+def chrome_trace(
+    measured: Sequence[Sequence[MeasuredSpan]],
+    simulation: Simulation | None = None,
+    *,
+    simulated_unit_s: float = 1e-3,
+) -> str:
+    """One Chrome-trace JSON document: measured spans per rank, simulated ones beside them.
+
+    Args:
+        measured: Each rank's spans (`TimelineRecorder.spans`), rank order.
+        simulation: The simulator's timeline of the same plan, drawn as a second process
+            ("simulated") with one track per rank; None to leave it out.
+        simulated_unit_s: Seconds per unit of the simulation's costs (1e-3 when costs are in
+            milliseconds).
+
+    Returns:
+        The JSON text.
+    """
+    events = _track_names(0, "measured", len(measured)) + _measured_events(measured)
+    if simulation is not None:
+        events += _track_names(1, "simulated", len(simulation.spans))
+        for rank_spans in simulation.spans:
+            for span in rank_spans:
+                events.append(
+                    {
+                        "name": str(span.action),
+                        "cat": "forward" if span.action.kind == "F" else "backward",
+                        "ph": "X",
+                        "ts": span.start * simulated_unit_s * 1e6,
+                        "dur": (span.end - span.start) * simulated_unit_s * 1e6,
+                        "pid": 1,
+                        "tid": span.rank,
+                        "args": {"microbatch": span.action.microbatch, "chunk": span.action.chunk},
+                    }
+                )
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+
+
+def summary(
+    measured: Sequence[Sequence[MeasuredSpan]],
+    simulation: Simulation | None = None,
+    *,
+    simulated_unit_s: float = 1e-3,
+) -> str:
+    """One line: measured makespan and bubble fraction, and the simulator's beside them."""
+    makespan = measured_makespan(measured)
+    bubbles = [1.0 - _busy(rank) / makespan if makespan else 0.0 for rank in measured]
+    line = (
+        f"measured makespan {makespan * 1e3:.1f} ms, bubble "
+        f"{sum(bubbles) / max(len(bubbles), 1):.1%} (mean over {len(measured)} ranks)"
+    )
+    if simulation is not None:
+        simulated = simulation.makespan * simulated_unit_s
+        bubble = sum(simulation.bubble_fraction) / max(len(simulation.bubble_fraction), 1)
+        ratio = makespan / simulated if simulated else float("nan")
+        line += (
+            f"; simulated {simulated * 1e3:.1f} ms, bubble {bubble:.1%}; "
+            f"measured/simulated {ratio:.2f}"
+        )
+    return line
