@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: N812 - the usual spelling
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import ScheduleConfig, get_forward_backward_func, plan
-from pp_state import ParallelConfig, ParallelState
+from pp_state import ParallelConfig, ParallelState, Placement
 
 __all__ = [
     "ModelChunk",
@@ -256,7 +256,7 @@ def _all_modules(
 
 
 def build_chunks(config: TrainerConfig, pipeline_rank: int) -> list[ModelChunk]:
-    """This rank's model chunks: chunk c is virtual stage c * pp + pipeline_rank.
+    """This rank's model chunks, on Megatron's looped placement (the schedule's default).
 
     Args:
         config: The job.
@@ -267,17 +267,15 @@ def build_chunks(config: TrainerConfig, pipeline_rank: int) -> list[ModelChunk]:
         stages are built too (so every rank draws the same weights) and then dropped.
     """
     embedding, layers, head = _all_modules(config)
-    pp = config.pipeline_model_parallel_size
-    stages = pp * config.vp_size
-    per = config.num_layers // stages
+    placement = Placement.looped(config.pipeline_model_parallel_size, config.vp_size)
     chunks = []
     for chunk in range(config.vp_size):
-        stage = chunk * pp + pipeline_rank
+        held = placement.layers(pipeline_rank, chunk, config.num_layers)
         chunks.append(
             ModelChunk(
-                layers[stage * per : (stage + 1) * per],
-                embedding=embedding if stage == 0 else None,
-                head=head if stage == stages - 1 else None,
+                layers[held.start : held.stop],
+                embedding=embedding if placement.is_first(pipeline_rank, chunk) else None,
+                head=head if placement.is_last(pipeline_rank, chunk) else None,
             )
         )
     return chunks

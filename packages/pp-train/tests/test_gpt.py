@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from pp_state import Placement
 from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers, init_parameter_
 
 CONFIG = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -18,16 +19,16 @@ def _layout_chunks(
     config: GPTConfig, pp: int, vp: int, *, seed: int = SEED, share: bool = True
 ) -> list[GPTChunk]:
     """Every chunk of a layout, in virtual-stage order (the order the data flows)."""
-    stages = pp * vp
+    placement = Placement.looped(pp, vp)
     chunks = []
-    for v in range(stages):
-        rank, stage = v % pp, v // pp
+    for v in range(placement.num_stages):
+        rank, chunk = placement.holder(v)
         chunks.append(
             GPTChunk(
                 config,
-                layers=chunk_layers(config.num_layers, pp, vp, rank, stage),
-                pre_process=v == 0,
-                post_process=v == stages - 1,
+                layers=chunk_layers(config.num_layers, pp, vp, rank, chunk),
+                pre_process=placement.is_first(rank, chunk),
+                post_process=placement.is_last(rank, chunk),
                 seed=seed,
                 share_embeddings_and_output_weights=share,
             )
@@ -124,6 +125,25 @@ def test_chunk_layers_cover_every_layer_once() -> None:
             layer for v in range(vp) for r in range(pp) for layer in chunk_layers(8, pp, vp, r, v)
         ]
         assert covered == list(range(8))
+
+
+def test_chunk_layers_follow_the_v_placement() -> None:
+    v = Placement.v_shape(2, 2)
+    # Rank 0 holds stages 0 and 3 (both ends), rank 1 stages 1 and 2.
+    assert [chunk_layers(8, 2, 2, 0, c, placement=v) for c in range(2)] == [
+        range(0, 2),
+        range(6, 8),
+    ]
+    assert [chunk_layers(8, 2, 2, 1, c, placement=v) for c in range(2)] == [
+        range(2, 4),
+        range(4, 6),
+    ]
+    assert chunk_layers(8, 2, 2, 1, 1, placement=Placement.looped(2, 2)) == range(6, 8)
+
+
+def test_chunk_layers_refuse_a_placement_of_another_size() -> None:
+    with pytest.raises(ValueError, match=r"covers 4 ranks x 2 chunks, but the pipeline has 2 x 2"):
+        chunk_layers(8, 2, 2, 0, 0, placement=Placement.v_shape(4, 2))
 
 
 def test_chunk_layers_errors() -> None:

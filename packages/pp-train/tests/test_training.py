@@ -7,19 +7,21 @@ Each run builds its ParallelState, model chunks, optimizer and schedule through 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
-from pp_state import ParallelConfig, ParallelState
+from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
     CheckpointError,
@@ -37,7 +39,9 @@ from pp_train import (
     gpt_forward_step,
     microbatches,
     setup_model_and_optimizer,
+    tied_embedding_sync,
     train,
+    unwrap_model,
 )
 
 GPT = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -62,6 +66,8 @@ class Run:
     autoresume_at: int | None = None
     eval_interval: int | None = None
     overlap: bool = False  # grad buckets all-reduced during backward
+    placement: str = "looped"  # which stage each chunk holds ("v": both ends on rank 0)
+    profile: str | None = None  # TrainingConfig.profile_schedule_path
 
 
 def _tokens() -> torch.Tensor:
@@ -98,10 +104,16 @@ def _setup(run: Run) -> tuple[Any, ...]:
         )
     )
     vp = run.vp or 1
+    placement = Placement.named(run.placement, run.pp, vp)
 
     def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
         layers = chunk_layers(
-            GPT.num_layers, run.pp, vp, state.pipeline_model_parallel_rank, vp_stage
+            GPT.num_layers,
+            run.pp,
+            vp,
+            state.pipeline_model_parallel_rank,
+            vp_stage,
+            placement=placement,
         )
         return GPTChunk(
             GPT, layers=layers, pre_process=pre_process, post_process=post_process, seed=7
@@ -135,8 +147,29 @@ def _setup(run: Run) -> tuple[Any, ...]:
         ),
         load=run.load,
         checkpoint_args=args,
+        placement=placement,
     )
     return state, model, optimizer, scheduler, loaded, args
+
+
+def _forward_backward(run: Run, state: ParallelState, model: Any, optimizer: Any) -> Any:
+    vp = run.vp or 1
+    return build_forward_backward_func(
+        state,
+        model,
+        optimizer,
+        hidden_size=GPT.hidden_size,
+        placement=Placement.named(run.placement, run.pp, vp),
+    )
+
+
+def _tied_copies_equal(model: list[torch.nn.Module]) -> bool | None:
+    """On a rank holding both ends (V placement): are the embedding and its copy equal?"""
+    weights = [cast("GPTChunk", unwrap_model(c)).shared_embedding_or_output_weight() for c in model]
+    first, last = weights[0], weights[-1]
+    if len(model) < 2 or first is None or last is None:
+        return None
+    return bool(torch.equal(first, last))
 
 
 def _train(run: Run) -> dict[str, Any]:
@@ -177,9 +210,7 @@ def _train(run: Run) -> dict[str, Any]:
         return original(loss_dict, **kwargs)
 
     logger.training_log = record  # type: ignore[method-assign,assignment]
-    forward_backward = build_forward_backward_func(
-        state, model, optimizer, hidden_size=GPT.hidden_size
-    )
+    forward_backward = _forward_backward(run, state, model, optimizer)
     reason = train(
         _Inject(run, calculator.get(), vp),
         model,
@@ -198,6 +229,7 @@ def _train(run: Run) -> dict[str, Any]:
             exit_duration_in_mins=run.exit_duration_in_mins,
             adlr_autoresume_interval=1,
             log_interval=1,
+            profile_schedule_path=run.profile,
         ),
         forward_backward_func=forward_backward,
         calculator=calculator,
@@ -217,11 +249,13 @@ def _train(run: Run) -> dict[str, Any]:
         "lines": lines,
         "last_rank": dist.get_rank() == dist.get_world_size() - 1,
         "params": first,
+        "tied_equal": _tied_copies_equal(model),
     }
 
 
 def _last(results: list[dict[str, Any]]) -> dict[str, Any]:
-    return next(r for r in results if r["last_rank"])
+    """The result of the rank that logs losses: the last stage of the last replica."""
+    return next(r for r in reversed(results) if r["losses"])
 
 
 def test_losses_equal_across_layouts() -> None:
@@ -239,6 +273,62 @@ def test_losses_equal_across_layouts() -> None:
     for ranks, run in layouts:
         other = _last(run_distributed(_train, ranks, run, timeout=120))
         assert other["losses"] == pytest.approx(single["losses"], rel=2e-5), (ranks, run)
+
+
+def test_v_placement_sums_the_tied_embedding_on_rank_0_and_matches_one_stage() -> None:
+    single = _last(run_distributed(_train, 1, Run()))
+    results = run_distributed(_train, 2, Run(pp=2, vp=2, placement="v"), timeout=120)
+    # Both ends sit on rank 0: it reports the losses and holds both copies.
+    assert results[0]["losses"] == pytest.approx(single["losses"], rel=2e-5)
+    assert results[1]["losses"] == []
+    assert results[0]["tied_equal"] is True  # same summed gradient, same update, every step
+    assert results[1]["tied_equal"] is None
+
+
+def test_tied_embedding_sync_follows_the_placement() -> None:
+    assert tied_embedding_sync(Placement.looped(1, 1)) == "none"
+    assert tied_embedding_sync(Placement.looped(4, 2)) == "embedding_group"
+    assert tied_embedding_sync(Placement.v_shape(4, 2)) == "local"
+    assert tied_embedding_sync(Placement.looped(1, 2)) == "local"
+    with pytest.raises(ValueError, match=r"first stage on pipeline rank 1 and the last on rank 0"):
+        tied_embedding_sync(Placement.from_table([[3, 1], [0, 2]]))
+
+
+def test_profile_settings_are_checked() -> None:
+    base = functools.partial(TrainingConfig, train_iters=4, micro_batch_size=2, seq_length=16)
+    with pytest.raises(ValueError, match="needs profile_schedule_path"):
+        base(profile_schedule_iteration=2)
+    with pytest.raises(ValueError, match=r"past train_iters 4; use 1 \.\. 4"):
+        base(profile_schedule_path="t.json", profile_schedule_iteration=5)
+    with pytest.raises(ValueError, match="positive int or None, got 0"):
+        base(profile_schedule_path="t.json", profile_schedule_iteration=0)
+    assert base(profile_schedule_path="t.json").profile_schedule_iteration is None
+
+
+def test_train_writes_a_schedule_trace_of_the_second_iteration(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    results = run_distributed(_train, 2, Run(pp=2, iters=3, profile=str(path)))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans if e["pid"] == 0} == {0, 1}  # measured, both ranks
+    assert {e["tid"] for e in spans if e["pid"] == 1} == {0, 1}  # simulated, both ranks
+    for result in results:  # every rank gets the summary line
+        (line,) = [x for x in result["lines"] if x.startswith("schedule profile")]
+        assert line.startswith(f"schedule profile of iteration 2 written to {path}: measured ")
+        assert "simulated" in line
+
+
+def _unwritable_trace(root: str) -> str:
+    try:
+        _train(Run(pp=2, iters=2, profile=str(Path(root) / "missing" / "t.json")))
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_train_refuses_an_unwritable_trace_path_before_the_first_step(tmp_path: Path) -> None:
+    messages = run_distributed(_unwritable_trace, 2, str(tmp_path))
+    assert all("does not exist" in message for message in messages)
 
 
 def test_resume_equals_an_unbroken_run(tmp_path: Path) -> None:
@@ -321,9 +411,7 @@ def _evaluate_before_training(run: Run) -> tuple[dict[str, float], list[bool]]:
         gpt_forward_step,
         streams if vp > 1 else streams[0],
         model,
-        forward_backward_func=build_forward_backward_func(
-            state, model, optimizer, hidden_size=GPT.hidden_size
-        ),
+        forward_backward_func=_forward_backward(run, state, model, optimizer),
         state=state,
         eval_iters=2,
         num_microbatches=GLOBAL // (MICRO * state.group_size("dp_cp")),

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
-from pp_schedules import plan
-from pp_state import ParallelConfig, ParallelState
+from pp_schedules import Plan, check_trace_path, parse_schedule, plan, validate
+from pp_state import ParallelConfig, ParallelState, Placement
 from pp_train.checkpointing import CheckpointError
 from pp_train.data import ByteTokenizer, GPTDataset, corpus_tokens, microbatches, split_corpus
 from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
@@ -32,6 +32,7 @@ from pp_train.training import (
     build_forward_backward_func,
     evaluate,
     setup_model_and_optimizer,
+    tied_embedding_sync,
     train,
 )
 from pp_train.wrappers import unwrap_model
@@ -40,6 +41,13 @@ __all__ = ["build_parser", "gpt_forward_step", "main", "validate_args"]
 
 LR_DECAY_STYLES = ["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 WSD_STYLES = ["linear", "cosine", "exponential", "minus_sqrt"]
+PIPELINE_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+_SCHEDULE_TITLES = {
+    "no_pipelining": "no pipelining",
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "interleaved 1F1B",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the bundled small GPT with pipeline parallelism (run under torchrun).",
     )
     _model_and_parallel_flags(parser)
+    _schedule_flags(parser)
     _optimizer_flags(parser)
     _io_flags(parser)
     return parser
@@ -93,6 +102,38 @@ def _model_and_parallel_flags(parser: argparse.ArgumentParser) -> None:
         nargs=3,
         default=None,
         metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+
+
+def _schedule_flags(parser: argparse.ArgumentParser) -> None:
+    schedule = parser.add_argument_group("pipeline schedule")
+    which = schedule.add_mutually_exclusive_group()
+    which.add_argument(
+        "--pipeline-schedule",
+        choices=PIPELINE_SCHEDULES,
+        default=None,
+        help="default: interleaved_1f1b with virtual stages, 1f1b otherwise (Megatron's choice)",
+    )
+    which.add_argument(
+        "--pipeline-schedule-file",
+        metavar="PATH",
+        default=None,
+        help="run the plan in this text file (one line of actions per pipeline rank, e.g. "
+        "'rank 0: F0 F1 B0 B1'; an optional 'placement: looped|v' line); checked up front",
+    )
+    schedule.add_argument(
+        "--profile-schedule",
+        metavar="PATH",
+        default=None,
+        help="write one training iteration's measured and simulated schedule to this "
+        "Chrome-trace JSON file and print a summary line",
+    )
+    schedule.add_argument(
+        "--profile-schedule-iteration",
+        type=int,
+        metavar="N",
+        default=None,
+        help="the iteration --profile-schedule records (default: the second this run trains)",
     )
 
 
@@ -167,7 +208,8 @@ def validate_args(
 
     Calls ``parser.error`` (exit status 2, usage and the message) naming the numbers and what
     would work. Sets ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``,
-    ``lr_decay_iters``, ``tensor_model_parallel_size`` and ``vocab_size``.
+    ``lr_decay_iters``, ``tensor_model_parallel_size``, ``vocab_size`` and ``pipeline_plan``
+    (the validated plan of ``--pipeline-schedule-file``, else None).
     """
     _positive(
         parser,
@@ -190,10 +232,17 @@ def validate_args(
             "ffn_hidden_size",
             "loss_scale_window",
             "hysteresis",
+            "profile_schedule_iteration",
         ],
     )
     dp = _check_layout(parser, args, world_size)
     _check_batches(parser, args, dp)
+    args.pipeline_plan = None
+    if args.pipeline_schedule_file is not None:
+        args.pipeline_plan = _read_plan(parser, args, dp)
+    else:
+        _check_named_schedule(parser, args, _microbatch_counts(args, dp))
+    _check_profile(parser, args)
     _check_schedule(parser, args)
     args.data_parallel_size = dp
     args.tensor_model_parallel_size = 1
@@ -249,17 +298,6 @@ def _check_batches(parser: argparse.ArgumentParser, args: argparse.Namespace, dp
         )
     if args.rampup_batch_size is not None:
         _check_rampup(parser, args, dp)
-    vp = args.virtual_pipeline_model_parallel_size
-    if vp is not None and args.rampup_batch_size is None:
-        try:
-            plan(
-                "interleaved_1f1b",
-                pp_size=args.pipeline_model_parallel_size,
-                num_microbatches=args.global_batch_size // unit,
-                vp_size=vp,
-            )
-        except ValueError as error:
-            parser.error(f"interleaved schedule with {vp} chunks per stage: {error}")
 
 
 def _check_rampup(parser: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> None:
@@ -281,6 +319,117 @@ def _check_rampup(parser: argparse.ArgumentParser, args: argparse.Namespace, dp:
             f"sizes {uneven} that --micro-batch-size {args.micro_batch_size} x data-parallel "
             f"size {dp} = {unit} does not divide; use a start and increment that are "
             f"multiples of {unit}"
+        )
+
+
+def _microbatch_counts(args: argparse.Namespace, dp: int) -> list[int]:
+    """Every number of microbatches a step runs (several while the batch size ramps up)."""
+    unit = args.micro_batch_size * dp
+    sizes = {args.global_batch_size}
+    if args.rampup_batch_size is not None:
+        start, increment, _ = args.rampup_batch_size
+        sizes.update(range(start, args.global_batch_size, increment))
+    return sorted(size // unit for size in sizes)
+
+
+def _check_named_schedule(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, counts: list[int]
+) -> None:
+    pp = args.pipeline_model_parallel_size
+    vp = args.virtual_pipeline_model_parallel_size or 1
+    name = args.pipeline_schedule
+    chosen = name or ("interleaved_1f1b" if vp > 1 else "1f1b" if pp > 1 else "no_pipelining")
+    for count in counts:
+        try:
+            plan(chosen, pp_size=pp, num_microbatches=count, vp_size=vp)
+        except ValueError as error:
+            if name is None:
+                parser.error(f"interleaved schedule with {vp} chunks per stage: {error}")
+            hint = (
+                "; virtual stages come from --num-layers-per-virtual-pipeline-stage"
+                if name == "interleaved_1f1b" and vp == 1
+                else ""
+            )
+            parser.error(f"--pipeline-schedule {name} with {vp} chunk(s) per rank: {error}{hint}")
+
+
+def _read_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> Plan:
+    """The plan of --pipeline-schedule-file, checked against the run's sizes and validated."""
+    path = args.pipeline_schedule_file
+    flag = f"--pipeline-schedule-file {path}"
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        parser.error(f"{flag}: cannot be read: {error.strerror}")
+    except UnicodeDecodeError:
+        parser.error(f"{flag}: is not UTF-8 text")
+    try:
+        schedule = parse_schedule(text)
+    except ValueError as error:
+        parser.error(f"{flag}: {error}")
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    vp = args.virtual_pipeline_model_parallel_size or 1
+    if schedule.pp_size != pp:
+        parser.error(
+            f"{flag} writes {schedule.pp_size} rank line(s), but --pipeline-model-parallel-size "
+            f"is {pp}; write one line per pipeline rank"
+        )
+    if schedule.vp_size != vp:
+        per_chunk = (
+            layers // (pp * schedule.vp_size) if layers % (pp * schedule.vp_size) == 0 else None
+        )
+        fix = (
+            "drop --num-layers-per-virtual-pipeline-stage"
+            if schedule.vp_size == 1
+            else f"use --num-layers-per-virtual-pipeline-stage {per_chunk}"
+            if per_chunk
+            else f"use a number of layers divisible by {pp * schedule.vp_size}"
+        )
+        parser.error(
+            f"{flag} runs {schedule.vp_size} model chunk(s) per rank, but the run has {vp} "
+            f"(--num-layers {layers}, --num-layers-per-virtual-pipeline-stage "
+            f"{args.num_layers_per_virtual_pipeline_stage}); {fix}"
+        )
+    if args.rampup_batch_size is not None:
+        parser.error(
+            f"{flag} fixes the number of microbatches per step, but --rampup-batch-size changes "
+            "it while the batch grows; a fixed plan needs a fixed microbatch count, so drop "
+            "one of the two"
+        )
+    unit = args.micro_batch_size * dp
+    count = args.global_batch_size // unit
+    if schedule.num_microbatches != count:
+        parser.error(
+            f"{flag} covers {schedule.num_microbatches} microbatch(es), but each step runs "
+            f"{count} (--global-batch-size {args.global_batch_size} / (--micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp})); write a plan for {count} "
+            f"microbatches or use --global-batch-size {schedule.num_microbatches * unit}"
+        )
+    try:
+        validate(schedule, num_microbatches=count)
+        if args.eval_iters > 0:
+            validate(schedule.without_backward(), num_microbatches=count, forward_only=True)
+        tied_embedding_sync(schedule.placement)
+    except ValueError as error:
+        parser.error(f"{flag}: {error}")
+    return schedule
+
+
+def _check_profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    iteration = args.profile_schedule_iteration
+    if args.profile_schedule is None:
+        if iteration is not None:
+            parser.error("--profile-schedule-iteration needs --profile-schedule PATH")
+        return
+    try:
+        check_trace_path(args.profile_schedule)
+    except ValueError as error:
+        parser.error(f"--profile-schedule: {error}")
+    if iteration is not None and iteration > args.train_iters:
+        parser.error(
+            f"--profile-schedule-iteration {iteration} is past --train-iters "
+            f"{args.train_iters}; use 1 .. {args.train_iters}"
         )
 
 
@@ -355,6 +504,12 @@ def _writer(args: argparse.Namespace, is_logging_rank: bool) -> Any:
     return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
 
 
+def _schedule_title(args: argparse.Namespace, name: str, placement: Placement) -> str:
+    if args.pipeline_schedule_file is not None:
+        return f"plan {args.pipeline_schedule_file} ({placement} placement)"
+    return _SCHEDULE_TITLES.get(name, name)
+
+
 def run(args: argparse.Namespace) -> str:
     """Trains with validated `args` inside an initialised process group; returns the exit reason."""
     state = ParallelState.create(
@@ -364,7 +519,14 @@ def run(args: argparse.Namespace) -> str:
         )
     )
     device = args.device
-    is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+    pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
+    schedule: Plan | None = args.pipeline_plan
+    placement = schedule.placement if schedule is not None else Placement.looped(pp, vp)
+    pp_rank = state.pipeline_model_parallel_rank
+    # Megatron logs from the last rank: the last stage (the losses) of the last replica.
+    is_logging_rank = (
+        placement.holds_last(pp_rank) and state.group_rank("dp_cp") == state.group_size("dp_cp") - 1
+    )
 
     def say(text: str) -> None:
         if is_logging_rank:
@@ -378,10 +540,9 @@ def run(args: argparse.Namespace) -> str:
         vocab_size=args.vocab_size,
         ffn_hidden_size=args.ffn_hidden_size,
     )
-    pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
 
     def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
-        layers = chunk_layers(gpt.num_layers, pp, vp, state.pipeline_model_parallel_rank, vp_stage)
+        layers = chunk_layers(gpt.num_layers, pp, vp, pp_rank, vp_stage, placement=placement)
         return GPTChunk(
             gpt, layers=layers, pre_process=pre_process, post_process=post_process, seed=args.seed
         )
@@ -429,6 +590,7 @@ def run(args: argparse.Namespace) -> str:
         finetune=args.finetune,
         no_load_optim=args.no_load_optim,
         no_load_rng=args.no_load_rng,
+        placement=placement,
     )
     progress = TrainingProgress()
     if loaded is not None:
@@ -463,7 +625,15 @@ def run(args: argparse.Namespace) -> str:
     valid_data = GPTDataset(valid_tokens, args.seq_length, seed=args.seed + 1)
     timers = Timers()
     forward_backward = build_forward_backward_func(
-        state, model, optimizer, hidden_size=args.hidden_size, device=device, timers=timers
+        state,
+        model,
+        optimizer,
+        hidden_size=args.hidden_size,
+        device=device,
+        timers=timers,
+        schedule=args.pipeline_schedule,
+        plan=schedule,
+        placement=placement,
     )
     calculator = build_num_microbatches_calculator(
         global_batch_size=gbs,
@@ -478,11 +648,11 @@ def run(args: argparse.Namespace) -> str:
         writer=writer,
         is_logging_rank=is_logging_rank,
     )
-    schedule = "interleaved 1F1B" if vp > 1 else "1F1B" if pp > 1 else "no pipelining"
     say(
         f"pp-train: GPT with {args.num_layers} layers, hidden {args.hidden_size}, on "
         f"{dist.get_world_size()} processes ({dist.get_backend()}): pipeline {pp}"
-        f"{f' x {vp} virtual stages' if vp > 1 else ''}, data parallel {dp_size}, {schedule}; "
+        f"{f' x {vp} virtual stages' if vp > 1 else ''}, data parallel {dp_size}, "
+        f"{_schedule_title(args, forward_backward.schedule, placement)}; "
         f"{train_data.samples_per_epoch} training samples per epoch"
     )
     config = TrainingConfig(
@@ -497,6 +667,8 @@ def run(args: argparse.Namespace) -> str:
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler,
+        profile_schedule_path=args.profile_schedule,
+        profile_schedule_iteration=args.profile_schedule_iteration,
     )
     reason = train(
         gpt_forward_step,

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from pp_state import Placement
+
 __all__ = ["GPTChunk", "GPTConfig", "chunk_layers", "init_parameter_"]
 
 _WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
@@ -115,11 +117,22 @@ class GPTConfig:
         return self.hidden_size // self.num_attention_heads
 
 
-def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, vp_stage: int) -> range:
-    """Global indices of the layers that one model chunk holds, as Megatron interleaves them.
+def chunk_layers(
+    num_layers: int,
+    pp_size: int,
+    vp_size: int,
+    pp_rank: int,
+    vp_stage: int,
+    *,
+    placement: Placement | None = None,
+) -> range:
+    """Global indices of the layers that one model chunk holds.
 
-    Virtual stage ``v = vp_stage * pp_size + pp_rank`` holds layers ``[v * per, (v + 1) * per)``
-    with ``per = num_layers // (pp_size * vp_size)``.
+    The layers split evenly over the ``pp_size * vp_size`` virtual stages, in order: stage
+    ``s`` holds layers ``[s * per, (s + 1) * per)`` with ``per = num_layers // (pp_size *
+    vp_size)``. Which stage a chunk holds is the placement's answer: with Megatron's looped
+    placement (the default) chunk ``c`` of rank ``r`` holds stage ``c * pp_size + r``; with the
+    V placement rank ``r`` holds stages ``r`` and ``2 * pp_size - 1 - r``.
 
     Args:
         num_layers: Transformer layers of the whole model.
@@ -127,6 +140,7 @@ def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, vp_s
         vp_size: Model chunks per pipeline rank (1 without interleaving).
         pp_rank: This rank's pipeline stage, ``0 .. pp_size - 1``.
         vp_stage: The chunk on this rank, ``0 .. vp_size - 1``.
+        placement: Which virtual stage each (rank, chunk) holds; looped when None.
 
     Returns:
         The global layer indices of the chunk.
@@ -134,7 +148,8 @@ def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, vp_s
     Raises:
         TypeError: An argument is not an int.
         ValueError: A size is below 1, the layers do not split evenly over
-            ``pp_size * vp_size`` virtual stages, or the rank or stage is out of range.
+            ``pp_size * vp_size`` virtual stages, the rank or stage is out of range, or the
+            placement is for another pipeline size.
     """
     for name, value in (("num_layers", num_layers), ("pp_size", pp_size), ("vp_size", vp_size)):
         _check_positive_int(name, value)
@@ -150,9 +165,13 @@ def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, vp_s
             f"size {vp_size} = {stages} virtual stages; pipeline size times virtual size must "
             f"be one of {_joined(_divisors(num_layers))}"
         )
-    per = num_layers // stages
-    virtual_stage = vp_stage * pp_size + pp_rank
-    return range(virtual_stage * per, (virtual_stage + 1) * per)
+    where = Placement.looped(pp_size, vp_size) if placement is None else placement
+    if (where.pp_size, where.vp_size) != (pp_size, vp_size):
+        raise ValueError(
+            f"placement {where} covers {where.pp_size} ranks x {where.vp_size} chunks, but the "
+            f"pipeline has {pp_size} x {vp_size}"
+        )
+    return where.layers(pp_rank, vp_stage, num_layers)
 
 
 def _generator_seed(seed: int, name: str) -> int:
@@ -273,7 +292,8 @@ class GPTChunk(torch.nn.Module):
 
         Args:
             config: The model's shape.
-            layers: Global indices of this chunk's transformer layers (see `chunk_layers`).
+            layers: Global indices of this chunk's transformer layers (see `chunk_layers`:
+                the placement says which stage, and so which layers, a chunk holds).
             pre_process: This chunk is the first virtual stage: it holds the embeddings.
             post_process: This chunk is the last virtual stage: it holds the final layernorm
                 and the output layer and returns the loss or the logits.

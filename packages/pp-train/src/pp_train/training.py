@@ -30,8 +30,15 @@ from pp_optim import (
     all_reduce_grads,
     get_megatron_optimizer,
 )
-from pp_schedules import ScheduleConfig, get_forward_backward_func
-from pp_state import ParallelState
+from pp_schedules import (
+    PipelineExecutor,
+    Plan,
+    ScheduleConfig,
+    check_trace_path,
+    get_forward_backward_func,
+    write_schedule_trace,
+)
+from pp_state import ParallelState, Placement
 from pp_train.checkpointing import (
     LoadedCheckpoint,
     collective_device,
@@ -46,6 +53,7 @@ __all__ = [
     "ExitReason",
     "ForwardBackwardFunc",
     "ModelProvider",
+    "TiedEmbeddingSync",
     "TrainingConfig",
     "TrainingProgress",
     "build_forward_backward_func",
@@ -53,7 +61,9 @@ __all__ = [
     "finalize_model_grads",
     "finetune",
     "get_model",
+    "schedule_placement",
     "setup_model_and_optimizer",
+    "tied_embedding_sync",
     "train",
     "train_step",
 ]
@@ -70,7 +80,11 @@ class ModelProvider(Protocol):
 
 
 class ForwardBackwardFunc(Protocol):
-    """What `pp_schedules.get_forward_backward_func` returns."""
+    """What `pp_schedules.get_forward_backward_func` returns (Megatron's interface).
+
+    A function with a ``placement`` attribute (pp-schedules' executor) says which virtual
+    stage each chunk holds; any other is taken to run Megatron's looped placement.
+    """
 
     def __call__(
         self,
@@ -128,6 +142,19 @@ class TrainingConfig:
     adlr_autoresume_interval: int = 1000
     """Ask the autoresume hook every this many iterations whether to save and stop."""
 
+    profile_schedule_path: str | None = None
+    """Record one training iteration's pipeline schedule and write it here as Chrome-trace
+    JSON (Perfetto opens it): every pipeline rank's measured forward, backward and exchange
+    spans beside the simulator's timeline of the same plan with the measured costs. The
+    pipeline of global rank 0 is profiled; its first stage writes the file, and every rank
+    gets the summary line through ``print_fn``. Needs pp-schedules' executor as the
+    forward-backward function; the path is checked before the first iteration."""
+
+    profile_schedule_iteration: int | None = None
+    """The iteration to profile, numbered as in the log (1 is the first of the whole run).
+    None: the second iteration this run trains (the first pays one-time costs: plan
+    validation, buffer allocation, connection set-up), or its only one."""
+
     def __post_init__(self) -> None:
         """Checks the numbers.
 
@@ -150,6 +177,22 @@ class TrainingConfig:
             raise ValueError(
                 f"adlr_autoresume_interval must be >= 1, got {self.adlr_autoresume_interval}"
             )
+        iteration = self.profile_schedule_iteration
+        if iteration is not None:
+            if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 1:
+                raise ValueError(
+                    f"profile_schedule_iteration must be a positive int or None, got {iteration!r}"
+                )
+            if self.profile_schedule_path is None:
+                raise ValueError(
+                    f"profile_schedule_iteration {iteration} needs profile_schedule_path (the "
+                    "file to write the trace to)"
+                )
+            if iteration > self.train_iters:
+                raise ValueError(
+                    f"profile_schedule_iteration {iteration} is past train_iters "
+                    f"{self.train_iters}; use 1 .. {self.train_iters}"
+                )
 
 
 @dataclasses.dataclass
@@ -167,6 +210,20 @@ def _half_dtype(fp16: bool, bf16: bool) -> torch.dtype | None:
     return torch.float16 if fp16 else torch.bfloat16 if bf16 else None
 
 
+def _layout_placement(state: ParallelState, placement: Placement | None) -> Placement:
+    """`placement`, checked against the state's pipeline; Megatron's looped one when None."""
+    pp = state.pipeline_model_parallel_size
+    vp = state.virtual_pipeline_model_parallel_size or 1
+    if placement is None:
+        return Placement.looped(pp, vp)
+    if (placement.pp_size, placement.vp_size) != (pp, vp):
+        raise ValueError(
+            f"placement {placement} covers {placement.pp_size} ranks x {placement.vp_size} "
+            f"chunks, but the parallel state has pipeline size {pp} and virtual size {vp}"
+        )
+    return placement
+
+
 def get_model(
     model_provider: ModelProvider,
     state: ParallelState,
@@ -176,26 +233,40 @@ def get_model(
     ddp_config: DDPConfig | None = None,
     device: torch.device | None = None,
     wrap_with_ddp: bool = True,
+    placement: Placement | None = None,
 ) -> list[torch.nn.Module]:
     """One model chunk per virtual stage, moved to `device`, cast and wrapped as Megatron does.
 
-    Chunk ``v`` of this rank gets ``pre_process`` when it is the first virtual stage of the
-    pipeline and ``post_process`` when it is the last. With fp16/bf16 each chunk is wrapped
-    in `Float16Module`; then in `DistributedDataParallel` over the data (x context) parallel
-    group, bucketed only for the first chunk of the first stage (Megatron's choice), after
-    which parameters are broadcast from data-parallel rank 0.
+    The placement says which virtual stage each chunk of this rank holds: chunk ``v`` gets
+    ``pre_process`` when it holds the first stage and ``post_process`` when it holds the last
+    (with the V placement both are chunks of pipeline rank 0). With fp16/bf16 each chunk is
+    wrapped in `Float16Module`; then in `DistributedDataParallel` over the data (x context)
+    parallel group, bucketed only for the chunk holding the first stage (Megatron's choice),
+    after which parameters are broadcast from data-parallel rank 0. Last, the copies of a
+    tied word embedding are made equal (see `tied_embedding_sync`).
+
+    Args:
+        model_provider: Builds one chunk: ``model_provider(pre_process=, post_process=,
+            vp_stage=)``.
+        state: The parallel state (pipeline rank and size, virtual size, groups).
+        fp16: Wrap each chunk in `Float16Module` with float16.
+        bf16: Wrap each chunk in `Float16Module` with bfloat16.
+        ddp_config: Grad-buffer settings of `DistributedDataParallel`.
+        device: Where the chunks go.
+        wrap_with_ddp: Wrap each chunk in `DistributedDataParallel`.
+        placement: Which virtual stage each (rank, chunk) holds; the schedule's (a plan's
+            placement), Megatron's looped one when None.
+
+    Raises:
+        ValueError: fp16 and bf16 together, a placement for another pipeline, or a tied
+            embedding whose two ends the placement puts where they cannot be kept in sync.
     """
-    vp_size = state.virtual_pipeline_model_parallel_size or 1
+    where = _layout_placement(state, placement)
+    rank = state.pipeline_model_parallel_rank
     dtype = _half_dtype(fp16, bf16)
     chunks: list[torch.nn.Module] = []
-    for vp_stage in range(vp_size):
-        virtual = vp_size > 1
-        pre = state.is_pipeline_first_stage(
-            ignore_virtual=not virtual, vp_stage=vp_stage if virtual else None
-        )
-        post = state.is_pipeline_last_stage(
-            ignore_virtual=not virtual, vp_stage=vp_stage if virtual else None
-        )
+    for vp_stage in range(where.vp_size):
+        pre, post = where.is_first(rank, vp_stage), where.is_last(rank, vp_stage)
         chunk = model_provider(pre_process=pre, post_process=post, vp_stage=vp_stage)
         if device is not None:
             chunk = chunk.to(device)
@@ -203,15 +274,12 @@ def get_model(
             chunk = Float16Module(chunk, dtype, pre_process=pre, post_process=post)
         if wrap_with_ddp:
             ddp = DistributedDataParallel.from_parallel_state(
-                chunk,
-                state,
-                ddp_config,
-                disable_bucketing=state.pipeline_model_parallel_rank > 0 or vp_stage > 0,
+                chunk, state, ddp_config, disable_bucketing=not pre
             )
             ddp.broadcast_params()
             chunk = ddp
         chunks.append(chunk)
-    _sync_shared_embeddings(chunks, state)
+    _sync_shared_embeddings(chunks, state, where)
     return chunks
 
 
@@ -225,24 +293,108 @@ def _shared_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
     return None
 
 
-def _embedding_weights(chunks: Sequence[torch.nn.Module], state: ParallelState) -> list[Any]:
-    """The tied word-embedding copy this rank holds (first stage: chunk 0; last: last chunk)."""
-    if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
+TiedEmbeddingSync = Literal["none", "local", "embedding_group"]
+"""How the two copies of a tied word embedding are kept equal (see `tied_embedding_sync`)."""
+
+
+def tied_embedding_sync(placement: Placement) -> TiedEmbeddingSync:
+    """How the copies of a word embedding tied to the output layer are kept equal.
+
+    The first virtual stage holds the word embedding and the last the output layer, a copy of
+    it. Their gradients are summed every step so both copies see the tied weight's gradient:
+
+    - "none": one stage holds both ends, the output layer uses the embedding itself.
+    - "local": both ends are chunks of one pipeline rank (the V placement puts them on rank
+      0): the two gradients are added in place on that rank.
+    - "embedding_group": the first stage is on pipeline rank 0 and the last on the last
+      rank (the looped placement): summed over the embedding group, as Megatron does.
+
+    Args:
+        placement: Which virtual stage each (rank, chunk) holds.
+
+    Returns:
+        One of the three answers above.
+
+    Raises:
+        ValueError: The ends are on two ranks other than the first and last pipeline rank,
+            where no embedding group connects them.
+    """
+    if placement.num_stages == 1:
+        return "none"
+    first = placement.holder(0)[0]
+    last = placement.holder(placement.num_stages - 1)[0]
+    if first == last:
+        return "local"
+    if (first, last) == (0, placement.pp_size - 1):
+        return "embedding_group"
+    raise ValueError(
+        f"placement {placement} puts the first stage on pipeline rank {first} and the last on "
+        f"rank {last}; a tied word embedding is kept in sync only when both are on one rank "
+        f"or on ranks 0 and {placement.pp_size - 1} (the embedding group); use the 'looped' or "
+        "'v' placement, or a model without tied embeddings"
+    )
+
+
+def _ties_output_to_embedding(chunk: torch.nn.Module) -> bool:
+    # Megatron's flag; a model without it is taken to tie, as Megatron's older models did.
+    return bool(getattr(unwrap_model(chunk), "share_embeddings_and_output_weights", True))
+
+
+def _embedding_weights(
+    chunks: Sequence[torch.nn.Module], state: ParallelState, placement: Placement
+) -> list[torch.nn.Parameter]:
+    """The tied word-embedding copies this rank holds: the first stage's, then the last's."""
+    if placement.num_stages == 1:
         return []
-    weights = []
-    if state.is_pipeline_first_stage():
-        weights.append(_shared_weight(chunks[0]))
-    if state.is_pipeline_last_stage() and not state.is_pipeline_first_stage():
-        weights.append(_shared_weight(chunks[-1]))
+    rank = state.pipeline_model_parallel_rank
+    ends = [
+        index
+        for holds in (placement.is_first, placement.is_last)
+        for index in range(len(chunks))
+        if holds(rank, index)
+    ]
+    weights = [
+        _shared_weight(chunks[index]) for index in ends if _ties_output_to_embedding(chunks[index])
+    ]
     return [w for w in weights if w is not None]
 
 
-def _sync_shared_embeddings(chunks: Sequence[torch.nn.Module], state: ParallelState) -> None:
-    # The last stage's copy starts as the first stage's (Megatron zeroes it and all-reduces).
-    weights = _embedding_weights(chunks, state)
+def _main_grad(weight: torch.nn.Parameter) -> torch.Tensor | None:
+    grad: torch.Tensor | None = getattr(weight, "main_grad", None)
+    return weight.grad if grad is None else grad
+
+
+def _sum_tied_gradients(
+    chunks: Sequence[torch.nn.Module], state: ParallelState, placement: Placement
+) -> None:
+    """Both copies of the tied embedding end with the sum of their gradients."""
+    weights = _embedding_weights(chunks, state, placement)
     if not weights:
         return
+    if tied_embedding_sync(placement) == "embedding_group":
+        all_reduce_grads(weights, group=state.group("embedding"))
+        return
+    # Both ends on this rank: add the two gradients in place, no communication.
+    grads = [grad for grad in map(_main_grad, weights) if grad is not None]
+    if len(grads) == len(weights) == 2:  # the embedding and its copy
+        with torch.no_grad():
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+
+
+def _sync_shared_embeddings(
+    chunks: Sequence[torch.nn.Module], state: ParallelState, placement: Placement
+) -> None:
+    """The output layer's copy starts as the word embedding (Megatron zeroes it and all-reduces)."""
+    weights = _embedding_weights(chunks, state, placement)
+    if not weights:
+        return
+    how = tied_embedding_sync(placement)
     with torch.no_grad():
+        if how == "local":
+            if len(weights) == 2:  # the embedding and its copy
+                weights[1].copy_(weights[0])
+            return
         for weight in weights:
             if getattr(weight, "shared", False):
                 weight.zero_()
@@ -262,10 +414,15 @@ def setup_model_and_optimizer(
     finetune: bool = False,
     no_load_optim: bool = False,
     no_load_rng: bool = False,
+    placement: Placement | None = None,
 ) -> tuple[
     list[torch.nn.Module], MegatronOptimizer, OptimizerParamScheduler, LoadedCheckpoint | None
 ]:
     """Model chunks, optimizer and scheduler, restored from `load` when it holds a checkpoint.
+
+    `placement` is the schedule's: which virtual stage each chunk holds (see `get_model`);
+    Megatron's looped placement when None. Give the same one to `build_forward_backward_func`
+    (a plan's placement when you run a plan).
 
     Returns:
         ``(model, optimizer, scheduler, loaded)``: `loaded` is None when nothing was loaded
@@ -278,6 +435,7 @@ def setup_model_and_optimizer(
         bf16=optimizer_config.bf16,
         ddp_config=ddp_config,
         device=device,
+        placement=placement,
     )
     optimizer = get_megatron_optimizer(
         optimizer_config, [unwrap_model(chunk) for chunk in model], parallel_state=state
@@ -308,11 +466,38 @@ def build_forward_backward_func(
     device: torch.device | None = None,
     timers: Timers | None = None,
     comm_config: CommConfig | None = None,
-) -> ForwardBackwardFunc:
+    schedule: str | None = None,
+    plan: Plan | str | None = None,
+    placement: Placement | None = None,
+) -> PipelineExecutor:
     """The schedule for `state`'s pipeline, wired to the optimizer's loss scale and DDP's no_sync.
 
-    Activations travel in the model's dtype (fp16/bf16 chunks send half tensors).
+    Activations travel in the model's dtype (fp16/bf16 chunks send half tensors). The result
+    is pp-schedules' executor: its ``placement`` says which stage each chunk holds, and
+    `train` can record its timeline (`TrainingConfig.profile_schedule_path`).
+
+    Args:
+        state: The parallel state; its pipeline group carries the transfers.
+        model: This rank's chunks (from `get_model`).
+        optimizer: Its ``scale_loss`` scales each loss before backward.
+        hidden_size: Width of the activations between stages.
+        device: Where received tensors go.
+        timers: Megatron-style timers for the compute and communication phases.
+        comm_config: pp-comm settings; by default the model's dtype on the wire.
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b"; by default Megatron's choice
+            (interleaved 1F1B with virtual stages, 1F1B otherwise, no pipelining for one
+            stage).
+        plan: A plan to run instead (a `pp_schedules.Plan` or its text); it carries its
+            placement.
+        placement: The placement the model was built for (`get_model`); checked against
+            the plan's. Looped when None and no plan is given.
+
+    Raises:
+        ValueError: A schedule and a plan together, or a plan or placement that does not fit
+            the pipeline.
     """
+    if schedule is not None and plan is not None:
+        raise ValueError(f"give a schedule name or a plan, not both (schedule {schedule!r})")
     dtype = next(unwrap_model(model[0]).parameters()).dtype
     communicator = None
     if state.pipeline_model_parallel_size > 1:
@@ -329,6 +514,9 @@ def build_forward_backward_func(
         vp_size=len(model),
         config=ScheduleConfig(
             hidden_size=hidden_size,
+            schedule=schedule,
+            plan=plan,
+            placement=placement,
             grad_scale_func=optimizer.scale_loss,
             no_sync_func=no_sync_func,
             timers=timers,
@@ -336,18 +524,43 @@ def build_forward_backward_func(
     )
 
 
-def finalize_model_grads(model: Sequence[torch.nn.Module], state: ParallelState) -> None:
+def schedule_placement(forward_backward_func: Any, state: ParallelState) -> Placement:
+    """The placement a forward-backward function runs: the executor's, else Megatron's looped.
+
+    Args:
+        forward_backward_func: pp-schedules' executor (it has ``placement``) or any function
+            with Megatron's interface (taken to run the looped placement).
+        state: The parallel state (pipeline and virtual sizes).
+    """
+    placement = getattr(forward_backward_func, "placement", None)
+    if isinstance(placement, Placement):
+        return placement
+    return _layout_placement(state, None)
+
+
+def finalize_model_grads(
+    model: Sequence[torch.nn.Module],
+    state: ParallelState,
+    *,
+    placement: Placement | None = None,
+) -> None:
     """After backward: data-parallel reduction, then the tied embeddings' gradients.
 
     Every chunk's grad buffer is reduced over data parallelism; the word embedding's copies on
-    the first and last stage are summed over the embedding group; with a split rank the
-    position embedding over its group (Megatron's encoder-decoder models).
+    the first and last stage are summed (over the embedding group, or in place when one rank
+    holds both, see `tied_embedding_sync`); with a split rank the position embedding over its
+    group (Megatron's encoder-decoder models).
+
+    Args:
+        model: This rank's chunks.
+        state: The parallel state.
+        placement: Which stage each chunk holds (the schedule's); looped when None.
     """
     for chunk in model:
         finish = getattr(chunk, "finish_grad_sync", None)
         if callable(finish):
             finish()
-    all_reduce_grads(_embedding_weights(model, state), group=_embedding_group(state))
+    _sum_tied_gradients(model, state, _layout_placement(state, placement))
     if (
         state.pipeline_model_parallel_split_rank is not None
         and state.pipeline_model_parallel_size > 1
@@ -361,14 +574,8 @@ def finalize_model_grads(model: Sequence[torch.nn.Module], state: ParallelState)
             all_reduce_grads([parameter], group=state.group("position_embedding"))
 
 
-def _embedding_group(state: ParallelState) -> dist.ProcessGroup | None:
-    if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
-        return None
-    return state.group("embedding")
-
-
 def _average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[str, float]:
-    """Microbatch losses averaged, then over data-parallel ranks (last stage only)."""
+    """Microbatch losses averaged, then over data-parallel ranks (last stage's ranks only)."""
     if not losses:
         return {}
     averaged = {}
@@ -408,7 +615,8 @@ def train_step(
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
-        microbatches and data-parallel ranks (on the last pipeline stage; empty elsewhere).
+        microbatches and data-parallel ranks (on the rank holding the last pipeline stage;
+        empty elsewhere).
     """
     timers = timers or NullTimers()
     for chunk in model:
@@ -427,8 +635,9 @@ def train_step(
         forward_only=False,
     )
     timers("forward-backward").stop()
+    placement = schedule_placement(forward_backward_func, state)
     timers("grads-all-reduce").start()
-    finalize_model_grads(model, state)
+    finalize_model_grads(model, state, placement=placement)
     timers("grads-all-reduce").stop()
     timers("optimizer").start()
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -436,7 +645,8 @@ def train_step(
     if update_successful:
         scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp_cp"))
     skipped_iter = 0 if update_successful else 1
-    loss_dict = _average_losses(losses, state) if state.is_pipeline_last_stage() else {}
+    holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
+    loss_dict = _average_losses(losses, state) if holds_loss else {}
     return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
 
 
@@ -455,7 +665,8 @@ def evaluate(
     """Forward-only over `eval_iters` global batches; the model is back in train mode after.
 
     Returns:
-        Each loss averaged over all microbatches and data-parallel ranks (last stage only).
+        Each loss averaged over all microbatches and data-parallel ranks (on the rank holding
+        the last stage; empty elsewhere).
     """
     for chunk in model:
         chunk.eval()
@@ -475,7 +686,9 @@ def evaluate(
     finally:
         for chunk in model:
             chunk.train()
-    return _average_losses(collected, state) if state.is_pipeline_last_stage() else {}
+    placement = schedule_placement(forward_backward_func, state)
+    holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
+    return _average_losses(collected, state) if holds_loss else {}
 
 
 class _SignalFlag:
@@ -538,6 +751,68 @@ class _LoopParts:
         )
 
 
+class _ScheduleProfile:
+    """Records one training iteration's schedule and writes its trace (see TrainingConfig)."""
+
+    def __init__(
+        self,
+        config: TrainingConfig,
+        forward_backward_func: Any,
+        state: ParallelState,
+        *,
+        start: int,
+        print_fn: Callable[[str], None],
+    ) -> None:
+        self.iteration: int | None = None
+        self.path = config.profile_schedule_path
+        if self.path is None:
+            return
+        if not isinstance(forward_backward_func, PipelineExecutor):
+            raise TypeError(
+                "profile_schedule_path needs pp-schedules' executor as forward_backward_func "
+                f"(build_forward_backward_func), got {type(forward_backward_func).__name__}"
+            )
+        check_trace_path(self.path)
+        self.executor = forward_backward_func
+        self.state = state
+        # One pipeline is enough (the others run the same plan); its first stage writes.
+        self.records = 0 in state.group_ranks("pp")
+        target = config.profile_schedule_iteration
+        if target is None:
+            target = min(start + 2, config.train_iters)
+        if target <= start < config.train_iters:
+            print_fn(
+                f"not profiling the schedule: iteration {target} was trained before this run "
+                f"started at iteration {start}"
+            )
+            return
+        self.iteration = target
+
+    def starts(self, iteration: int) -> bool:
+        """Turns recording on when `iteration` (1-based, about to run) is the profiled one."""
+        active = iteration == self.iteration
+        if active and self.records:
+            self.executor.record_timeline(True)
+        return active
+
+    def finish(self, num_microbatches: int) -> str:
+        """Turns recording off, writes the trace (collective over every rank); the summary."""
+        assert self.path is not None
+        summary = None
+        if self.records:
+            self.executor.record_timeline(False)
+            summary = write_schedule_trace(
+                self.path,
+                self.executor,
+                num_microbatches=num_microbatches,
+                group=self.state.group("pp"),
+            )
+        # Global rank 0 is in the profiled pipeline; every rank gets its summary.
+        shared: list[object] = [summary]
+        dist.broadcast_object_list(shared, src=0, device=collective_device())
+        return f"schedule profile of iteration {self.iteration} written to {self.path}: {shared[0]}"
+
+
 _AGREED_EXITS: tuple[ExitReason, ...] = ("signal", "autoresume", "exit_duration")
 
 
@@ -590,14 +865,23 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     Each iteration: update the microbatch count from the consumed samples, `train_step`,
     count the samples, log; evaluate every `eval_interval`; save every `save_interval`;
     then stop, saving first, on SIGTERM, an autoresume request, `exit_duration_in_mins` or
-    `exit_interval`; every rank takes each of these decisions together.
+    `exit_interval`; every rank takes each of these decisions together. With
+    `config.profile_schedule_path`, one iteration's schedule is recorded and written as a
+    Chrome trace, and its summary line goes to `print_fn`.
 
     Returns:
         Why training stopped.
+
+    Raises:
+        ValueError: `config.profile_schedule_path` cannot be written.
+        TypeError: Profiling was asked for without pp-schedules' executor.
     """
     timers = timers if timers is not None else NullTimers()
     parts = _LoopParts(
         state, model, optimizer, scheduler, config, progress, checkpoint_args or {}, print_fn
+    )
+    profile = _ScheduleProfile(
+        config, forward_backward_func, state, start=progress.iteration, print_fn=print_fn
     )
     for chunk in model:
         chunk.train()
@@ -607,6 +891,7 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     with _SignalFlag(config.exit_signal_handler) as signals:
         while progress.iteration < config.train_iters:
             calculator.update(progress.consumed_train_samples, True)
+            profiling = profile.starts(progress.iteration + 1)
             loss_dict, skipped, grad_norm, zeros = train_step(
                 forward_step_func,
                 train_data_iterator,
@@ -620,6 +905,8 @@ def train(  # noqa: PLR0917 - Megatron's positional order
                 seq_length=config.seq_length,
                 timers=timers,
             )
+            if profiling:
+                print_fn(profile.finish(calculator.get()))
             progress.iteration += 1
             interval_iterations += 1
             batch = calculator.get_current_global_batch_size()

@@ -1,0 +1,308 @@
+"""The command's schedule flags: named schedules, plan files and schedule profiles.
+
+Flag errors are checked in-process through `main` (they must come before any process group);
+training runs call the command's `run` on ranks that the test harness started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pp_testing import run_distributed
+from pp_train import build_parser, main, validate_args
+from pp_train.command import run
+
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--train-iters",
+    "3",
+]
+PP2 = [*TINY, "--pipeline-model-parallel-size", "2"]
+
+GPIPE = """\
+# GPipe on two ranks, four microbatches: every forward, then every backward
+rank 0: F0 F1 F2 F3 B0 B1 B2 B3
+rank 1: F0 F1 F2 F3 B0 B1 B2 B3
+"""
+
+V_GPIPE = """\
+placement: v   # rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+rank 0: F0 F1 F2 F3 F0.1 F1.1 F2.1 F3.1 B0.1 B1.1 B2.1 B3.1 B0 B1 B2 B3
+rank 1: F0 F1 F2 F3 F0.1 F1.1 F2.1 F3.1 B0.1 B1.1 B2.1 B3.1 B0 B1 B2 B3
+"""
+
+
+def _write(folder: Path, name: str, text: str) -> str:
+    path = folder / name
+    path.write_text(text)
+    return str(path)
+
+
+# --- flag errors, before any process group ----------------------------------------------
+
+
+def _refused(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """Runs the command on a 2-process world that does not exist; returns its error."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert not dist.is_initialized()
+    err = capsys.readouterr().err
+    assert "usage: pp-train" in err
+    assert len([x for x in err.splitlines() if x.startswith("pp-train: error:")]) == 1
+    return err
+
+
+@pytest.mark.parametrize(
+    ("plan", "flags", "message"),
+    [
+        (
+            "rank 0: F0 F1 X2 F3\nrank 1: F0 F1 F2 F3\n",
+            [],
+            "plan.txt: line 1 (rank 0): 'X2' is not an action such as F3",
+        ),
+        (
+            "rank 0: F0 F1 F2 F3 B0 B1 B2 B3\n",
+            [],
+            "plan.txt writes 1 rank line(s), but --pipeline-model-parallel-size is 2",
+        ),
+        (
+            "# 1F1B order on rank 0 against GPipe order on rank 1\n"
+            "rank 0: F0 B0 F1 B1 F2 B2 F3 B3\n"
+            "rank 1: F0 F1 F2 F3 B0 B1 B2 B3\n",
+            [],
+            "plan.txt: the plan deadlocks: rank 0 waits at step 1 (SEND_F0+RECV_B0)",
+        ),
+        (
+            "rank 0: B0 F0 F1 F2 F3 B1 B2 B3\nrank 1: F0 F1 F2 F3 B0 B1 B2 B3\n",
+            [],
+            "plan.txt: rank 0 step 0: B0 runs before its forward",
+        ),
+        (
+            "rank 0: F0 F1 B0 B1\nrank 1: F0 F1 B0 B1\n",
+            [],
+            "covers 2 microbatch(es), but each step runs 4 (--global-batch-size 8 / "
+            "(--micro-batch-size 2 x data-parallel size 1)); write a plan for 4 microbatches "
+            "or use --global-batch-size 4",
+        ),
+        (
+            V_GPIPE,
+            [],
+            "runs 2 model chunk(s) per rank, but the run has 1 (--num-layers 4, "
+            "--num-layers-per-virtual-pipeline-stage None); use "
+            "--num-layers-per-virtual-pipeline-stage 1",
+        ),
+        (
+            GPIPE,
+            ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "8"],
+            "a fixed plan needs a fixed microbatch count",
+        ),
+    ],
+    ids=["bad-token", "rank-count", "deadlock", "order", "microbatches", "chunks", "rampup"],
+)
+def test_a_bad_plan_file_is_one_argparse_error(
+    plan: str,
+    flags: list[str],
+    message: str,
+    *,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = _write(tmp_path, "plan.txt", plan)
+    err = _refused([*PP2, *flags, "--pipeline-schedule-file", path], monkeypatch, capsys)
+    assert f"pp-train: error: --pipeline-schedule-file {path}" in err
+    assert message in err
+
+
+def test_a_deadlocking_plan_error_draws_the_grid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(
+        tmp_path, "plan.txt", "rank 0: F0 B0 F1 B1 F2 B2 F3 B3\nrank 1: F0 F1 F2 F3 B0 B1 B2 B3\n"
+    )
+    err = _refused([*PP2, "--pipeline-schedule-file", path], monkeypatch, capsys)
+    assert re.search(r"^rank 0: F0 +\[SEND_F0\+RECV_B0\]", err, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--pipeline-schedule", "gpipe", "--pipeline-schedule-file", "plan.txt"],
+            "argument --pipeline-schedule-file: not allowed with argument --pipeline-schedule",
+        ),
+        (
+            ["--pipeline-schedule-file", "no-such-plan.txt"],
+            "--pipeline-schedule-file no-such-plan.txt: cannot be read: No such file or directory",
+        ),
+        (
+            ["--pipeline-schedule", "interleaved_1f1b"],
+            "--pipeline-schedule interleaved_1f1b with 1 chunk(s) per rank: interleaved_1f1b "
+            "needs vp_size of 2 or more",
+        ),
+        (
+            ["--pipeline-schedule", "1f1b", "--num-layers-per-virtual-pipeline-stage", "1"],
+            "1f1b runs one model chunk per rank, but vp_size is 2; use 'interleaved_1f1b' or "
+            "'gpipe'",
+        ),
+        (["--pipeline-schedule", "zb"], "invalid choice: 'zb'"),
+        (
+            ["--profile-schedule", "no-such-folder/trace.json"],
+            "--profile-schedule: trace path no-such-folder/trace.json: folder no-such-folder "
+            "does not exist",
+        ),
+        (["--profile-schedule", "."], "is a folder; give a file name such as trace.json"),
+        (
+            ["--profile-schedule-iteration", "2"],
+            "--profile-schedule-iteration needs --profile-schedule PATH",
+        ),
+        (
+            ["--profile-schedule", "trace.json", "--profile-schedule-iteration", "4"],
+            "--profile-schedule-iteration 4 is past --train-iters 3; use 1 .. 3",
+        ),
+    ],
+)
+def test_bad_schedule_flags_are_argparse_errors(
+    flags: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert message in _refused([*PP2, *flags], monkeypatch, capsys)
+
+
+def test_an_unwritable_trace_folder_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "locked"
+    folder.mkdir(mode=0o500)
+    with contextlib.suppress(PermissionError):
+        (folder / "probe").touch()
+        pytest.skip("this user (root) writes into read-only folders")
+    err = _refused([*PP2, "--profile-schedule", str(folder / "t.json")], monkeypatch, capsys)
+    assert "cannot be written" in err
+
+
+def test_a_valid_plan_file_is_parsed_with_its_placement(tmp_path: Path) -> None:
+    parser = build_parser()
+    path = _write(tmp_path, "v.txt", V_GPIPE)
+    flags = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule-file"]
+    args = validate_args(parser, parser.parse_args([*flags, path]), 2)
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert str(args.pipeline_plan.placement) == "v"
+    assert args.pipeline_plan.num_microbatches == 4
+    named = validate_args(parser, parser.parse_args(PP2), 2)
+    assert named.pipeline_plan is None
+    assert named.pipeline_schedule is None  # the executor picks Megatron's default
+
+
+# --- training runs (2 ranks) ----------------------------------------------------------------
+
+
+def _command(argv: list[str]) -> dict[str, Any]:
+    """The command's training run on this rank (the harness made the process group)."""
+    parser = build_parser()
+    args = validate_args(parser, parser.parse_args(argv), dist.get_world_size())
+    args.device = torch.device("cpu")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        reason = run(args)
+    return {"reason": reason, "stdout": printed.getvalue()}
+
+
+def _train(argv: list[str]) -> str:
+    results = run_distributed(_command, 2, argv, timeout=120)
+    assert {r["reason"] for r in results} == {"train_iters"}
+    return "".join(r["stdout"] for r in results)
+
+
+def _losses(stdout: str) -> list[float]:
+    found = re.findall(r"iteration\s+\d+/\s*\d+ \|.*? lm loss: (\S+) \|", stdout)
+    return [float(loss) for loss in found]
+
+
+def test_named_schedules_and_plan_files_train_alike(tmp_path: Path) -> None:
+    one_f_one_b = _train(PP2)
+    assert "data parallel 1, 1F1B;" in one_f_one_b
+    reference = _losses(one_f_one_b)
+    assert len(reference) == 3
+    gpipe = _train([*PP2, "--pipeline-schedule", "gpipe"])
+    assert "data parallel 1, GPipe;" in gpipe
+    assert _losses(gpipe) == pytest.approx(reference, rel=1e-6)
+    path = _write(tmp_path, "gpipe.txt", GPIPE)
+    planned = _train([*PP2, "--pipeline-schedule-file", path])
+    assert f"plan {path} (looped placement)" in planned
+    assert _losses(planned) == pytest.approx(reference, rel=1e-6)
+    # The V placement: both ends of the tied embedding are chunks of rank 0.
+    v_path = _write(tmp_path, "v.txt", V_GPIPE)
+    v_flags = ["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule-file", v_path]
+    v_run = _train([*PP2, *v_flags])
+    assert f"pipeline 2 x 2 virtual stages, data parallel 1, plan {v_path} (v placement)" in v_run
+    assert _losses(v_run) == pytest.approx(reference, rel=2e-5)
+
+
+def _spans(path: Path) -> dict[int, set[int]]:
+    """Process (0 measured, 1 simulated) -> the pipeline ranks it has spans for."""
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks: dict[int, set[int]] = {}
+    for event in events:
+        if event["ph"] == "X":
+            tracks.setdefault(event["pid"], set()).add(event["tid"])
+    return tracks
+
+
+SUMMARY = re.compile(
+    r"^schedule profile of iteration (\d+) written to (\S+): measured makespan [\d.]+ ms, "
+    r"bubble .*; simulated [\d.]+ ms.*; measured/simulated [\d.]+$",
+    re.MULTILINE,
+)
+
+
+def test_profile_schedule_writes_every_rank_and_the_simulation(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    stdout = _train([*PP2, "--profile-schedule", str(path)])
+    assert _spans(path) == {0: {0, 1}, 1: {0, 1}}
+    (match,) = SUMMARY.finditer(stdout)  # printed once, by the logging rank
+    assert match.groups() == ("2", str(path))
+    assert len(_losses(stdout)) == 3
+
+
+def test_profile_schedule_with_data_parallel_replicas(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    # Pipeline size 1, data parallel 2: one replica's pipeline is profiled.
+    stdout = _train([*TINY, "--profile-schedule", str(path), "--profile-schedule-iteration", "3"])
+    assert "pipeline 1, data parallel 2, no pipelining;" in stdout
+    assert _spans(path) == {0: {0}, 1: {0}}
+    (match,) = SUMMARY.finditer(stdout)
+    assert match.group(1) == "3"
