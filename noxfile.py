@@ -197,7 +197,6 @@ BENCHMARKS = [
     ("pp-schedules", "schedules_vs_torch.py", [], 2),
     ("pp-schedules", "schedules_vs_torch.py", [], 4),
     ("pp-schedules", "schedules_vs_torch.py", [], 8),
-    ("pp-schedules", "synthetic_vs_simulator.py", [], 8),
     ("pp-optim", "grad_allreduce.py", [], 2),
 ]
 

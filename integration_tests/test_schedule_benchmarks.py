@@ -43,10 +43,3 @@ def test_the_table_has_a_goal_and_a_verdict_per_row(torchrun: Torchrun) -> None:
     assert lines[0].split()[:3] == ["configuration", "ours", "ms"]
     assert lines[1].startswith("sleep 1f1b pp2 vp1 m2")
     assert lines[1].split()[-1] in ("yes", "NO")
-
-
-def test_synthetic_stages_against_the_simulator(torchrun: Torchrun) -> None:
-    args = ["--steps", "1", "--forward-ms", "2", "--backward-ms", "4", "--microbatches", "4"]
-    records = _records(torchrun(BENCHMARKS / "synthetic_vs_simulator.py", 4, *args))
-    assert [r["schedule"] for r in records] == ["gpipe", "1f1b", "interleaved_1f1b"]
-    assert all(float(r["simulated_ms"]) > 0 for r in records)  # type: ignore[arg-type]

@@ -75,7 +75,12 @@ def forward_step(
     return out, lambda o: (o.sum(), {"loss": o.sum().detach()})
 
 
-COLOURS = {"forward": (66, 133, 244), "backward": (234, 67, 53), "exchange": (170, 170, 170)}
+COLOURS = {
+    "forward": (66, 133, 244),
+    "backward": (234, 67, 53),
+    "exchange": (170, 170, 170),
+    "wait": (251, 188, 5),
+}
 
 
 def draw(trace_path: Path, png_path: Path, *, width: int = 1200) -> None:
@@ -101,7 +106,7 @@ def draw(trace_path: Path, png_path: Path, *, width: int = 1200) -> None:
             x1 = max(x0 + 1, left + (float(span["ts"]) + float(span["dur"])) * scale)
             y0 = top + int(span["tid"]) * row + 2
             pen.rectangle((x0, y0, x1, y0 + row - 4), fill=COLOURS[span["cat"]], outline="white")
-            if x1 - x0 > 16 and span["cat"] != "exchange":
+            if x1 - x0 > 16 and span["cat"] in ("forward", "backward"):
                 pen.text((x0 + 2, y0 + 3), str(span["name"]), fill="white")
     pen.text((left, height - 18), f"0 .. {end / 1000:.0f} ms", fill="black")
     image.save(png_path)

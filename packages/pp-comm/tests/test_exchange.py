@@ -129,6 +129,37 @@ def test_wait_recv_leaves_sends_in_flight_and_wait_completes_them(batched: bool)
     assert second == [[[1.0] * 4]]
 
 
+def _wait_one_receive() -> list[object]:
+    comm = P2PCommunicator(dist.group.WORLD, config=_config(False, "fixed"))
+    facts: list[object] = []
+    if comm.stage == 0:
+        received, handle = comm.exchange(
+            [
+                P2PMessage(slot="recv_next", shapes=(2,), microbatch=0),
+                P2PMessage(slot="recv_next", shapes=(2,), microbatch=1),
+            ],
+            async_op=True,
+        )
+        # The second receive's send is posted only after stage 1 hears from us, which
+        # happens only once we got the first: waiting for both here would never return.
+        handle.wait_recv([0])
+        facts.append(_values(received[0]))
+        comm.exchange([P2PMessage(slot="send_next", tensors=[torch.ones(1)])])
+        handle.wait_recv([1])
+        facts.append(_values(received[1]))
+    else:
+        comm.exchange([P2PMessage(slot="send_prev", tensors=[torch.zeros(2)])])
+        comm.exchange([P2PMessage(slot="recv_prev", shapes=(1,))])
+        comm.exchange([P2PMessage(slot="send_prev", tensors=[torch.full((2,), 2.0)])])
+    comm.destroy()
+    return facts
+
+
+def test_wait_recv_can_wait_for_one_receive_of_a_call() -> None:
+    first, _ = run_distributed(_wait_one_receive, 2, timeout=60)
+    assert first == [[[0.0, 0.0]], [[2.0, 2.0]]]
+
+
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [

@@ -161,7 +161,7 @@ def test_swapped_transfers_and_deadlocks_in_written_plans_are_refused() -> None:
         match=r"would deliver the gradients of microbatch 0 .* where the gradients of microbatch 1",
     ):
         validate(parse_schedule(crossed))
-    stuck = "rank 0: F0 RECV_B0 SEND_F0 B0\nrank 1: RECV_F0 F0 B0 SEND_B0\n"
+    stuck = "rank 0: F0 RECV_B0 B0 SEND_F0\nrank 1: RECV_F0 F0 B0 SEND_B0\n"
     with pytest.raises(PlanError, match=r"the plan deadlocks: rank 0 waits at step 1 \(RECV_B0\)"):
         validate(parse_schedule(stuck))
 
@@ -176,8 +176,8 @@ def test_hand_overs_within_a_rank_must_come_in_order() -> None:
 def test_sends_are_known_delivered_once_the_peer_answers() -> None:
     report = validate(plan("1f1b", pp_size=3, num_microbatches=3))
     # Rank 0's sends of F0 and F1 (steps 1 and 3) are known to have arrived once the gradient
-    # of B0, which rank 1 sent after receiving both, is in (step 5).
-    assert sends_delivered(report.steps)[0] == {5: [1, 3], 7: [5]}
+    # of B0, which rank 1 sent after receiving both, is in: B0 (step 6) waits for it.
+    assert sends_delivered(report.steps)[0] == {6: [1, 3], 8: [5]}
 
 
 def test_exchange_cost_adds_to_every_exchange() -> None:

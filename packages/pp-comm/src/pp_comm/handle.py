@@ -20,6 +20,7 @@ class P2PHandle:
     __slots__ = (
         "_deadline",
         "_gather",
+        "_gathered",
         "_operation",
         "_pending",
         "_received",
@@ -45,6 +46,7 @@ class P2PHandle:
         self._deadline = deadline
         self._gather = gather
         self._received = not posted
+        self._gathered: set[int] = set()  # ids of receives already gathered
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this call sends or receives into (what it keeps alive until done)."""
@@ -63,25 +65,39 @@ class P2PHandle:
             return False
         return all(work.is_completed() for work, _ in self._pending)
 
-    def wait_recv(self) -> None:
-        """Block until every receive of the call has completed; sends may stay in flight.
+    def wait_recv(self, messages: Sequence[int] | None = None) -> None:
+        """Block until the receives of the call have completed; sends may stay in flight.
 
         Received tensors are ready (gathered, when scattered) on return; call `wait` later to
         complete the sends. On gloo each send and receive is its own work, so only receives
         are waited for; on NCCL a batch (``batch_p2p_comm``) has one work for all its sends
         and receives, which this then waits for as a whole.
 
+        Args:
+            messages: Wait only for these receives (positions in the call's message list);
+                every receive by default. A receive posted early for a later step must not
+                hold up the step that needs an earlier one.
+
         Raises:
             P2PTimeoutError, P2PError: See `wait`.
         """
         if self._received:
             return
-        arriving = [p for p in self._pending if not all(t.sends for t in p[1])]
+        wanted = None if messages is None else {id(self._transfers[index]) for index in messages}
+        arriving = [
+            p
+            for p in self._pending
+            if not all(t.sends for t in p[1])
+            and (wanted is None or any(id(t) in wanted for t in p[1]))
+        ]
         if arriving:
             assert self._transport is not None
             self._transport.wait(arriving, self._operation, self._deadline)
-            self._pending = [p for p in self._pending if all(t.sends for t in p[1])]
-        self._finish_receives()
+            self._pending = [p for p in self._pending if all(p is not a for a in arriving)]
+        if wanted is None or all(all(t.sends for t in p[1]) for p in self._pending):
+            self._finish_receives()
+        else:
+            self._gather_once([t for t in self._transfers if id(t) in wanted])
 
     def wait(self) -> None:
         """Block until every transfer of the call completes (gathering scattered tensors).
@@ -101,5 +117,12 @@ class P2PHandle:
 
     def _finish_receives(self) -> None:
         self._received = True
-        if self._gather is not None:
-            self._gather(self._transfers)
+        self._gather_once(self._transfers)
+
+    def _gather_once(self, transfers: Sequence[Transfer]) -> None:
+        """Rebuild the scattered receives among `transfers` not rebuilt yet."""
+        if self._gather is None:
+            return
+        todo = [t for t in transfers if id(t) not in self._gathered]
+        self._gathered.update(id(t) for t in todo)
+        self._gather(todo)

@@ -439,7 +439,7 @@ class _Run:
         self.inputs: dict[_Key, list[torch.Tensor] | None] = {}
         self.outputs: dict[_Key, list[torch.Tensor]] = {}
         # Tensors between a step and the exchange that moves them, by (channel, mb, chunk).
-        self.arrived: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self.arrived: dict[tuple[str, int, int], tuple[P2PHandle, int, list[torch.Tensor]]] = {}
         self.to_send: dict[tuple[str, int, int], list[torch.Tensor]] = {}
         # Hand-overs between chunks of this rank (the turn of a V).
         self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
@@ -508,17 +508,17 @@ class _Run:
         )
 
     def exchange(self, index: int, exchange: Exchange) -> None:
-        """Post the exchange as one pp-comm call; wait for its receives, not its sends."""
+        """Post the exchange as one pp-comm call; its receives are waited for by their users."""
         comm = self.x.communicator
         assert comm is not None, "a plan with transfers needs a communicator"
         start = self.recorder.now() if self.recorder is not None else 0.0
         messages = [self._message(m) for m in exchange.messages]
         received, handle = comm.exchange(messages, operation=exchange.operation, async_op=True)
-        handle.wait_recv()
-        for message, tensors in zip(exchange.messages, received, strict=True):
+        for number, (message, tensors) in enumerate(zip(exchange.messages, received, strict=True)):
             action = message.action
             if tensors is not None:
-                self.arrived[(message.channel, action.microbatch, action.chunk)] = tensors
+                key = (message.channel, action.microbatch, action.chunk)
+                self.arrived[key] = (handle, number, tensors)
             elif message.channel == "forward" and self.x.config.deallocate_pipeline_outputs:
                 deallocate_output_tensor(self._own_outputs((action.microbatch, action.chunk)))
         if any(m.is_send for m in exchange.messages):
@@ -546,7 +546,19 @@ class _Run:
         producer = self._local_neighbour(action.chunk, -1)
         if producer is not None:
             return self.local.pop(("forward", action.microbatch, action.chunk))
-        return self.arrived.pop(("forward", action.microbatch, action.chunk))
+        return self._wait_for(("forward", action.microbatch, action.chunk))
+
+    def _wait_for(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        """A received tensor list, once its transfer has completed."""
+        handle, number, tensors = self.arrived.pop(key)
+        if self.recorder is None:
+            handle.wait_recv([number])
+            return tensors
+        start = self.recorder.now()
+        handle.wait_recv([number])
+        self.recorder.add(f"wait {key[0]} {key[1]}.{key[2]}", "wait", key[1], key[2], start,
+                          self.recorder.now())  # fmt: skip
+        return tensors
 
     def forward(self, action: Action) -> None:
         chunk, microbatch = action.chunk, action.microbatch
@@ -620,7 +632,7 @@ class _Run:
             return None
         if self._local_neighbour(action.chunk, +1) is not None:
             return self.local.pop(("backward", action.microbatch, action.chunk))
-        return self.arrived.pop(("backward", action.microbatch, action.chunk))
+        return self._wait_for(("backward", action.microbatch, action.chunk))
 
     def backward(self, action: Action) -> None:
         chunk, microbatch = action.chunk, action.microbatch

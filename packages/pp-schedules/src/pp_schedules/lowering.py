@@ -242,22 +242,30 @@ def lower(
     where = placement_of(plan, vp_size, placement)
     lowered: list[list[Step]] = []
     for rank, actions in enumerate(plan):
-        steps: list[Step] = []
-        pending: list[Message] = []
         for action in actions:
             _check_chunk(action, rank, where.vp_size)
-            incoming = incoming_message(action, rank, where)
-            if incoming is not None:
-                pending.append(incoming)
-            if pending:
-                steps.append(Step(exchange=Exchange(tuple(pending))))
-            steps.append(Step(compute=action))
-            outgoing = outgoing_message(action, rank, where)
-            pending = [outgoing] if outgoing is not None else []
-        if pending:
-            steps.append(Step(exchange=Exchange(tuple(pending))))
-        lowered.append(steps)
+        incoming = [incoming_message(a, rank, where) for a in actions]
+        outgoing = [outgoing_message(a, rank, where) for a in actions]
+        lowered.append(_interleave(actions, incoming, outgoing))
     return lowered
+
+
+def _interleave(
+    actions: Sequence[Action],
+    incoming: Sequence[Message | None],
+    outgoing: Sequence[Message | None],
+) -> list[Step]:
+    """A rank's computes, each after an exchange of the last one's send and its own receive."""
+    steps: list[Step] = []
+    for k, action in enumerate(actions):
+        wanted = [outgoing[k - 1] if k else None, incoming[k]]
+        messages = tuple(m for m in wanted if m is not None)
+        if messages:
+            steps.append(Step(exchange=Exchange(messages)))
+        steps.append(Step(compute=action))
+    if actions and outgoing[-1] is not None:
+        steps.append(Step(exchange=Exchange((outgoing[-1],))))
+    return steps
 
 
 def lowered_actions(steps: Sequence[Sequence[Step]]) -> list[list[Action]]:

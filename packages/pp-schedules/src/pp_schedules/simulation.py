@@ -1,8 +1,9 @@
 """Timing a plan before running it: makespan, bubbles, activation memory, and pictures.
 
 The simulator runs the lowered plan under the executor's rules (see `validation`) with given
-costs: a forward or backward step takes its cost; a transfer starts when its send is posted
-and takes the transfer cost; a receive ends when its transfer arrives. It is exact for the
+costs: a forward or backward step takes its cost and starts once the receives it uses have
+arrived; a transfer starts when its send is posted and takes the transfer cost; an exchange
+costs the rank its posting time. It is exact for the
 executor's model, so measured step times of synthetic stages can be compared with it.
 """
 
@@ -13,7 +14,7 @@ import json
 from collections import defaultdict
 
 from pp_schedules.actions import Action
-from pp_schedules.validation import PlanReport
+from pp_schedules.validation import PlanReport, _Links
 
 __all__ = ["Costs", "Simulation", "Span", "bubble_formula", "ideal_makespan", "simulate"]
 
@@ -136,14 +137,13 @@ class _Simulator:
 
     def __init__(self, report: PlanReport, costs: Costs) -> None:
         self.steps = report.steps
+        self.links = _Links(report.steps)
         self.costs = costs
         pp_size = len(self.steps)
         self.clock = [0.0] * pp_size
         self.cursor = [0] * pp_size
-        # When each send of each link was posted, in posting order; how many were received.
+        # When each send of each link was posted, in posting order.
         self.posted: dict[_Link, list[float]] = defaultdict(list)
-        self.taken: dict[_Link, int] = defaultdict(int)
-        self.sends_posted = [-1] * pp_size  # the exchange whose sends each rank has posted
         self.spans: list[list[Span]] = [[] for _ in range(pp_size)]
         self.busy = [0.0] * pp_size
 
@@ -160,31 +160,39 @@ class _Simulator:
             "validate() first"
         )
 
+    def _arrivals(self, rank: int, index: int) -> list[float] | None:
+        """When each receive compute step `index` uses arrives; None if one is not sent yet."""
+        times = []
+        for at, number in self.links.consumer.get((rank, index), ()):
+            message = self.steps[rank][at].exchange.messages[number]  # type: ignore[union-attr]
+            sent = self.posted[(message.peer, rank, message.link_channel)]
+            k = self.links.position[(rank, at, number)]
+            if k >= len(sent):
+                return None
+            times.append(sent[k] + self.costs.transfer)
+        return times
+
     def _advance(self, rank: int) -> bool:
         """Run the rank's current step; False if it waits for a send not posted yet."""
-        step = self.steps[rank][self.cursor[rank]]
-        if step.compute is not None:
-            cost = self.costs.forward if step.compute.kind == "F" else self.costs.backward
-            start = self.clock[rank]
-            self.spans[rank].append(Span(rank, step.compute, start, start + cost))
-            self.clock[rank] += cost
-            self.busy[rank] += cost
-            return True
-        assert step.exchange is not None
-        if self.sends_posted[rank] != self.cursor[rank]:
-            # Sends go out as soon as the rank reaches the exchange.
+        index = self.cursor[rank]
+        step = self.steps[rank][index]
+        if step.exchange is not None:
+            # Sends go out as soon as the rank reaches the exchange; receives are only posted.
             self.clock[rank] += self.costs.exchange
             for message in step.exchange.messages:
                 if message.is_send:
-                    self.posted[(rank, message.peer, message.link_channel)].append(self.clock[rank])
-            self.sends_posted[rank] = self.cursor[rank]
-        links = [(m.peer, rank, m.link_channel) for m in step.exchange.messages if not m.is_send]
-        arrivals = _arrivals(links, self.posted, self.taken)
+                    link = (rank, message.peer, message.link_channel)
+                    self.posted[link].append(self.clock[rank])
+            return True
+        assert step.compute is not None
+        arrivals = self._arrivals(rank, index)
         if arrivals is None:
             return False
-        self.clock[rank] = max([self.clock[rank], *(t + self.costs.transfer for t in arrivals)])
-        for link in links:
-            self.taken[link] += 1
+        start = max([self.clock[rank], *arrivals])
+        cost = self.costs.forward if step.compute.kind == "F" else self.costs.backward
+        self.spans[rank].append(Span(rank, step.compute, start, start + cost))
+        self.clock[rank] = start + cost
+        self.busy[rank] += cost
         return True
 
 
@@ -208,21 +216,6 @@ def simulate(report: PlanReport, costs: Costs | None = None) -> Simulation:
         bubble_fraction=bubbles,
         peak_activations=list(report.peak_in_flight),
     )
-
-
-def _arrivals(
-    links: list[_Link], posted: dict[_Link, list[float]], taken: dict[_Link, int]
-) -> list[float] | None:
-    """When the partner send of each receive was posted; None if one is not posted yet."""
-    times = []
-    seen: dict[_Link, int] = defaultdict(int)
-    for link in links:
-        index = taken[link] + seen[link]
-        seen[link] += 1
-        if index >= len(posted[link]):
-            return None
-        times.append(posted[link][index])
-    return times
 
 
 def ideal_makespan(

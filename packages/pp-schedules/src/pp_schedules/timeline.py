@@ -29,8 +29,8 @@ class MeasuredSpan:
     Attributes:
         rank: Pipeline rank.
         name: The step's string form (``F3.1``, ``SEND_F3+RECV_B1``).
-        kind: "F", "B" for compute; "exchange" for transfers (from posting to the arrival of
-            every receive).
+        kind: "F", "B" for compute; "exchange" for posting an exchange's transfers; "wait"
+            for waiting, right before a compute step, for a receive it uses to arrive.
         microbatch: The compute step's microbatch (the first message's for an exchange).
         chunk: The model chunk (the first message's for an exchange).
         start: Wall-clock seconds (``time.time()``) when it began; wall clock, so that ranks
@@ -76,7 +76,7 @@ def measured_makespan(spans: Sequence[Sequence[MeasuredSpan]]) -> float:
 
 
 def _busy(spans: Sequence[MeasuredSpan]) -> float:
-    return sum(s.end - s.start for s in spans if s.kind != "exchange")
+    return sum(s.end - s.start for s in spans if s.kind in ("F", "B"))
 
 
 def _measured_events(spans: Sequence[Sequence[MeasuredSpan]]) -> list[dict[str, object]]:
@@ -87,7 +87,7 @@ def _measured_events(spans: Sequence[Sequence[MeasuredSpan]]) -> list[dict[str, 
         events.append(
             {
                 "name": span.name,
-                "cat": {"F": "forward", "B": "backward"}.get(span.kind, "exchange"),
+                "cat": {"F": "forward", "B": "backward", "wait": "wait"}.get(span.kind, "exchange"),
                 "ph": "X",
                 "ts": (span.start - origin) * 1e6,
                 "dur": (span.end - span.start) * 1e6,

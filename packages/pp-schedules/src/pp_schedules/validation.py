@@ -1,9 +1,10 @@
 """Checking a plan before it runs: completeness, order, and freedom from deadlock.
 
 The deadlock check runs the lowered plan the way the executor runs it: a rank executes its
-steps in order; an exchange posts its sends and receives together, sends never block (they
-complete in the background); an exchange finishes once each of its receives has a partner send
-posted; and transfers between two ranks on one channel match in the order they were posted. It
+steps in order; an exchange posts its sends and receives together and never blocks (sends
+complete in the background); a compute step waits until each receive it uses has its partner
+send posted; and transfers between two ranks on one channel match in the order they were
+posted. It
 also checks that each matched pair moves the same tensor (microbatch and chunks), so a plan
 cannot silently feed a stage the wrong activations.
 
@@ -151,6 +152,7 @@ class _Links:
                     )
                     self.position[(rank, index, number)] = len(queue)
                     queue.append((message.key(rank), index))
+        self.consumer = _consumers(steps)
 
     def check_pairs(self) -> None:
         """Every send has a receive, in the same order, moving the same tensor."""
@@ -175,18 +177,43 @@ class _Links:
                         "was expected\n" + render_grid(self.steps, {src: sent_at, dst: received_at})
                     )
 
-    def can_pass(self, rank: int, index: int, cursor: list[int]) -> bool:
-        """Whether `rank` may finish step `index`: every receive's partner send is posted."""
-        step = self.steps[rank][index]
-        for number, message in enumerate(step.exchange.messages if step.exchange else ()):
-            if message.is_send:
-                continue  # posted without waiting; completed at the end of the step
-            k = self.position[(rank, index, number)]
+    def blocking(self, rank: int, index: int, cursor: list[int]) -> int | None:
+        """The exchange whose receive keeps `rank` from finishing step `index`, if any.
+
+        Exchanges never block: they post their sends and receives and go on. A compute step
+        waits for the receives it consumes, each until its partner send has been posted (the
+        partner's rank has reached that step).
+        """
+        for at, number in self.consumer.get((rank, index), ()):
+            message = self.steps[rank][at].exchange.messages[number]  # type: ignore[union-attr]
+            k = self.position[(rank, at, number)]
             partner_index = self.sends[(message.peer, rank, message.link_channel)][k][1]
-            # The partner send is posted once its rank has reached that step.
             if cursor[message.peer] < partner_index:
-                return False
-        return True
+                return at
+        return None
+
+
+def _consumers(steps: Sequence[Sequence[Step]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """For each (rank, compute step), the (exchange step, message) of each receive it uses."""
+    consumers: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for rank, rank_steps in enumerate(steps):
+        waiting: dict[tuple[str, int, int], tuple[int, int]] = {}
+        for index, step in enumerate(rank_steps):
+            if step.exchange is not None:
+                for number, message in enumerate(step.exchange.messages):
+                    if not message.is_send:
+                        action = message.action
+                        waiting[(message.channel, action.microbatch, action.chunk)] = (
+                            index,
+                            number,
+                        )
+                continue
+            assert step.compute is not None
+            channel = "forward" if step.compute.kind == "F" else "backward"
+            key = (channel, step.compute.microbatch, step.compute.chunk)
+            if key in waiting:
+                consumers[(rank, index)].append(waiting.pop(key))
+    return dict(consumers)
 
 
 def _run(steps: Sequence[Sequence[Step]]) -> None:
@@ -198,10 +225,17 @@ def _run(steps: Sequence[Sequence[Step]]) -> None:
     while progressed:
         progressed = False
         for rank, rank_steps in enumerate(steps):
-            while cursor[rank] < len(rank_steps) and links.can_pass(rank, cursor[rank], cursor):
+            while (
+                cursor[rank] < len(rank_steps)
+                and links.blocking(rank, cursor[rank], cursor) is None
+            ):
                 cursor[rank] += 1
                 progressed = True
-    stuck = {rank: cursor[rank] for rank in range(len(steps)) if cursor[rank] < len(steps[rank])}
+    stuck = {}
+    for rank, rank_steps in enumerate(steps):
+        if cursor[rank] < len(rank_steps):
+            at = links.blocking(rank, cursor[rank], cursor)
+            stuck[rank] = cursor[rank] if at is None else at
     if stuck:
         waits = "; ".join(
             f"rank {rank} waits at step {index} ({steps[rank][index]})"
@@ -351,13 +385,14 @@ def sends_delivered(steps: Sequence[Sequence[Step]]) -> list[dict[int, list[int]
     result: list[dict[int, list[int]]] = []
     for rank, rank_steps in enumerate(steps):
         # For each peer: (this rank's step, the peer's step at which it posted what arrived).
+        # A receive is waited for by the compute step that uses it.
         arrivals: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for index, step in enumerate(rank_steps):
-            for number, message in enumerate(step.exchange.messages if step.exchange else ()):
-                if not message.is_send:
-                    k = links.position[(rank, index, number)]
-                    sent_at = links.sends[(message.peer, rank, message.link_channel)][k][1]
-                    arrivals[message.peer].append((index, sent_at))
+        for index in range(len(rank_steps)):
+            for at, number in links.consumer.get((rank, index), ()):
+                message = rank_steps[at].exchange.messages[number]  # type: ignore[union-attr]
+                k = links.position[(rank, at, number)]
+                sent_at = links.sends[(message.peer, rank, message.link_channel)][k][1]
+                arrivals[message.peer].append((index, sent_at))
         done: dict[int, list[int]] = defaultdict(list)
         for index, step in enumerate(rank_steps):
             known = [
