@@ -464,8 +464,20 @@ class _Run:
                 else:
                     self.backward(step.compute)
                 for done in self.delivered.get(index, ()):
-                    self.pending.pop(done).wait()
+                    self._complete_sends(done)
         self.finish()
+
+    def _complete_sends(self, index: int) -> None:
+        """Wait for the sends of exchange `index`, unless a receive of it is still unused.
+
+        (Waiting the handle would then wait for that receive too, earlier than the plan says;
+        such an exchange completes at the end of the call.)
+        """
+        handle = self.pending.get(index)
+        if handle is None or any(h is handle for h, _, _ in self.arrived.values()):
+            return
+        del self.pending[index]
+        handle.wait()
 
     # -------------------------------------------------------------------- stage geometry
     def _first(self, chunk: int) -> bool:
