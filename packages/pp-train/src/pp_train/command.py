@@ -353,17 +353,21 @@ def _check_named_schedule(
             parser.error(f"--pipeline-schedule {name} with {vp} chunk(s) per rank: {error}{hint}")
 
 
-def _read_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> Plan:
-    """The plan of --pipeline-schedule-file, checked against the run's sizes and validated."""
-    path = args.pipeline_schedule_file
-    flag = f"--pipeline-schedule-file {path}"
+def _read_text(parser: argparse.ArgumentParser, flag: str, path: str) -> str:
+    """The UTF-8 text of the file a flag names; an argparse error if it cannot be read."""
     try:
         with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+            return handle.read()
     except OSError as error:
         parser.error(f"{flag}: cannot be read: {error.strerror}")
     except UnicodeDecodeError:
         parser.error(f"{flag}: is not UTF-8 text")
+
+
+def _read_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> Plan:
+    """The plan of --pipeline-schedule-file, checked against the run's sizes and validated."""
+    flag = f"--pipeline-schedule-file {args.pipeline_schedule_file}"
+    text = _read_text(parser, flag, args.pipeline_schedule_file)
     try:
         schedule = parse_schedule(text)
     except ValueError as error:
