@@ -160,6 +160,36 @@ def test_wait_recv_can_wait_for_one_receive_of_a_call() -> None:
     assert first == [[[0.0, 0.0]], [[2.0, 2.0]]]
 
 
+def _wait_send_leaves_the_receive() -> list[object]:
+    comm = P2PCommunicator(dist.group.WORLD, config=_config(False, "fixed"))
+    facts: list[object] = []
+    if comm.stage == 0:
+        received, handle = comm.exchange(
+            [
+                P2PMessage(slot="send_next", tensors=[torch.ones(3)]),
+                P2PMessage(slot="recv_next", shapes=(2,)),
+            ],
+            async_op=True,
+        )
+        # Stage 1 sends only after the barrier: waiting for the receive here would hang.
+        handle.wait_send()
+        facts.append(handle.is_completed())
+        dist.barrier()
+        handle.wait_recv()
+        facts += [_values(received[1]), handle.is_completed()]
+    else:
+        got = comm.exchange([P2PMessage(slot="recv_prev", shapes=(3,))])[0][0]
+        dist.barrier()
+        comm.exchange([P2PMessage(slot="send_prev", tensors=[got[0][:2] * 5])])
+    comm.destroy()
+    return facts
+
+
+def test_wait_send_leaves_receives_pending_on_gloo() -> None:
+    first, _ = run_distributed(_wait_send_leaves_the_receive, 2, timeout=60)
+    assert first == [False, [[5.0, 5.0]], True]
+
+
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [

@@ -17,7 +17,8 @@ torch's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B against this pack
 Steps alternate A B B A between the two executors (one warm-up step each first); the table
 shows medians. Goals: ours/torch <= 1.00 everywhere; for sleep stages ours/theory <= 1.05 at
 pp 2-4 and <= 1.10 at pp 8. The simulated column is the simulator given the hop latency and
-per-exchange cost measured in this run (what is left once the plan is known).
+median time our executor spends posting an exchange, both measured in this run (the latter
+from one more step with the timeline recorded): what is left once the plan is known.
 
     torchrun --standalone --nproc-per-node 4 packages/pp-schedules/benchmarks/schedules_vs_torch.py
 """
@@ -46,12 +47,14 @@ from torch.distributed.pipelining import (
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import (
     Costs,
+    PipelineExecutor,
     Placement,
+    PlanReport,
     ScheduleConfig,
+    gather_timeline,
     get_forward_backward_func,
-    plan,
+    measured_costs,
     simulate,
-    validate,
 )
 
 TORCH_SCHEDULES = {
@@ -127,8 +130,8 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def ours(
     comm: P2PCommunicator, name: str, vp: int, chunks: list[Chunk], data: list[dict[str, Any]]
-) -> Callable[[], None]:
-    """One training step with this package's executor."""
+) -> tuple[Callable[[], None], PipelineExecutor]:
+    """One training step with this package's executor, and the executor."""
     rows, cols, width = data[0]["x"].shape
     forward_backward = get_forward_backward_func(
         comm, vp_size=vp, config=ScheduleConfig(hidden_size=width, schedule=name)
@@ -149,7 +152,7 @@ def ours(
             micro_batch_size=cols,
         )
 
-    return step
+    return step, forward_backward
 
 
 def theirs(
@@ -219,36 +222,37 @@ def _time_stage(args: argparse.Namespace, vp: int, rounds: int = 20) -> tuple[fl
     return float(costs[0]), float(costs[1])
 
 
-def hop_and_exchange_cost(comm: P2PCommunicator, rounds: int = 30) -> tuple[float, float]:
-    """Median one-hop latency and per-exchange posting cost, in seconds (ping-pong)."""
+def hop_latency(comm: P2PCommunicator, rounds: int = 30) -> float:
+    """Median one-hop latency in seconds: ping-pong between stages 0 and 1, the others idle.
+
+    Measured one pair at a time, as in a pipeline of sleeping stages, where the other ranks
+    sleep rather than compete for the cores.
+    """
     tensor = torch.ones(1, 1, 1)
-    pinger = comm.stage % 2 == 0 and comm.stage + 1 < comm.num_stages
-    ponger = comm.stage % 2 == 1
     times: list[float] = []
     dist.barrier()
     for _ in range(rounds):
         start = time.perf_counter()
-        if pinger:
+        if comm.stage == 0:
             comm.send_forward(tensor)
             comm.recv_backward((1, 1, 1))
-        elif ponger:
+        elif comm.stage == 1:
             comm.recv_forward((1, 1, 1))
             comm.send_backward(tensor)
         times.append((time.perf_counter() - start) / 2)
-    post: list[float] = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        comm.exchange([], operation="exchange")
-        post.append(time.perf_counter() - start)
-    hop = torch.tensor([statistics.median(times) if pinger else 0.0, statistics.median(post)])
+    hop = torch.tensor([statistics.median(times) if comm.stage == 0 else 0.0])
     dist.all_reduce(hop, op=dist.ReduceOp.MAX)
-    return float(hop[0]), float(hop[1])
+    return float(hop[0])
 
 
 def measure(
     args: argparse.Namespace, comm: P2PCommunicator, config: tuple[str, int, str, int]
-) -> tuple[float, float]:
-    """Median step seconds of ours and of torch's for one configuration (A B B A)."""
+) -> tuple[float, float, PlanReport, float]:
+    """Step times of ours and torch's for one configuration, our plan, our posting time.
+
+    Medians of steps alternating A B B A, in seconds; then one more step of ours with the
+    timeline recorded gives the median ms our executor spends posting an exchange.
+    """
     model, m, name, vp = config
     pp, rank = comm.num_stages, comm.stage
     generator = torch.Generator().manual_seed(1)
@@ -261,7 +265,7 @@ def measure(
         }
         for _ in range(m)
     ]
-    ours_step = ours(comm, name, vp, build(args, model, pp, vp, rank), data)
+    ours_step, executor = ours(comm, name, vp, build(args, model, pp, vp, rank), data)
     theirs_step = theirs(name, build(args, model, pp, vp, rank), data, pp=pp, vp=vp, rank=rank)
     ours_times: list[float] = []
     theirs_times: list[float] = []
@@ -271,19 +275,27 @@ def measure(
             elapsed = timed(step)
             if index:  # the first round warms up both
                 times.append(elapsed)
-    return statistics.median(ours_times), statistics.median(theirs_times)
+    executor.record_timeline()
+    timed(ours_step)
+    posting = measured_costs(gather_timeline(executor)).exchange
+    return (
+        statistics.median(ours_times),
+        statistics.median(theirs_times),
+        executor.plan_for(m, forward_only=False)[1],
+        posting,
+    )
 
 
 def row(
     args: argparse.Namespace,
     comm: P2PCommunicator,
     config: tuple[str, int, str, int],
-    costs: tuple[float, float],
+    hop: float,
 ) -> dict[str, Any]:
     """One table row: times, theory and simulation, ratios, the goal and whether it is met."""
     model, m, name, vp = config
     pp = comm.num_stages
-    ours_s, theirs_s = measure(args, comm, config)
+    ours_s, theirs_s, report, posting = measure(args, comm, config)
     record: dict[str, Any] = {
         "benchmark": "schedules_vs_torch", "model": model, "schedule": name, "pp": pp,
         "vp": vp, "microbatches": m, "ours_ms": ours_s * 1e3, "torch_ms": theirs_s * 1e3,
@@ -292,15 +304,13 @@ def row(
     goals = ["ours/torch <= 1.00"]
     passed = ours_s / theirs_s <= 1.0
     if model == "sleep":
-        report = validate(plan(name, pp_size=pp, num_microbatches=m, vp_size=vp))
         nominal = simulate(
             report, Costs(forward=args.forward_ms / vp, backward=args.backward_ms / vp)
         ).makespan
         f, b = stage_costs(args, vp)
         theory = simulate(report, Costs(forward=f, backward=b)).makespan
-        hop, post = costs
         sim = simulate(
-            report, Costs(forward=f, backward=b, transfer=hop * 1e3, exchange=post * 1e3)
+            report, Costs(forward=f, backward=b, transfer=hop * 1e3, exchange=posting)
         ).makespan
         limit = 1.05 if pp <= 4 else 1.10
         record.update(
@@ -309,6 +319,7 @@ def row(
             stage_forward_ms=f,
             stage_backward_ms=b,
             simulated_ms=sim,
+            exchange_ms=posting,
             ours_vs_theory=ours_s * 1e3 / theory,
         )
         goals.append(f"ours/theory <= {limit:.2f}")
@@ -318,8 +329,8 @@ def row(
 
 
 HEADER = (
-    f"{'configuration':<34} {'ours ms':>9} {'torch ms':>9} {'nominal':>8} {'theory':>8} {'sim':>8} "
-    f"{'ours/torch':>10} {'ours/theory':>11}  {'goal':<40} pass"
+    f"{'configuration':<34} {'ours ms':>9} {'torch ms':>9} {'nominal':>8} {'theory':>8} "
+    f"{'post':>5} {'sim':>8} {'ours/torch':>10} {'ours/theory':>11}  {'goal':<40} pass"
 )
 
 
@@ -332,11 +343,13 @@ def render(record: dict[str, Any]) -> str:
     theory = record.get("theory_ms")
     nominal = record.get("nominal_ms")
     sim = record.get("simulated_ms")
+    post = record.get("exchange_ms")
     versus = record.get("ours_vs_theory")
     return (
         f"{config:<34} {record['ours_ms']:>9.1f} {record['torch_ms']:>9.1f} "
         f"{'-' if nominal is None else f'{nominal:.1f}':>8} "
         f"{'-' if theory is None else f'{theory:.1f}':>8} "
+        f"{'-' if post is None else f'{post:.2f}':>5} "
         f"{'-' if sim is None else f'{sim:.1f}':>8} "
         f"{record['ours_vs_torch']:>10.3f} {'-' if versus is None else f'{versus:.3f}':>11}  "
         f"{record['goal']:<40} {'yes' if record['passed'] else 'NO'}"
@@ -360,14 +373,14 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     torch.set_num_threads(1)
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(minutes=2)))
-    costs = hop_and_exchange_cost(comm)
+    hop = hop_latency(comm)
     first = dist.get_rank() == 0
     if first and not args.json:
         load = os.getloadavg()
         print(
             f"pp {comm.num_stages}: medians of {args.steps} alternating steps; sleep stages F "
             f"{args.forward_ms:g} ms, B {args.backward_ms:g} ms per microbatch and rank; hop "
-            f"{costs[0] * 1e3:.2f} ms, exchange {costs[1] * 1e3:.3f} ms; load average "
+            f"{hop * 1e3:.2f} ms; load average "
             f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n{HEADER}",
             flush=True,
         )
@@ -377,7 +390,7 @@ def main() -> None:
             for name, vp in SCHEDULES:
                 if name not in wanted:
                     continue
-                record = row(args, comm, (model, m, name, vp), costs)
+                record = row(args, comm, (model, m, name, vp), hop)
                 if first:
                     print(json.dumps(record) if args.json else render(record), flush=True)
     comm.destroy()

@@ -517,3 +517,84 @@ def test_a_plan_for_other_microbatches_is_refused() -> None:
     forward_backward = get_forward_backward_func(None, plan="F0 B0 F1 B1")
     with pytest.raises(ValueError, match="the plan covers 2 microbatches, but this step runs 3"):
         forward_backward.plan_for(3, forward_only=False)
+
+
+def _prefetched_step(vp: int, m: int, prefetch: int | None) -> dict[str, Any]:
+    comm = _SpyCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=30)))
+    comm.calls = []
+    chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, vp, comm.stage)
+    data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+    forward_backward = get_forward_backward_func(
+        comm, vp_size=vp, config=ScheduleConfig(hidden_size=WIDTH, prefetch_receives=prefetch)
+    )
+    store = forward_backward(
+        forward_step_func=tiny_forward_step(), data_iterator=[iter(data) for _ in range(vp)],
+        model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=BATCH,
+    )  # fmt: skip
+    comm.destroy()
+    steps = forward_backward.plan_for(m, forward_only=False)[1].steps[comm.stage]
+    return {
+        "calls": comm.calls,
+        "planned": [
+            [(msg.slot, msg.action.microbatch) for msg in step.exchange.messages]
+            for step in steps
+            if step.exchange is not None
+        ],
+        "first_receives": [str(step) for step in steps if step.exchange][:1],
+        "losses": [float(d["lm loss"]) for d in store],
+        "grads": [layer.weight.grad for chunk in chunks for layer in chunk.layers],
+        "in_flight": forward_backward.stats.peak_in_flight_bytes,
+    }
+
+
+@pytest.mark.parametrize(("vp", "prefetch"), [(1, 0), (1, None), (2, None), (2, 3)])
+def test_receives_posted_early_run_as_planned_and_change_nothing(
+    vp: int, prefetch: int | None
+) -> None:
+    """gloo's default posts each receive one exchange early; 0 and 3 run as validated too."""
+    m = 4
+    results = run_distributed(_prefetched_step, 2, vp, m, prefetch, timeout=120)
+    early = 1 if prefetch is None else prefetch
+    name = "interleaved_1f1b" if vp > 1 else "1f1b"
+    where_needed = validate(plan(name, pp_size=2, num_microbatches=m, vp_size=vp)).steps
+    for rank, result in enumerate(results):
+        # Exactly the validated (moved) exchanges ran, and they moved unless prefetch is 0.
+        assert result["calls"] == result["planned"]
+        unmoved = [
+            [(msg.slot, msg.action.microbatch) for msg in step.exchange.messages]
+            for step in where_needed[rank]
+            if step.exchange is not None
+        ]
+        assert (result["planned"] == unmoved) == (early == 0)
+        assert result["in_flight"] > 0
+    if vp == 1:  # rank 1's first exchange receives the activations of early + 1 microbatches
+        assert results[1]["first_receives"][0].count("RECV_F") == early + 1
+    expected_losses, expected_grads = reference_run(
+        tiny_layers(LAYERS, WIDTH), tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+    )
+    assert results[1]["losses"] == pytest.approx(expected_losses, rel=1e-6)
+    placement = Placement.looped(2, vp)
+    for rank, result in enumerate(results):
+        layers = [i for c in range(vp) for i in placement.layers(rank, c, LAYERS)]
+        for got, index in zip(result["grads"], layers, strict=True):
+            torch.testing.assert_close(got, expected_grads[index][0], rtol=1e-5, atol=1e-7)
+
+
+class _FakeComm:
+    """Enough of a communicator to build an executor (no transfers)."""
+
+    num_stages, stage, device = 2, 0, torch.device("cpu")
+
+    def __init__(self, config: CommConfig) -> None:
+        self.config = config
+
+
+def test_prefetch_needs_fixed_shapes_and_is_not_negative() -> None:
+    fixed = _FakeComm(CommConfig())
+    headers = _FakeComm(CommConfig(variable_seq_lengths=True))
+    with pytest.raises(ValueError, match=r"prefetch_receives must be 0 .* got -1"):
+        get_forward_backward_func(fixed, config=ScheduleConfig(prefetch_receives=-1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefetch_receives=1 needs fixed shapes"):
+        get_forward_backward_func(headers, config=ScheduleConfig(prefetch_receives=1))  # type: ignore[arg-type]
+    assert get_forward_backward_func(headers).prefetch == 0  # type: ignore[arg-type]
+    assert get_forward_backward_func(fixed).prefetch == 1  # type: ignore[arg-type]

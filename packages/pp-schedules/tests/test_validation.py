@@ -7,10 +7,12 @@ import pytest
 from pp_schedules import (
     Action,
     PlanError,
+    Step,
     format_plan,
     lower,
     lowered_actions,
     parse_plan,
+    parse_schedule,
     plan,
     validate,
 )
@@ -62,6 +64,95 @@ def test_lowering_puts_transfers_next_to_their_compute() -> None:
     ]
     # Transfers between two compute steps form one exchange (Megatron's combined calls).
     assert [str(step) for step in steps[1]][4:7] == ["SEND_F1+RECV_B0", "B0", "SEND_B0+RECV_B1"]
+
+
+def test_prefetch_posts_each_receive_one_exchange_earlier() -> None:
+    steps = lower(plan("1f1b", pp_size=3, num_microbatches=2), prefetch=1)
+    assert format_plan(lowered_actions(steps)) == [
+        "F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 B1",
+        "RECV_F0 RECV_F1 F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 SEND_B0 B1 SEND_B1",
+        "RECV_F0 RECV_F1 F0 B0 SEND_B0 F1 B1 SEND_B1",
+    ]
+    # The sends stay where they were; an exchange left empty is gone.
+    assert [str(step) for step in steps[1]][:4] == [
+        "RECV_F0+RECV_F1",
+        "F0",
+        "SEND_F0+RECV_B0",
+        "F1",
+    ]
+
+
+def _transfers(steps: list[Step], receives: bool) -> list[Action]:
+    return [
+        message.action
+        for step in steps
+        if step.exchange
+        for message in step.exchange.messages
+        if message.is_send != receives
+    ]
+
+
+def _computes_before_receives(steps: list[Step]) -> dict[Action, int]:
+    """For each receive, how many compute steps its rank runs before posting it."""
+    found: dict[Action, int] = {}
+    computes = 0
+    for step in steps:
+        computes += step.compute is not None
+        for message in step.exchange.messages if step.exchange else ():
+            if not message.is_send:
+                found[message.action] = computes
+    return found
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 5])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("1f1b", 4, 8, 1, "looped"),
+        ("gpipe", 3, 5, 1, "looped"),
+        ("interleaved_1f1b", 2, 6, 2, "looped"),
+        ("interleaved_1f1b", 4, 8, 2, "looped"),
+        ("gpipe", 4, 4, 2, "v"),
+    ],
+)
+def test_prefetched_plans_keep_every_transfer_in_order(
+    case: tuple[str, int, int, int, str], prefetch: int
+) -> None:
+    name, pp, m, vp, placement = case
+    actions = plan(name, pp_size=pp, num_microbatches=m, vp_size=vp, placement=placement)
+    where = validate(actions).steps
+    early = validate(actions, prefetch=prefetch).steps
+    for rank in range(pp):
+        # Same receives in the same order, same sends; computes untouched.
+        assert _transfers(early[rank], True) == _transfers(where[rank], True)
+        assert _transfers(early[rank], False) == _transfers(where[rank], False)
+        assert [s.compute for s in early[rank] if s.compute] == list(actions[rank])
+        # A receive of the j-th exchange is posted where the (j - prefetch)-th was (or the
+        # first), that is after as many compute steps as that exchange followed.
+        exchanges = [i for i, step in enumerate(where[rank]) if step.exchange]
+        computes_at = [sum(s.compute is not None for s in where[rank][:i]) for i in exchanges]
+        expected = {
+            message.action: computes_at[max(j - prefetch, 0)]
+            for j, i in enumerate(exchanges)
+            for message in where[rank][i].exchange.messages  # type: ignore[union-attr]
+            if not message.is_send
+        }
+        assert _computes_before_receives(early[rank]) == expected
+
+
+def test_prefetch_is_not_negative() -> None:
+    with pytest.raises(ValueError, match="prefetch must be 0"):
+        lower(plan("1f1b", pp_size=2, num_microbatches=2), prefetch=-1)
+
+
+def test_a_plan_that_writes_its_exchanges_is_not_prefetched() -> None:
+    steps = validate(plan("1f1b", pp_size=2, num_microbatches=3)).steps
+    text = "".join(f"rank {r}: " + " ".join(map(str, row)) + "\n" for r, row in enumerate(steps))
+    written = parse_schedule(text)
+    assert written.steps is not None
+    assert lowered_actions(validate(written, prefetch=3).steps) == lowered_actions(
+        validate(written).steps
+    )
 
 
 def test_interleaving_wraps_the_ring_between_chunks() -> None:

@@ -12,7 +12,7 @@ __all__ = ["P2PHandle"]
 
 
 class P2PHandle:
-    """Transfers in flight; `wait_recv` completes the receives, `wait` everything.
+    """Transfers in flight; `wait_recv`, `wait_send` and `wait` complete some or all.
 
     Made by `P2PCommunicator.exchange` and `communicate`.
     """
@@ -98,6 +98,24 @@ class P2PHandle:
             self._finish_receives()
         else:
             self._gather_once([t for t in self._transfers if id(t) in wanted])
+
+    def wait_send(self) -> None:
+        """Block until the sends of the call have completed; receives may stay pending.
+
+        On gloo each send is its own work, so a receive the caller needs only later keeps
+        waiting; on NCCL a batch has one work for its sends and receives, which this then
+        waits for as a whole (as `wait`).
+
+        Raises:
+            P2PTimeoutError, P2PError: See `wait`.
+        """
+        leaving = [p for p in self._pending if all(t.sends for t in p[1])]
+        if leaving:
+            assert self._transport is not None
+            self._transport.wait(leaving, self._operation, self._deadline)
+            self._pending = [p for p in self._pending if all(p is not a for a in leaving)]
+        if any(any(t.sends for t in p[1]) for p in self._pending):
+            self.wait()  # a work that carries sends and receives together (an NCCL batch)
 
     def wait(self) -> None:
         """Block until every transfer of the call completes (gathering scattered tensors).

@@ -135,7 +135,10 @@ class Transport:
         self.matches_by_tag = matches_by_tag(device)
         self._coalesced = config.batch_p2p_comm and not self.matches_by_tag
         order = (
-            batched_order(SLOTS)
+            # gloo posts never block: sends, which a peer may be waiting for, go out first.
+            sorted(SLOTS, key=lambda slot: slot not in SEND_SLOTS)
+            if self.matches_by_tag
+            else batched_order(SLOTS)
             if config.batch_p2p_comm
             else unbatched_order(topology.stage, SLOTS)
         )
@@ -156,8 +159,9 @@ class Transport:
     def post(self, transfers: list[Transfer], *, tag: int, operation: str) -> list[Posted]:
         """Post every transfer; each posted work comes with the transfers it carries.
 
-        Transfers are posted by slot in the order the posting mode says (see
-        `pp_comm.ordering`), keeping the given order among transfers of one slot. gloo runs
+        Transfers are posted by slot, keeping the given order among transfers of one slot: on
+        gloo, whose posts never block, sends first; on NCCL in the order the posting mode says
+        (see `pp_comm.ordering`). gloo runs
         a batch as individual posts anyway; posting on the group directly (what torch's
         isend/irecv end in) saves their per-call Python work, and lets a caller wait for the
         receives of a call while its sends are still in flight.

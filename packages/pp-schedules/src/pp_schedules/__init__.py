@@ -31,7 +31,14 @@ from pp_schedules.generators import (
     one_f_one_b,
     plan,
 )
-from pp_schedules.lowering import Exchange, Message, Step, lower, lowered_actions
+from pp_schedules.lowering import (
+    Exchange,
+    Message,
+    Step,
+    lower,
+    lowered_actions,
+    post_receives_early,
+)
 from pp_schedules.plans import Plan, as_plan, format_schedule, parse_schedule
 from pp_schedules.simulation import (
     Costs,
@@ -141,6 +148,7 @@ __all__ = [
     "parse_plan",
     "parse_schedule",
     "plan",
+    "post_receives_early",
     "render_grid",
     "simulate",
     "summary",

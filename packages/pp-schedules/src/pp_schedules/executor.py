@@ -79,6 +79,14 @@ class ScheduleConfig:
     microbatch_group_size_per_vp_stage: int | None = None
     """Interleaving group size (the pipeline size by default)."""
 
+    prefetch_receives: int | None = None
+    """Post each receive this many exchanges before the one its step needs (see
+    `pp_schedules.lower`); the plan validated and run is the moved one. By default 1 on gloo
+    with fixed shapes, where a receive posted only when needed costs a round trip; 0 on NCCL,
+    where transfers complete in posting order and an early receive would hold up later
+    sends, and with shape headers, which are waited for when a receive is posted. A plan
+    that writes its exchanges runs as written."""
+
     pipeline_model_parallel_split_rank: int | None = None
     """Encoder-decoder models: the first decoder stage. From it on, stages receive and send two
     tensors, their activations and the encoder's output, which each decoder stage passes
@@ -227,6 +235,9 @@ class PipelineExecutor:
                 f"pipeline_model_parallel_split_rank {split} needs a pipeline it splits (1 .. "
                 f"{self.pp_size - 1}) and no virtual stages (vp_size {self.vp_size})"
             )
+        # gloo completes each transfer on its own; NCCL in posting order, a batch as one work.
+        self.independent = communicator is None or communicator.device.type != "cuda"
+        self.prefetch = self._prefetch()
         self.stats = RunStats()
         self.timeline: list[MeasuredSpan] = []
         self._recording = False
@@ -250,6 +261,22 @@ class PipelineExecutor:
         if isinstance(chosen, Placement):
             return chosen
         return Placement.named(chosen or "looped", self.pp_size, self.vp_size)
+
+    def _prefetch(self) -> int:
+        chosen = self.config.prefetch_receives
+        # With shape headers pp-comm waits for a receive's header while posting it.
+        headers = self.communicator is not None and self.communicator.config.exchanges_shapes
+        if chosen is None:
+            return 1 if self.independent and not headers else 0
+        if chosen < 0 or (chosen and headers):
+            raise ValueError(
+                f"prefetch_receives must be 0 (receives where needed) or more, got {chosen}"
+                if chosen < 0
+                else f"prefetch_receives={chosen} needs fixed shapes: with shape headers "
+                "(variable_seq_lengths or debug) a receive waits for its header when posted, "
+                "so posting it early would wait for a send not made yet; use 0"
+            )
+        return chosen
 
     def record_timeline(self, enabled: bool = True) -> None:
         """Record every compute step and exchange of the following calls in `timeline`."""
@@ -276,6 +303,7 @@ class PipelineExecutor:
                 self._plan(num_microbatches, forward_only),
                 num_microbatches=num_microbatches,
                 forward_only=forward_only,
+                prefetch=self.prefetch,
             )
             self._plans[key] = _Prepared(report, sends_delivered(report.steps)[self.rank])
         return self._plans[key]
@@ -443,7 +471,8 @@ class _Run:
         self.to_send: dict[tuple[str, int, int], list[torch.Tensor]] = {}
         # Hand-overs between chunks of this rank (the turn of a V).
         self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
-        self.pending: dict[int, P2PHandle] = {}
+        # Exchanges with sends in flight: their handle and what they send.
+        self.pending: dict[int, tuple[P2PHandle, list[torch.Tensor]]] = {}
         self.store: list[Any] = []
         self.stats = RunStats()
         self.recorder = TimelineRecorder(executor.rank) if executor._recording else None
@@ -468,16 +497,19 @@ class _Run:
         self.finish()
 
     def _complete_sends(self, index: int) -> None:
-        """Wait for the sends of exchange `index`, unless a receive of it is still unused.
+        """Wait for the sends of exchange `index` (its receives are waited for by their users).
 
-        (Waiting the handle would then wait for that receive too, earlier than the plan says;
-        such an exchange completes at the end of the call.)
+        On NCCL a batch's sends complete with its receives; while one of those is unused,
+        waiting would wait for it earlier than the plan says, so the batch completes when
+        that receive is used or at the end of the call.
         """
-        handle = self.pending.get(index)
-        if handle is None or any(h is handle for h, _, _ in self.arrived.values()):
+        handle, _ = self.pending.get(index, (None, None))
+        if handle is None or (
+            not self.x.independent and any(h is handle for h, _, _ in self.arrived.values())
+        ):
             return
         del self.pending[index]
-        handle.wait()
+        handle.wait_send()
 
     # -------------------------------------------------------------------- stage geometry
     def _first(self, chunk: int) -> bool:
@@ -526,6 +558,7 @@ class _Run:
         start = self.recorder.now() if self.recorder is not None else 0.0
         messages = [self._message(m) for m in exchange.messages]
         received, handle = comm.exchange(messages, operation=exchange.operation, async_op=True)
+        sent = [t for m in messages for t in m.tensors]
         for number, (message, tensors) in enumerate(zip(exchange.messages, received, strict=True)):
             action = message.action
             if tensors is not None:
@@ -533,10 +566,9 @@ class _Run:
                 self.arrived[key] = (handle, number, tensors)
             elif message.channel == "forward" and self.x.config.deallocate_pipeline_outputs:
                 deallocate_output_tensor(self._own_outputs((action.microbatch, action.chunk)))
-        if any(m.is_send for m in exchange.messages):
-            self.pending[index] = handle
-        if not self.call.forward_only:
-            self._measure()
+        if sent:
+            self.pending[index] = (handle, sent)
+            self._measure_in_flight()
         if self.recorder is not None:
             first = exchange.messages[0].action
             self.recorder.add(
@@ -598,7 +630,7 @@ class _Run:
         if not call.forward_only:
             self.inputs[(microbatch, chunk)] = inputs
             self.outputs[(microbatch, chunk)] = outputs
-            self._measure()
+            self._measure_activations()
 
     def _hand_on(self, action: Action, tensors: list[torch.Tensor], step: int) -> None:
         """Keep a step's result for the exchange that sends it, or for the next local chunk."""
@@ -671,7 +703,6 @@ class _Run:
                 # The encoder's output was passed along: its gradient comes back too.
                 input_grads[-1] = input_grads[-1] + grads[1]
             self._hand_on(action, input_grads, -1)
-        self._measure()
 
     def _run_backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
         if grads is None:
@@ -686,16 +717,21 @@ class _Run:
         if pairs:
             custom_backward([o for o, _ in pairs], [g for _, g in pairs])
 
-    def _measure(self) -> None:
+    def _measure_activations(self) -> None:
+        """Activations only grow with a forward (its inputs and outputs are then stored)."""
         stored = [
             t
             for tensors in (*self.outputs.values(), *(v for v in self.inputs.values() if v))
             for t in tensors
         ]
-        in_flight = [t for handle in self.pending.values() for t in handle.tensors()]
         stats = self.stats
         stats.peak_activations = max(stats.peak_activations, len(self.outputs))
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, _storage_bytes(stored))
+
+    def _measure_in_flight(self) -> None:
+        """Sends in flight only grow with an exchange."""
+        in_flight = [t for _, sent in self.pending.values() for t in sent]
+        stats = self.stats
         stats.peak_in_flight_bytes = max(stats.peak_in_flight_bytes, _storage_bytes(in_flight))
 
     # -------------------------------------------------------------------- data-parallel sync
@@ -725,8 +761,8 @@ class _Run:
             stack.close()
 
     def finish(self) -> None:
-        for handle in self.pending.values():
-            handle.wait()
+        for handle, _ in self.pending.values():
+            handle.wait_send()
         self.pending.clear()
         assert not self.outputs, "every forward got its backward"
         assert not self.arrived, "every received tensor was used"

@@ -11,6 +11,12 @@ The transfers between two compute steps of a rank form one *exchange*, posted to
 pp-comm call and completed together (Megatron's combined calls, such as
 ``send_forward_recv_backward``). A plan may also carry its own exchanges (see
 `pp_schedules.parse_schedule`); then they are taken as written and `validate` checks them.
+
+With ``prefetch=k`` each receive is posted k exchanges earlier on its rank than the one just
+before its step (at the earliest, in the rank's first exchange), keeping the order of
+receives. A posted receive holds up nothing on gloo, whose transfers complete independently,
+and there a send moves its data only once the peer has posted the receive: a receive posted
+only when it is needed costs a round trip more than one posted a compute step ahead.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ __all__ = [
     "lowered_actions",
     "outgoing_message",
     "placement_of",
+    "post_receives_early",
 ]
 
 Channel = Literal["forward", "backward"]
@@ -219,6 +226,7 @@ def lower(
     *,
     vp_size: int | None = None,
     placement: Placement | None = None,
+    prefetch: int = 0,
 ) -> list[list[Step]]:
     """Each rank's compute actions with the exchanges they need, in execution order.
 
@@ -227,6 +235,8 @@ def lower(
             carries its own exchanges gives them back as written.
         vp_size: Model chunks per rank (the placement's, or 1, by default).
         placement: Which stage each (rank, chunk) holds; the plan's, or looped.
+        prefetch: Post each receive this many exchanges early (`post_receives_early`); a
+            plan's own exchanges are kept as written.
 
     Returns:
         For each rank, its steps: compute actions, and between them at most one exchange
@@ -234,8 +244,11 @@ def lower(
 
     Raises:
         ValueError: The plan holds a non-compute action, a chunk outside ``range(vp_size)``,
-            or the placement puts consecutive stages on ranks that are not neighbours.
+            the placement puts consecutive stages on ranks that are not neighbours, or
+            `prefetch` is negative.
     """
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 (receives where needed) or more, got {prefetch}")
     written = getattr(plan, "steps", None)
     if written is not None:
         return [list(rank_steps) for rank_steps in written]
@@ -247,7 +260,39 @@ def lower(
         incoming = [incoming_message(a, rank, where) for a in actions]
         outgoing = [outgoing_message(a, rank, where) for a in actions]
         lowered.append(_interleave(actions, incoming, outgoing))
-    return lowered
+    return post_receives_early(lowered, prefetch) if prefetch else lowered
+
+
+def post_receives_early(steps: Sequence[Sequence[Step]], by: int) -> list[list[Step]]:
+    """Each rank's steps with every receive moved `by` exchanges earlier on its rank.
+
+    Receives keep their order (transfers meet in posting order per link); those of a rank's
+    first `by` exchanges go into its first. Sends stay where they are; an exchange left
+    empty is dropped. Every compute step still finds its receives posted before it.
+    """
+    moved: list[list[Step]] = []
+    for rank_steps in steps:
+        exchanges = [i for i, step in enumerate(rank_steps) if step.exchange is not None]
+        receives = [
+            tuple(m for m in rank_steps[i].exchange.messages if not m.is_send)  # type: ignore[union-attr]
+            for i in exchanges
+        ]
+        # Exchange j posts the receives of exchange j + by (the first, those of 0 .. by).
+        posted_at = {
+            i: (receives[: by + 1] if j == 0 else receives[j + by : j + by + 1])
+            for j, i in enumerate(exchanges)
+        }
+        result: list[Step] = []
+        for index, step in enumerate(rank_steps):
+            if step.exchange is None:
+                result.append(step)
+                continue
+            sends = tuple(m for m in step.exchange.messages if m.is_send)
+            messages = sends + tuple(m for group in posted_at[index] for m in group)
+            if messages:
+                result.append(Step(exchange=Exchange(messages)))
+        moved.append(result)
+    return moved
 
 
 def _interleave(

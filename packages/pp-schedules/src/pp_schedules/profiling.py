@@ -59,13 +59,17 @@ def gather_timeline(
 
 
 def measured_costs(spans: Sequence[Sequence[MeasuredSpan]]) -> Costs:
-    """Median forward and backward times of the measured steps, in milliseconds."""
+    """Median forward, backward and exchange-posting times of the measured steps, in ms."""
 
-    def median_ms(kind: str) -> float:
+    def median_ms(kind: str, floor: float) -> float:
         times = [(s.end - s.start) * 1e3 for rank in spans for s in rank if s.kind == kind]
-        return max(statistics.median(times), 1e-6) if times else 1e-6
+        return max(statistics.median(times), floor) if times else floor
 
-    return Costs(forward=median_ms("F"), backward=median_ms("B"))
+    return Costs(
+        forward=median_ms("F", 1e-6),
+        backward=median_ms("B", 1e-6),
+        exchange=median_ms("exchange", 0.0),
+    )
 
 
 def write_schedule_trace(

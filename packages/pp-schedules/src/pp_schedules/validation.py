@@ -324,6 +324,7 @@ def validate(
     vp_size: int | None = None,
     forward_only: bool = False,
     placement: Placement | None = None,
+    prefetch: int = 0,
 ) -> PlanReport:
     """Check a plan and lower it for execution.
 
@@ -339,6 +340,8 @@ def validate(
         vp_size: Model chunks per rank (by default the placement's).
         forward_only: The plan has no backward steps.
         placement: Which stage each (rank, chunk) holds; the plan's, or looped.
+        prefetch: Post each receive this many exchanges early (see `lower`); a plan that
+            writes its exchanges is checked and kept as written.
 
     Returns:
         The lowered steps and each rank's peak number of activations held.
@@ -353,7 +356,7 @@ def validate(
     _check_complete(plan, num_microbatches, where.vp_size, forward_only)
     _check_local(plan, where)
     try:
-        steps = lower(plan, placement=where)
+        steps = lower(plan, placement=where, prefetch=prefetch)
     except ValueError as error:
         raise PlanError(str(error)) from None
     if getattr(plan, "steps", None) is not None:
