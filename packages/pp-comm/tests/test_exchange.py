@@ -179,6 +179,7 @@ def _wait_send_leaves_the_receive() -> list[object]:
         facts += [_values(received[1]), handle.is_completed()]
     else:
         got = comm.exchange([P2PMessage(slot="recv_prev", shapes=(3,))])[0][0]
+        assert got is not None
         dist.barrier()
         comm.exchange([P2PMessage(slot="send_prev", tensors=[got[0][:2] * 5])])
     comm.destroy()
