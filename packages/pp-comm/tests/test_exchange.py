@@ -191,6 +191,30 @@ def test_wait_send_leaves_receives_pending_on_gloo() -> None:
     assert first == [False, [[5.0, 5.0]], True]
 
 
+def _two_streams_one_way() -> list[object]:
+    comm = P2PCommunicator(dist.group.WORLD, config=_config(False, "fixed"))
+    facts: list[object] = []
+    if comm.stage == 0:  # activations, then gradients of another chunk, both to stage 1
+        comm.exchange(
+            [
+                P2PMessage(slot="send_next", tensors=[torch.full((2,), 1.0)], channel="forward"),
+                P2PMessage(slot="send_next", tensors=[torch.full((3,), 2.0)], channel="backward"),
+            ]
+        )
+    elif comm.stage == 1:  # takes them the other way round, each from its own stream
+        gradients = comm.exchange([P2PMessage(slot="recv_prev", shapes=(3,), channel="backward")])
+        activations = comm.exchange([P2PMessage(slot="recv_prev", shapes=(2,), channel="forward")])
+        facts += [_values(gradients[0][0]), _values(activations[0][0])]
+    comm.destroy()
+    return facts
+
+
+def test_a_link_carries_activations_and_gradients_apart() -> None:
+    """A V placement beyond two stages sends both kinds the same way; each pairs on its own."""
+    _, second, _ = run_distributed(_two_streams_one_way, 3, timeout=60)
+    assert second == [[[2.0, 2.0, 2.0]], [[1.0, 1.0]]]
+
+
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [
@@ -198,6 +222,11 @@ def test_wait_send_leaves_receives_pending_on_gloo() -> None:
             {"slot": "sideways"},
             ValueError,
             "slot must be one of send_next, recv_prev, send_prev, recv_next; got 'sideways'",
+        ),
+        (
+            {"slot": "recv_prev", "shapes": (2,), "channel": "both"},
+            ValueError,
+            "channel must be 'forward', 'backward' or None; got 'both'",
         ),
         (
             {"slot": "send_next"},

@@ -76,8 +76,9 @@ def test_torch_action_strings_give_chunks_through_the_stages_each_rank_uses() ->
     one = parse_schedule("# torch's 1F1B\n0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1")
     assert one.placement == Placement.looped(2)
     assert validate(one).peak_in_flight == [2, 1]
-    with pytest.raises(ValueError, match=r"line 1 \(rank 0\): '0I0' is a split backward"):
-        parse_schedule("0F0 0I0 0W0\n1F0 1I0 1W0")
+    # torch's zero-bubble strings: I (input gradient) and W (weight gradient).
+    split = parse_schedule("0F0 1F0 1I0 0I0 1W0 0W0\n")
+    assert format_plan(split) == ["F0 F0.1 I0.1 I0 W0.1 W0"]
 
 
 @pytest.mark.parametrize(

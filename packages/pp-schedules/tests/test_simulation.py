@@ -61,5 +61,5 @@ def test_timeline_and_chrome_trace_draw_every_step() -> None:
 
 
 def test_costs_are_checked() -> None:
-    with pytest.raises(ValueError, match="forward and backward costs must be positive"):
+    with pytest.raises(ValueError, match="forward, backward and backward halves must be positive"):
         Costs(forward=0.0)

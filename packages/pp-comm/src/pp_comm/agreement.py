@@ -142,6 +142,7 @@ class ShapeHeaders:
             [buffer],
             specs=_HEADER_SPECS,
             microbatch=transfer.microbatch,
+            channel=transfer.channel,
         )
         # Errors name the message a header describes, not the header.
         header.described = transfer.specs if transfer.sends else transfer.requested

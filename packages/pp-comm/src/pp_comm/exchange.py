@@ -120,11 +120,15 @@ class Exchanger:
         if not isinstance(message, P2PMessage):
             raise TypeError(f"{operation}: expected P2PMessage objects, got {message!r}")
         if message.sends:
-            return self.send(message.slot, message.tensors, message.microbatch)
-        specs, _ = normalize_specs_cached(
-            message.shapes, message.dtypes, self.config.pipeline_dtype, operation=operation
-        )
-        return self.receive(message.slot, specs, message.requires_grad, message.microbatch)
+            transfer = self.send(message.slot, message.tensors, message.microbatch)
+        else:
+            specs, _ = normalize_specs_cached(
+                message.shapes, message.dtypes, self.config.pipeline_dtype, operation=operation
+            )
+            transfer = self.receive(message.slot, specs, message.requires_grad, message.microbatch)
+        if message.channel is not None:
+            transfer.channel = message.channel
+        return transfer
 
     # ------------------------------------------------------------------ running
     def run(self, transfers: list[Transfer], operation: str, async_op: bool) -> P2PHandle:

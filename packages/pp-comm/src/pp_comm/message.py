@@ -8,7 +8,7 @@ from typing import TypeAlias
 
 import torch
 
-from pp_comm.ordering import SLOTS, Slot
+from pp_comm.ordering import SLOTS, Channel, Slot
 from pp_comm.payload import ShapesArg
 
 __all__ = ["SEND_SLOTS", "DTypesArg", "P2PMessage", "Payload", "Received"]
@@ -30,9 +30,9 @@ class P2PMessage:
     """One message of an exchange: tensors sent to a neighbour, or tensors received from one.
 
     Messages on the same link are matched in posting order: the n-th message one stage sends
-    on a slot is the n-th the neighbour receives on the matching slot (``send_next`` with
-    ``recv_prev``, ``send_prev`` with ``recv_next``), however either side groups its
-    messages into calls.
+    on a slot (and channel) is the n-th the neighbour receives on the matching slot
+    (``send_next`` with ``recv_prev``, ``send_prev`` with ``recv_next``), however either side
+    groups its messages into calls.
 
     Raises:
         ValueError: An unknown slot, a send without tensors or with receive fields, or a
@@ -60,6 +60,13 @@ class P2PMessage:
     microbatch: int | None = None
     """The microbatch the message belongs to, named in errors about it."""
 
+    channel: Channel | None = None
+    """The stream of the link the message travels in: "forward" (activations) or
+    "backward" (gradients); by default the slot's (``send_next`` / ``recv_prev``: forward).
+    Streams pair up separately, so a link may carry activations of one model chunk and
+    gradients of another (a V placement) without their order mattering. Both sides must
+    name the same channel."""
+
     def __post_init__(self) -> None:
         """Checks the message is a well-formed send or receive."""
         if self.slot not in SLOTS:
@@ -77,6 +84,10 @@ class P2PMessage:
         ):
             raise TypeError(
                 f"P2PMessage microbatch must be an int or None, got {self.microbatch!r}"
+            )
+        if self.channel is not None and self.channel not in ("forward", "backward"):
+            raise ValueError(
+                f"P2PMessage channel must be 'forward', 'backward' or None; got {self.channel!r}"
             )
         if self.sends:
             self._check_send()

@@ -83,6 +83,12 @@ class Topology:
         self._owned.append(duplicate)
         return duplicate
 
+    def peer_in(self, slot: Slot, channel: Channel) -> int:
+        """The peer of `slot` as a rank of the group `channel` uses."""
+        if self.channels[channel] is self.group_of(slot):
+            return self.group_peer[slot]
+        return dist.get_group_rank(self.channels[channel], self.peer[slot])
+
     def group_of(self, slot: Slot) -> dist.ProcessGroup:
         """The process group `slot` travels on."""
         return self.channels[CHANNEL_OF_SLOT[slot]]

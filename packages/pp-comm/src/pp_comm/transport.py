@@ -28,7 +28,14 @@ import torch.distributed as dist
 from pp_comm.config import CommConfig
 from pp_comm.errors import P2PError, P2PTimeoutError
 from pp_comm.message import SEND_SLOTS
-from pp_comm.ordering import CHANNEL_OF_SLOT, SLOTS, Slot, batched_order, unbatched_order
+from pp_comm.ordering import (
+    CHANNEL_OF_SLOT,
+    SLOTS,
+    Channel,
+    Slot,
+    batched_order,
+    unbatched_order,
+)
 from pp_comm.payload import TensorSpec, describe
 from pp_comm.topology import Topology
 
@@ -55,6 +62,8 @@ class Transfer:
 
     Attributes:
         slot: Direction and kind.
+        channel: The stream of the link it travels in: activations ("forward") or gradients
+            ("backward"); by default the slot's. Streams pair up separately.
         sends: Whether it is a send.
         peer: The neighbour's global rank.
         microbatch: For error messages.
@@ -67,6 +76,7 @@ class Transfer:
 
     __slots__ = (
         "_specs",
+        "channel",
         "described",
         "microbatch",
         "peer",
@@ -87,8 +97,10 @@ class Transfer:
         specs: Sequence[TensorSpec] | None = None,
         requires_grad: bool = False,
         microbatch: int | None = None,
+        channel: Channel | None = None,
     ) -> None:
         self.slot = slot
+        self.channel: Channel = CHANNEL_OF_SLOT[slot] if channel is None else channel
         self.sends = slot in SEND_SLOTS
         self.peer = peer
         self.tensors = tensors
@@ -144,16 +156,17 @@ class Transport:
         )
         rank_of_slot = {slot: index for index, slot in enumerate(order)}
         self._slot_rank: Callable[[Transfer], int] = lambda t: rank_of_slot[t.slot]
-        # Per slot: how to post on its group, to which group rank, with what tag offset.
+        # Per slot and stream: how to post on its group, to which group rank, what tag offset.
         self._posts = {
-            slot: (
-                topology.group_of(slot).send
+            (slot, channel): (
+                topology.channels[channel].send
                 if slot in SEND_SLOTS
-                else topology.group_of(slot).recv,
-                topology.group_peer[slot],
-                _BACKWARD_TAG if self.matches_by_tag and CHANNEL_OF_SLOT[slot] == "backward" else 0,
+                else topology.channels[channel].recv,
+                topology.peer_in(slot, channel),
+                _BACKWARD_TAG if self.matches_by_tag and channel == "backward" else 0,
             )
             for slot in SLOTS
+            for channel in ("forward", "backward")
         }
 
     def post(self, transfers: list[Transfer], *, tag: int, operation: str) -> list[Posted]:
@@ -176,7 +189,7 @@ class Transport:
                 return self._post_coalesced(transfers, tag)
             posted: list[Posted] = []
             for transfer in transfers:
-                post, peer, channel_tag = self._posts[transfer.slot]
+                post, peer, channel_tag = self._posts[(transfer.slot, transfer.channel)]
                 carried = (transfer,)
                 for wire in transfer.wire:
                     posted.append((post([wire], peer, tag + channel_tag), carried))
@@ -197,7 +210,7 @@ class Transport:
             if all(group is not seen for seen in groups):
                 groups.append(group)
         for group in groups:
-            members = [t for t in ordered if self.topology.group_of(t.slot) is group]
+            members = [t for t in ordered if self.topology.channels[t.channel] is group]
             ops = [
                 dist.P2POp(dist.isend if t.sends else dist.irecv, wire, t.peer, group, tag)
                 for t in members

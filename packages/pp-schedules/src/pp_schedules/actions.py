@@ -2,14 +2,18 @@
 
 Pure Python: planning code imports no torch, so it is tested in milliseconds.
 
-A compute action is ``F`` (forward) or ``B`` (backward) of one microbatch on one model chunk.
+A compute action is ``F`` (forward) or ``B`` (backward) of one microbatch on one model chunk,
+or, for zero-bubble schedules, a backward split in two: ``I`` computes the gradient with
+respect to the stage's input (what the previous stage waits for) and ``W`` later the
+gradients of the stage's parameters.
 Lowering adds communication actions: ``SEND_F`` / ``RECV_F`` move the activations of a
 (microbatch, chunk) to / from the next virtual stage, ``SEND_B`` / ``RECV_B`` its gradients to
 / from the previous one. Which virtual stage a chunk holds is the plan's placement
 (`pp_state.Placement`).
 
 String form: ``F3`` is the forward of microbatch 3 on chunk 0, ``B3.1`` the backward of
-microbatch 3 on chunk 1, ``SEND_F3.1`` sends the activations of that forward.
+microbatch 3 on chunk 1, ``I3.1`` / ``W3.1`` its two halves, ``SEND_F3.1`` sends the
+activations of that forward.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from typing import Literal, get_args
 
 __all__ = [
+    "BACKWARD",
+    "CATEGORIES",
     "COMPUTE",
     "Action",
     "ActionKind",
@@ -28,10 +34,19 @@ __all__ = [
     "parse_plan",
 ]
 
-ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-COMPUTE: frozenset[str] = frozenset({"F", "B"})
+ActionKind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+COMPUTE: frozenset[str] = frozenset({"F", "B", "I", "W"})
+BACKWARD: frozenset[str] = frozenset({"B", "I"})
+"""The kinds that take the gradient from the next stage and pass one to the previous."""
+CATEGORIES: dict[str, str] = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward input",
+    "W": "backward weight",
+}
+"""The name of each compute kind in traces and timelines."""
 _KINDS = get_args(ActionKind)
-_PATTERN = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:\.(\d+))?$")
+_PATTERN = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:\.(\d+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +54,8 @@ class Action:
     """One step of one rank.
 
     Attributes:
-        kind: "F" or "B" for compute; "SEND_F", "RECV_F", "SEND_B", "RECV_B" for transfers.
+        kind: "F", "B", "I" (input gradient) or "W" (weight gradient) for compute;
+            "SEND_F", "RECV_F", "SEND_B", "RECV_B" for transfers.
         microbatch: The microbatch, counted from 0.
         chunk: The model chunk on this rank (0 unless interleaving).
     """
@@ -59,7 +75,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        """Whether this is a forward or backward step."""
+        """Whether this is a forward or (whole or half) backward step."""
         return self.kind in COMPUTE
 
     def __str__(self) -> str:
@@ -80,7 +96,7 @@ def parse_action(text: str) -> Action:
     """
     match = _PATTERN.match(text.strip())
     if match is None:
-        raise ValueError(f"{text!r} is not an action such as F3, B3.1 or SEND_F3.1")
+        raise ValueError(f"{text!r} is not an action such as F3, B3.1, I3, W3 or SEND_F3.1")
     kind, microbatch, chunk = match.groups()
     return Action(kind, int(microbatch), int(chunk or 0))  # type: ignore[arg-type]
 

@@ -34,6 +34,7 @@ from pp_schedules.actions import Action
 from pp_schedules.generators import plan
 from pp_schedules.lowering import Exchange, Message, Step
 from pp_schedules.plans import Plan, as_plan
+from pp_schedules.split_backward import WeightGradients, backward_input
 from pp_schedules.timeline import MeasuredSpan, TimelineRecorder
 from pp_schedules.validation import PlanReport, sends_delivered, validate
 from pp_state.placement import Placement
@@ -260,7 +261,8 @@ class PipelineExecutor:
         chosen = self.config.placement
         if isinstance(chosen, Placement):
             return chosen
-        return Placement.named(chosen or "looped", self.pp_size, self.vp_size)
+        default = "v" if self.config.schedule == "zbv" else "looped"
+        return Placement.named(chosen or default, self.pp_size, self.vp_size)
 
     def _prefetch(self) -> int:
         chosen = self.config.prefetch_receives
@@ -305,8 +307,36 @@ class PipelineExecutor:
                 forward_only=forward_only,
                 prefetch=self.prefetch,
             )
+            self._check_runs(report)
             self._plans[key] = _Prepared(report, sends_delivered(report.steps)[self.rank])
         return self._plans[key]
+
+    def _check_runs(self, report: PlanReport) -> None:
+        """Refuse what this pipeline cannot run of a valid plan, before anything is sent.
+
+        Raises:
+            ValueError: Split backwards with an encoder-decoder split, or (on NCCL, which
+                matches transfers in order only) a link carrying activations and gradients
+                the same way, as the V placement does beyond two ranks.
+        """
+        split = any(s.compute.kind in ("I", "W") for r in report.steps for s in r if s.compute)
+        if split and self.config.pipeline_model_parallel_split_rank is not None:
+            raise ValueError(
+                "split backwards (I/W, zero-bubble schedules) do not run with "
+                "pipeline_model_parallel_split_rank; use '1f1b' for encoder-decoder models"
+            )
+        streams: dict[tuple[int, int], set[str]] = {}
+        for rank, steps in enumerate(report.steps):
+            for step in steps:
+                for message in step.exchange.messages if step.exchange else ():
+                    if message.is_send:
+                        streams.setdefault((rank, message.peer), set()).add(message.channel)
+        if not self.independent and self.pp_size > 2 and any(len(c) > 1 for c in streams.values()):
+            raise ValueError(
+                f"placement {self.placement} sends activations and gradients the same way "
+                "between two ranks, which NCCL (matching transfers in order only) cannot keep "
+                "apart beyond two ranks yet; use the looped placement, or gloo"
+            )
 
     def _plan(self, num_microbatches: int, forward_only: bool) -> Plan:
         if self.user_plan is None:
@@ -477,8 +507,10 @@ class _Run:
         self.stats = RunStats()
         self.recorder = TimelineRecorder(executor.rank) if executor._recording else None
         actions = [s.compute for s in self.steps if s.compute is not None]
-        # Each chunk's last backward re-enables its gradient sync.
-        self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "B"}
+        # Each chunk's last backward (or weight-gradient step) re-enables its gradient sync.
+        self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind in ("B", "W")}
+        # Split backwards: what each W needs once its I has run.
+        self.deferred: dict[_Key, WeightGradients] = {}
         self.sync_stacks: dict[int, contextlib.ExitStack] = {}
 
     def walk(self) -> None:
@@ -490,8 +522,12 @@ class _Run:
                     self.exchange(index, step.exchange)
                 elif step.compute.kind == "F":
                     self.forward(step.compute)
-                else:
+                elif step.compute.kind == "B":
                     self.backward(step.compute)
+                elif step.compute.kind == "I":
+                    self.backward_input(step.compute)
+                else:
+                    self.backward_weight(step.compute)
                 for done in self.delivered.get(index, ()):
                     self._complete_sends(done)
         self.finish()
@@ -541,7 +577,12 @@ class _Run:
             # The transfer reads through detached aliases, which keep the storage alive until
             # the send completes; the stage's own tensors can let go of it at once.
             tensors = [t.detach() for t in self.to_send.pop(key)]
-            return P2PMessage(slot=message.slot, tensors=tensors, microbatch=action.microbatch)
+            return P2PMessage(
+                slot=message.slot,
+                tensors=tensors,
+                microbatch=action.microbatch,
+                channel=message.channel,
+            )
         activations = message.channel == "forward"
         sender = message.peer if activations else self.x.rank
         return P2PMessage(
@@ -549,6 +590,7 @@ class _Run:
             shapes=self._shapes_sent_by(sender),
             requires_grad=activations and not self.call.forward_only,
             microbatch=action.microbatch,
+            channel=message.channel,
         )
 
     def exchange(self, index: int, exchange: Exchange) -> None:
@@ -703,6 +745,46 @@ class _Run:
                 # The encoder's output was passed along: its gradient comes back too.
                 input_grads[-1] = input_grads[-1] + grads[1]
             self._hand_on(action, input_grads, -1)
+
+    def backward_input(self, action: Action) -> None:
+        """The input half of a split backward: the gradient the previous stage waits for.
+
+        The stage's outputs and inputs stay stored (and counted) until the W step.
+        """
+        key = (action.microbatch, action.chunk)
+        grads = self._output_grads(action)
+        inputs = self.inputs[key] or []
+        outputs = self.outputs[key]
+        if grads is None and self.x.config.grad_scale_func is not None:
+            outputs = [self.x.config.grad_scale_func(outputs[0])]
+        timer = self.x.timers("backward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        timer.start()
+        params = [p for p in self.call.chunks[action.chunk].parameters() if p.requires_grad]
+        input_grads, self.deferred[key] = backward_input(outputs, grads, inputs, params)
+        timer.stop()
+        self._record(action, start)
+        self.stats.steps += 1
+        if not self._first(action.chunk):
+            sent = [
+                g if g is not None else torch.zeros_like(t)
+                for g, t in zip(input_grads, inputs, strict=True)
+            ]
+            self._hand_on(action, sent, -1)
+
+    def backward_weight(self, action: Action) -> None:
+        """The weight half: accumulate the parameters' gradients (through their hooks)."""
+        key = (action.microbatch, action.chunk)
+        del self.inputs[key], self.outputs[key]
+        if action.microbatch == self.last_backward.get(action.chunk):
+            self._enable_sync(action.chunk)
+        timer = self.x.timers("backward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        timer.start()
+        self.deferred.pop(key).run()
+        timer.stop()
+        self._record(action, start)
+        self.stats.steps += 1
 
     def _run_backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
         if grads is None:

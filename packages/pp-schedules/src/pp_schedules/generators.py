@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from pp_schedules.actions import Action
 from pp_schedules.plans import Plan
+from pp_schedules.zero_bubble import zb_h1, zbv
 from pp_state.placement import Placement
 
 __all__ = [
@@ -210,6 +211,8 @@ SCHEDULES: dict[str, Callable[..., Actions]] = {
     "gpipe": _looped_gpipe,
     "1f1b": _pipelined(one_f_one_b),
     "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": _pipelined(zb_h1),
+    "zbv": _pipelined(zbv),
 }
 """Generators by name, as `plan` takes them."""
 
@@ -223,11 +226,16 @@ def _check_arguments(
     _check_int("pp_size", pp_size, 1)
     _check_int("num_microbatches", num_microbatches, 1)
     _check_int("vp_size", vp_size, 1)
-    one_chunk = name in ("no_pipelining", "1f1b")
+    one_chunk = name in ("no_pipelining", "1f1b", "zb_h1")
     if one_chunk and vp_size != 1:
         raise ValueError(
             f"{name} runs one model chunk per rank, but vp_size is {vp_size}; "
-            "use 'interleaved_1f1b' or 'gpipe'"
+            f"use {'zbv' if name == 'zb_h1' else 'interleaved_1f1b'!r} or 'gpipe'"
+        )
+    if name == "zbv" and vp_size != 2:
+        raise ValueError(
+            f"zbv runs two model chunks per rank in a V, but vp_size is {vp_size}; use "
+            "vp_size=2 (or 'zb_h1' with one chunk)"
         )
     if name != "interleaved_1f1b" and group is not None:
         raise ValueError(
@@ -263,7 +271,9 @@ def plan(
     """One list of compute actions per pipeline rank, in execution order.
 
     Args:
-        name: "no_pipelining", "gpipe", "1f1b" or "interleaved_1f1b".
+        name: "no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", or the zero-bubble
+            "zb_h1" (one chunk) and "zbv" (two chunks on the V placement), whose backwards
+            are split into I and W steps.
         pp_size: Pipeline stages (ranks).
         num_microbatches: Microbatches per step.
         vp_size: Model chunks per rank (interleaved_1f1b and gpipe; 1 otherwise).
@@ -274,15 +284,17 @@ def plan(
             says whether it runs on that placement.
 
     Returns:
-        A `Plan`: for each rank, its actions (each has ``kind`` "F" or "B", ``microbatch``
-        and ``chunk``), and the placement.
+        A `Plan`: for each rank, its actions (each has ``kind`` "F", "B", "I" or "W",
+        ``microbatch`` and ``chunk``), and the placement.
 
     Raises:
         ValueError: An unknown schedule, a size below 1, or a configuration the schedule
             refuses; the message states the rule and the valid values.
     """
     _check_arguments(name, pp_size, num_microbatches, vp_size, microbatch_group_size_per_vp_stage)
-    where = _resolve_placement(placement, pp_size, vp_size)
+    where = _resolve_placement(placement or ("v" if name == "zbv" else None), pp_size, vp_size)
+    if name == "zbv" and where.name != "v":
+        raise ValueError(f"zbv runs on the V placement, not {where}; leave placement unset")
     actions = SCHEDULES[name](
         pp_size=pp_size,
         num_microbatches=num_microbatches,

@@ -3,8 +3,9 @@
 Which rank and chunk hold the stage before and after each compute step comes from the plan's
 `pp_state.Placement` (looped by default). A forward on any virtual stage but the first receives
 its input from the stage before (``RECV_F``, placed just before it) and, on any but the last,
-sends its output on (``SEND_F``, just after it); backwards mirror this with ``RECV_B`` /
-``SEND_B``. When the neighbouring stage sits on the same rank (the turn of a V), the tensor is
+sends its output on (``SEND_F``, just after it); backwards (``B``, or the input-gradient half
+``I`` of a split one) mirror this with ``RECV_B`` / ``SEND_B``; a weight-gradient step ``W``
+moves nothing. When the neighbouring stage sits on the same rank (the turn of a V), the tensor is
 handed over in memory and no transfer is written.
 
 The transfers between two compute steps of a rank form one *exchange*, posted together as one
@@ -95,8 +96,13 @@ class Message:
 
     @property
     def link_channel(self) -> str:
-        """The process-group channel pp-comm uses for this slot (transfers match per channel)."""
-        return "forward" if self.slot in ("send_next", "recv_prev") else "backward"
+        """The stream of the link it travels in (transfers pair up per link and stream).
+
+        Activations and gradients travel in separate streams (pp-comm's message channel), so
+        a link that carries both in one direction (the V placement beyond two ranks) keeps
+        them apart.
+        """
+        return self.channel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +178,13 @@ def _message(kind: str, action: Action, rank: int, peer: tuple[int, int], pp: in
 
 
 def incoming_message(action: Action, rank: int, placement: Placement) -> Message | None:
-    """The receive compute step `action` of `rank` needs; None if none or handed over locally."""
+    """The receive compute step `action` of `rank` needs; None if none or handed over locally.
+
+    A forward receives activations, a backward (``B``, or its input half ``I``) gradients; a
+    weight-gradient step ``W`` receives nothing.
+    """
+    if action.kind == "W":
+        return None
     step = -1 if action.kind == "F" else +1
     peer = placement.neighbour(rank, action.chunk, step)
     if peer is None or peer[0] == rank:
@@ -182,7 +194,9 @@ def incoming_message(action: Action, rank: int, placement: Placement) -> Message
 
 
 def outgoing_message(action: Action, rank: int, placement: Placement) -> Message | None:
-    """The send that follows compute step `action` of `rank`; None if none or local."""
+    """The send that follows compute step `action` of `rank`; None if none or local (or W)."""
+    if action.kind == "W":
+        return None
     step = +1 if action.kind == "F" else -1
     peer = placement.neighbour(rank, action.chunk, step)
     if peer is None or peer[0] == rank:

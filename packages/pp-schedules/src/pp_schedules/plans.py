@@ -207,11 +207,6 @@ def _parse_token(part: str, line: _Line, placement: Placement) -> Action:
                 "B3.1, SEND_F3.1 or (torch's form) 0F3, 1RECV_B0"
             ) from None
     stage, kind, microbatch = int(match.group(1)), match.group(2), int(match.group(3))
-    if kind in ("I", "W"):
-        raise ValueError(
-            f"line {line.number} (rank {line.rank}): {part!r} is a split backward "
-            "(zero-bubble I/W), which this version does not run; use B"
-        )
     try:
         chunk = placement.chunk_of(line.rank, stage)
     except ValueError as error:

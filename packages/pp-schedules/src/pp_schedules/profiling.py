@@ -59,16 +59,20 @@ def gather_timeline(
 
 
 def measured_costs(spans: Sequence[Sequence[MeasuredSpan]]) -> Costs:
-    """Median forward, backward and exchange-posting times of the measured steps, in ms."""
+    """Median forward, backward (or its halves) and exchange-posting times, in ms."""
 
     def median_ms(kind: str, floor: float) -> float:
         times = [(s.end - s.start) * 1e3 for rank in spans for s in rank if s.kind == kind]
         return max(statistics.median(times), floor) if times else floor
 
+    halves = {kind: median_ms(kind, 0.0) for kind in ("I", "W")}
+    backward = median_ms("B", 0.0) or halves["I"] + halves["W"] or 1e-6
     return Costs(
         forward=median_ms("F", 1e-6),
-        backward=median_ms("B", 1e-6),
+        backward=backward,
         exchange=median_ms("exchange", 0.0),
+        backward_input=halves["I"] or None,
+        backward_weight=halves["W"] or None,
     )
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from collections import defaultdict
 
-from pp_schedules.actions import Action
+from pp_schedules.actions import CATEGORIES, Action
 from pp_schedules.validation import PlanReport, _Links
 
 __all__ = ["Costs", "Simulation", "Span", "bubble_formula", "ideal_makespan", "simulate"]
@@ -32,19 +32,35 @@ class Costs:
     exchange: float = 0.0
     """The fixed time a rank spends posting one exchange (the per-call work of the
     communication library and the executor), whatever it moves."""
+    backward_input: float | None = None
+    """The input-gradient half of a split backward (``I``); half of `backward` by default."""
+    backward_weight: float | None = None
+    """The weight-gradient half (``W``); half of `backward` by default."""
 
     def __post_init__(self) -> None:
         """Costs are not negative, and compute takes time.
 
         Raises:
-            ValueError: A negative cost, or a zero forward or backward.
+            ValueError: A negative cost, or a zero forward, backward or backward half.
         """
-        if min(self.forward, self.backward) <= 0 or min(self.transfer, self.exchange) < 0:
+        halves = [h for h in (self.backward_input, self.backward_weight) if h is not None]
+        if min(self.forward, self.backward, *halves) <= 0 or min(self.transfer, self.exchange) < 0:
             raise ValueError(
-                "forward and backward costs must be positive and transfer and exchange at least "
-                f"0, got forward={self.forward}, backward={self.backward}, "
+                "forward, backward and backward halves must be positive and transfer and "
+                f"exchange at least 0, got forward={self.forward}, backward={self.backward}, "
+                f"backward_input={self.backward_input}, backward_weight={self.backward_weight}, "
                 f"transfer={self.transfer}, exchange={self.exchange}"
             )
+
+    def of(self, kind: str) -> float:
+        """The cost of one compute step of `kind` ("F", "B", "I" or "W")."""
+        if kind == "F":
+            return self.forward
+        if kind == "I":
+            return self.backward / 2 if self.backward_input is None else self.backward_input
+        if kind == "W":
+            return self.backward / 2 if self.backward_weight is None else self.backward_weight
+        return self.backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +92,9 @@ class Simulation:
     def timeline(self, width: int = 100) -> str:
         """An ASCII timeline, one row per rank.
 
-        A forward shows as its microbatch's digit, a backward as a letter (a for microbatch 0,
-        b for 1, ...), idle time as dots.
+        A forward shows as its microbatch's digit, a backward (or its input half I) as a letter
+        (a for microbatch 0, b for 1, ...), a weight-gradient step W as a capital letter, idle
+        time as dots.
         """
         scale = width / self.makespan if self.makespan else 1.0
         rows = []
@@ -99,7 +116,7 @@ class Simulation:
         events: list[dict[str, object]] = [
             {
                 "name": str(span.action),
-                "cat": "forward" if span.action.kind == "F" else "backward",
+                "cat": CATEGORIES[span.action.kind],
                 "ph": "X",
                 "ts": span.start * time_unit_us,
                 "dur": (span.end - span.start) * time_unit_us,
@@ -126,6 +143,8 @@ class Simulation:
 def _mark(action: Action) -> str:
     if action.kind == "F":
         return str(action.microbatch % 10)
+    if action.kind == "W":
+        return "ABCDEFGHIJ"[action.microbatch % 10]
     return "abcdefghij"[action.microbatch % 10]
 
 
@@ -189,7 +208,7 @@ class _Simulator:
         if arrivals is None:
             return False
         start = max([self.clock[rank], *arrivals])
-        cost = self.costs.forward if step.compute.kind == "F" else self.costs.backward
+        cost = self.costs.of(step.compute.kind)
         self.spans[rank].append(Span(rank, step.compute, start, start + cost))
         self.clock[rank] = start + cost
         self.busy[rank] += cost

@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Sequence
 
+from pp_schedules.actions import CATEGORIES
 from pp_schedules.simulation import Simulation
 
 __all__ = ["MeasuredSpan", "TimelineRecorder", "chrome_trace", "measured_makespan", "summary"]
@@ -29,7 +30,7 @@ class MeasuredSpan:
     Attributes:
         rank: Pipeline rank.
         name: The step's string form (``F3.1``, ``SEND_F3+RECV_B1``).
-        kind: "F", "B" for compute; "exchange" for posting an exchange's transfers; "wait"
+        kind: "F", "B", "I", "W" for compute; "exchange" for posting an exchange's transfers; "wait"
             for waiting, right before a compute step, for a receive it uses to arrive.
         microbatch: The compute step's microbatch (the first message's for an exchange).
         chunk: The model chunk (the first message's for an exchange).
@@ -76,7 +77,7 @@ def measured_makespan(spans: Sequence[Sequence[MeasuredSpan]]) -> float:
 
 
 def _busy(spans: Sequence[MeasuredSpan]) -> float:
-    return sum(s.end - s.start for s in spans if s.kind in ("F", "B"))
+    return sum(s.end - s.start for s in spans if s.kind in CATEGORIES)
 
 
 def _measured_events(spans: Sequence[Sequence[MeasuredSpan]]) -> list[dict[str, object]]:
@@ -87,7 +88,7 @@ def _measured_events(spans: Sequence[Sequence[MeasuredSpan]]) -> list[dict[str, 
         events.append(
             {
                 "name": span.name,
-                "cat": {"F": "forward", "B": "backward", "wait": "wait"}.get(span.kind, "exchange"),
+                "cat": {**CATEGORIES, "wait": "wait"}.get(span.kind, "exchange"),
                 "ph": "X",
                 "ts": (span.start - origin) * 1e6,
                 "dur": (span.end - span.start) * 1e6,
@@ -137,7 +138,7 @@ def chrome_trace(
                 events.append(
                     {
                         "name": str(span.action),
-                        "cat": "forward" if span.action.kind == "F" else "backward",
+                        "cat": CATEGORIES[span.action.kind],
                         "ph": "X",
                         "ts": span.start * simulated_unit_s * 1e6,
                         "dur": (span.end - span.start) * simulated_unit_s * 1e6,

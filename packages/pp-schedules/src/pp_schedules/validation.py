@@ -76,44 +76,22 @@ def render_grid(steps: Sequence[Sequence[object]], marks: dict[int, int] | None 
 def _check_complete(
     plan: Sequence[Sequence[Action]], num_microbatches: int, vp_size: int, forward_only: bool
 ) -> None:
-    expected_kinds = ("F",) if forward_only else ("F", "B")
+    """Each (microbatch, chunk): F, then B or else I and later W (F only if forward-only)."""
     for rank, actions in enumerate(plan):
         seen: dict[tuple[str, int, int], int] = {}
         for index, action in enumerate(actions):
-            if not action.is_compute:
+            problem = _misplaced(action, seen, num_microbatches, vp_size, forward_only)
+            if problem:
                 raise PlanError(
-                    f"rank {rank} step {index}: {action} is not a compute action\n"
+                    f"rank {rank} step {index}: {action} {problem}\n"
                     + render_grid(plan, {rank: index})
                 )
-            key = (action.kind, action.microbatch, action.chunk)
-            if key in seen:
-                raise PlanError(
-                    f"rank {rank} step {index}: {action} runs twice\n"
-                    + render_grid(plan, {rank: index})
-                )
-            if (
-                action.microbatch >= num_microbatches
-                or action.chunk >= vp_size
-                or action.kind not in expected_kinds
-            ):
-                raise PlanError(
-                    f"rank {rank} step {index}: {action} is outside {num_microbatches} "
-                    "microbatches, "
-                    f"{vp_size} chunks{' (forward only)' if forward_only else ''}\n"
-                    + render_grid(plan, {rank: index})
-                )
-            if action.kind == "B" and ("F", action.microbatch, action.chunk) not in seen:
-                raise PlanError(
-                    f"rank {rank} step {index}: {action} runs before its forward\n"
-                    + render_grid(plan, {rank: index})
-                )
-            seen[key] = index
+            seen[(action.kind, action.microbatch, action.chunk)] = index
         missing = [
             f"{kind}{m}{f'.{c}' if c else ''}"
-            for kind in expected_kinds
             for m in range(num_microbatches)
             for c in range(vp_size)
-            if (kind, m, c) not in seen
+            for kind in _needed(seen, m, c, forward_only)
         ]
         if missing:
             raise PlanError(
@@ -122,10 +100,53 @@ def _check_complete(
             )
 
 
+def _misplaced(
+    action: Action,
+    seen: dict[tuple[str, int, int], int],
+    num_microbatches: int,
+    vp_size: int,
+    forward_only: bool,
+) -> str | None:
+    """Why `action` cannot come here, after the steps `seen`; None if it can."""
+    if not action.is_compute:
+        return "is not a compute action"
+    m, c = action.microbatch, action.chunk
+    if (action.kind, m, c) in seen:
+        return "runs twice"
+    if m >= num_microbatches or c >= vp_size or (forward_only and action.kind != "F"):
+        return (
+            f"is outside {num_microbatches} microbatches, "
+            f"{vp_size} chunks{' (forward only)' if forward_only else ''}"
+        )
+    return _out_of_order(action, seen)
+
+
+def _out_of_order(action: Action, seen: dict[tuple[str, int, int], int]) -> str | None:
+    """Why a backward step cannot run yet (or at all) after `seen`; None if it can."""
+    m, c = action.microbatch, action.chunk
+    if action.kind in ("B", "I") and ("F", m, c) not in seen:
+        return "runs before its forward"
+    if action.kind == "W" and ("I", m, c) not in seen:
+        return f"runs before I{m}{f'.{c}' if c else ''}, the input half of its backward"
+    whole, half = ("B", m, c) in seen, ("I", m, c) in seen
+    if (action.kind == "B" and half) or (action.kind == "I" and whole):
+        return "splits a backward that also runs whole (use B, or I and W)"
+    return None
+
+
+def _needed(seen: dict[tuple[str, int, int], int], m: int, c: int, forward_only: bool) -> list[str]:
+    """The kinds (microbatch m, chunk c) still needs on a rank that ran `seen`."""
+    if forward_only:
+        return [] if ("F", m, c) in seen else ["F"]
+    kinds = ("F", "I", "W") if ("I", m, c) in seen or ("W", m, c) in seen else ("F", "B")
+    return [kind for kind in kinds if (kind, m, c) not in seen]
+
+
 def _peak_in_flight(actions: Sequence[Action]) -> int:
+    """Most forwards held at once: from F until its B, or its W when the backward is split."""
     held = peak = 0
     for action in actions:
-        held += 1 if action.kind == "F" else -1 if action.kind == "B" else 0
+        held += 1 if action.kind == "F" else -1 if action.kind in ("B", "W") else 0
         peak = max(peak, held)
     return peak
 
@@ -209,6 +230,8 @@ def _consumers(steps: Sequence[Sequence[Step]]) -> dict[tuple[int, int], list[tu
                         )
                 continue
             assert step.compute is not None
+            if step.compute.kind == "W":
+                continue  # a weight-gradient step receives nothing
             channel = "forward" if step.compute.kind == "F" else "backward"
             key = (channel, step.compute.microbatch, step.compute.chunk)
             if key in waiting:
@@ -259,11 +282,22 @@ def _check_local(plan: Sequence[Sequence[Action]], placement: Placement) -> None
     for rank, actions in enumerate(plan):
         where = _positions(actions)
         for action, index in where.items():
+            if action.kind == "W":
+                continue  # nothing is handed over to a weight-gradient step
             step = -1 if action.kind == "F" else +1
             neighbour = placement.neighbour(rank, action.chunk, step)
             if neighbour is None or neighbour[0] != rank:
                 continue
-            producer = Action(action.kind, action.microbatch, neighbour[1])
+            # The step that hands the tensor over: the neighbour's F, or its B or I.
+            kinds = ("F",) if action.kind == "F" else ("B", "I")
+            producer = next(
+                (
+                    Action(kind, action.microbatch, neighbour[1])  # type: ignore[arg-type]
+                    for kind in kinds
+                    if Action(kind, action.microbatch, neighbour[1]) in where  # type: ignore[arg-type]
+                ),
+                Action(action.kind, action.microbatch, neighbour[1]),
+            )
             if where.get(producer, len(actions)) > index:
                 raise PlanError(
                     f"rank {rank} step {index}: {action} needs what {producer} hands over on "
