@@ -46,3 +46,21 @@ def test_the_table_has_a_goal_and_a_verdict_per_row(torchrun: Torchrun) -> None:
     assert lines[0].split()[:3] == ["configuration", "ours", "ms"]
     assert lines[1].startswith("sleep 1f1b pp2 vp1 m2")
     assert lines[1].split()[-1] in ("yes", "NO")
+
+
+def test_zero_bubble_against_torch_pipelining(torchrun: Torchrun) -> None:
+    args = ["--steps", "1", "--microbatches", "4", "--json"]
+    args += ["--forward-ms", "1", "--input-ms", "1", "--weight-ms", "1"]
+    records = _records(torchrun(BENCHMARKS / "zero_bubble_vs_torch.py", 2, *args))
+    assert [(r["schedule"], r["torch_schedule"], r["vp"]) for r in records] == [
+        ("1f1b", "Schedule1F1B", 1),
+        ("zb_h1", "ScheduleInterleavedZeroBubble", 1),
+        ("zbv", "ScheduleZBVZeroBubble", 2),
+    ]
+    assert all(r["torch_error"] is None for r in records), records
+    # The zero-bubble rows are also compared with our 1F1B at the same microbatch count.
+    assert records[0]["ours_vs_1f1b"] is None
+    ratios = [r[k] for r in records for k in ("ours_vs_torch", "ours_vs_theory")]
+    ratios += [r["ours_vs_1f1b"] for r in records[1:]]
+    assert all(float(x) > 0 for x in ratios), records  # type: ignore[arg-type]
+    assert all(isinstance(r["passed"], bool) and r["goal"] for r in records)

@@ -49,12 +49,16 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepChunk(torch.nn.Module):
-    """A model chunk whose forward and backward take fixed times."""
+    """A model chunk whose forward and backward take fixed times.
+
+    Half of the backward is the input's gradient (on the activations' path), half the
+    weight's (a branch of its own), so a zero-bubble schedule splits it into I and W.
+    """
 
     def __init__(self, forward_s: float, backward_s: float) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(1))
-        self.costs = (forward_s, backward_s)
+        self.costs = (forward_s, backward_s / 2)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensors: list[torch.Tensor | None]) -> None:
@@ -62,8 +66,11 @@ class SleepChunk(torch.nn.Module):
         self.input_tensor = tensors[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Sleep for the forward cost (and, in backward, the backward cost)."""
-        return _Sleep.apply(x * self.weight, *self.costs)  # type: ignore[no-any-return, no-untyped-call]
+        """Sleep for the forward cost (and, in backward, half the backward cost per branch)."""
+        forward_s, half_s = self.costs
+        through = _Sleep.apply(x, forward_s, half_s)  # type: ignore[no-untyped-call]
+        weight = _Sleep.apply(self.weight, 0.0, half_s)  # type: ignore[no-untyped-call]
+        return through + weight  # type: ignore[no-any-return]
 
 
 def forward_step(
@@ -78,6 +85,8 @@ def forward_step(
 COLOURS = {
     "forward": (66, 133, 244),
     "backward": (234, 67, 53),
+    "backward input": (234, 67, 53),
+    "backward weight": (52, 168, 83),
     "exchange": (170, 170, 170),
     "wait": (251, 188, 5),
 }
@@ -106,7 +115,7 @@ def draw(trace_path: Path, png_path: Path, *, width: int = 1200) -> None:
             x1 = max(x0 + 1, left + (float(span["ts"]) + float(span["dur"])) * scale)
             y0 = top + int(span["tid"]) * row + 2
             pen.rectangle((x0, y0, x1, y0 + row - 4), fill=COLOURS[span["cat"]], outline="white")
-            if x1 - x0 > 16 and span["cat"] in ("forward", "backward"):
+            if x1 - x0 > 16 and span["cat"] not in ("exchange", "wait"):
                 pen.text((x0 + 2, y0 + 3), str(span["name"]), fill="white")
     pen.text((left, height - 18), f"0 .. {end / 1000:.0f} ms", fill="black")
     image.save(png_path)

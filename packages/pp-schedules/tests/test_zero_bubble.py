@@ -75,7 +75,9 @@ def test_split_backwards_out_of_order_are_refused(lines: list[str], message: str
 
 def test_an_i_before_the_next_stages_i_deadlocks() -> None:
     # Rank 0's I0 waits for rank 1's I0, which comes after F1, which waits for rank 0's F1.
-    with pytest.raises(PlanError, match=r"the plan deadlocks: rank 0 waits at step 1 \(SEND_F0\+RECV_B0\)"):
+    with pytest.raises(
+        PlanError, match=r"the plan deadlocks: rank 0 waits at step 1 \(SEND_F0\+RECV_B0\)"
+    ):
         validate(parse_plan(["F0 I0 F1 W0 I1 W1", "F0 F1 I0 W0 I1 W1"]), num_microbatches=2)
 
 

@@ -176,6 +176,11 @@ def test_a_deadlocking_plan_error_draws_the_grid(
         ),
         (["--pipeline-schedule", "zb"], "invalid choice: 'zb'"),
         (
+            ["--pipeline-schedule", "zbv"],
+            "--pipeline-schedule zbv with 1 chunk(s) per rank: zbv runs two model chunks per "
+            "rank in a V, but vp_size is 1",
+        ),
+        (
             ["--profile-schedule", "no-such-folder/trace.json"],
             "--profile-schedule: trace path no-such-folder/trace.json: folder no-such-folder "
             "does not exist",
@@ -270,6 +275,41 @@ def test_named_schedules_and_plan_files_train_alike(tmp_path: Path) -> None:
     v_run = _train([*PP2, *v_flags])
     assert f"pipeline 2 x 2 virtual stages, data parallel 1, plan {v_path} (v placement)" in v_run
     assert _losses(v_run) == pytest.approx(reference, rel=2e-5)
+
+
+def _train_on(ranks: int, argv: list[str]) -> str:
+    results = run_distributed(_command, ranks, argv, timeout=180)
+    assert {r["reason"] for r in results} == {"train_iters"}
+    return "".join(r["stdout"] for r in results)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "flags", "title"),
+    [
+        (2, ["--pipeline-schedule", "zb_h1"], "zero-bubble ZB-H1"),
+        (4, ["--pipeline-schedule", "zb_h1"], "zero-bubble ZB-H1"),
+        (
+            2,
+            ["--pipeline-schedule", "zbv", "--num-layers-per-virtual-pipeline-stage", "1"],
+            "zero-bubble ZB-V (V placement)",
+        ),
+    ],
+)
+def test_zero_bubble_schedules_train_as_one_process(
+    ranks: int, flags: list[str], title: str
+) -> None:
+    """Split backwards (I then W) give pp 1's losses with the same seed."""
+    one = _train_on(1, [*TINY, "--pipeline-model-parallel-size", "1"])
+    split = _train_on(ranks, [*TINY, "--pipeline-model-parallel-size", str(ranks), *flags])
+    assert f"{title};" in split
+    assert _losses(split) == pytest.approx(_losses(one), rel=2e-5)
+
+
+def test_auto_schedule_prints_its_candidates_and_picks_zero_bubble() -> None:
+    run = _train([*PP2, "--pipeline-schedule", "auto"])
+    assert "pipeline schedule chosen by simulation:" in run
+    assert "* zb_h1" in run
+    assert "data parallel 1, zero-bubble ZB-H1;" in run
 
 
 def _spans(path: Path) -> dict[int, set[int]]:

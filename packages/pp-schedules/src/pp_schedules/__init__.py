@@ -1,7 +1,9 @@
 """pp-schedules: pipeline schedules as verified data.
 
 - `plan(name, ...)`: per-rank forward/backward order of no-pipelining, GPipe, 1F1B and
-  interleaved 1F1B, equal to Megatron-LM's where Megatron accepts the configuration.
+  interleaved 1F1B, equal to Megatron-LM's where Megatron accepts the configuration, and of
+  the zero-bubble ZB-H1 and ZB-V (backwards split into I and W); `choose_schedule` (and
+  ``plan("auto")``) picks the shortest simulated schedule within a memory limit.
 - `validate(...)`: completeness, order, matching transfers and freedom from deadlock, with a
   rank x step grid on failure; `simulate(...)`: makespan, bubbles, activation memory, ASCII
   and Chrome-trace timelines.
@@ -21,7 +23,16 @@ import importlib
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
 
-from pp_schedules.actions import COMPUTE, Action, ActionKind, format_plan, parse_action, parse_plan
+from pp_schedules.actions import (
+    BACKWARD,
+    COMPUTE,
+    Action,
+    ActionKind,
+    format_plan,
+    parse_action,
+    parse_plan,
+)
+from pp_schedules.auto import Candidate, Choice, candidates_for, choose_schedule
 from pp_schedules.generators import (
     SCHEDULES,
     gpipe,
@@ -56,6 +67,7 @@ from pp_schedules.timeline import (
     summary,
 )
 from pp_schedules.validation import PlanError, PlanReport, render_grid, validate
+from pp_schedules.zero_bubble import list_schedule, zb_h1, zbv
 from pp_state.placement import Placement
 
 if TYPE_CHECKING:
@@ -102,10 +114,13 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BACKWARD",
     "COMPUTE",
     "SCHEDULES",
     "Action",
     "ActionKind",
+    "Candidate",
+    "Choice",
     "Costs",
     "Exchange",
     "ForwardStepFunc",
@@ -126,7 +141,9 @@ __all__ = [
     "__version__",
     "as_plan",
     "bubble_formula",
+    "candidates_for",
     "check_trace_path",
+    "choose_schedule",
     "chrome_trace",
     "custom_backward",
     "deallocate_output_tensor",
@@ -138,6 +155,7 @@ __all__ = [
     "ideal_makespan",
     "interleaved_1f1b",
     "interleaved_table",
+    "list_schedule",
     "lower",
     "lowered_actions",
     "measured_costs",
@@ -154,4 +172,6 @@ __all__ = [
     "summary",
     "validate",
     "write_schedule_trace",
+    "zb_h1",
+    "zbv",
 ]

@@ -9,11 +9,15 @@ the rule and suggests valid values.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pp_schedules.actions import Action
 from pp_schedules.plans import Plan
 from pp_schedules.zero_bubble import zb_h1, zbv
 from pp_state.placement import Placement
+
+if TYPE_CHECKING:
+    from pp_schedules.simulation import Costs
 
 __all__ = [
     "SCHEDULES",
@@ -222,7 +226,7 @@ def _check_arguments(
 ) -> None:
     """The checks every schedule shares: a known name, sizes, and chunks where they apply."""
     if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}, auto")
     _check_int("pp_size", pp_size, 1)
     _check_int("num_microbatches", num_microbatches, 1)
     _check_int("vp_size", vp_size, 1)
@@ -267,13 +271,16 @@ def plan(
     microbatch_group_size_per_vp_stage: int | None = None,
     forward_only: bool = False,
     placement: Placement | str | None = None,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
 ) -> Plan:
     """One list of compute actions per pipeline rank, in execution order.
 
     Args:
         name: "no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", or the zero-bubble
             "zb_h1" (one chunk) and "zbv" (two chunks on the V placement), whose backwards
-            are split into I and W steps.
+            are split into I and W steps; or "auto": the one `choose_schedule` picks (the
+            shortest simulated makespan under `memory_limit`, with `costs`).
         pp_size: Pipeline stages (ranks).
         num_microbatches: Microbatches per step.
         vp_size: Model chunks per rank (interleaved_1f1b and gpipe; 1 otherwise).
@@ -281,7 +288,10 @@ def plan(
         forward_only: Forward steps only (evaluation).
         placement: Which stage each (rank, chunk) holds: "looped" (Megatron's, the default),
             "v", or a `pp_state.Placement`. The order of steps does not change; `validate`
-            says whether it runs on that placement.
+            says whether it runs on that placement. For "auto", a placement name limits the
+            choice to schedules on it.
+        costs: For "auto": the costs to simulate with (see `choose_schedule`).
+        memory_limit: For "auto": the most activations a rank may hold, in stage-sized units.
 
     Returns:
         A `Plan`: for each rank, its actions (each has ``kind`` "F", "B", "I" or "W",
@@ -291,6 +301,15 @@ def plan(
         ValueError: An unknown schedule, a size below 1, or a configuration the schedule
             refuses; the message states the rule and the valid values.
     """
+    if name == "auto":
+        from pp_schedules.auto import choose_schedule  # auto plans with this function
+
+        chosen = choose_schedule(
+            pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size, costs=costs,
+            memory_limit=memory_limit,
+            placement=placement.name if isinstance(placement, Placement) else placement,
+        ).plan  # fmt: skip
+        return chosen.without_backward() if forward_only else chosen
     _check_arguments(name, pp_size, num_microbatches, vp_size, microbatch_group_size_per_vp_stage)
     where = _resolve_placement(placement or ("v" if name == "zbv" else None), pp_size, vp_size)
     if name == "zbv" and where.name != "v":

@@ -19,7 +19,16 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
-from pp_schedules import Plan, check_trace_path, parse_schedule, plan, validate
+from pp_schedules import (
+    Choice,
+    Plan,
+    candidates_for,
+    check_trace_path,
+    choose_schedule,
+    parse_schedule,
+    plan,
+    validate,
+)
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_train.checkpointing import CheckpointError
 from pp_train.data import ByteTokenizer, GPTDataset, corpus_tokens, microbatches, split_corpus
@@ -41,12 +50,14 @@ __all__ = ["build_parser", "gpt_forward_step", "main", "validate_args"]
 
 LR_DECAY_STYLES = ["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 WSD_STYLES = ["linear", "cosine", "exponential", "minus_sqrt"]
-PIPELINE_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+PIPELINE_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "auto"]
 _SCHEDULE_TITLES = {
     "no_pipelining": "no pipelining",
     "gpipe": "GPipe",
     "1f1b": "1F1B",
     "interleaved_1f1b": "interleaved 1F1B",
+    "zb_h1": "zero-bubble ZB-H1",
+    "zbv": "zero-bubble ZB-V (V placement)",
 }
 
 
@@ -112,7 +123,9 @@ def _schedule_flags(parser: argparse.ArgumentParser) -> None:
         "--pipeline-schedule",
         choices=PIPELINE_SCHEDULES,
         default=None,
-        help="default: interleaved_1f1b with virtual stages, 1f1b otherwise (Megatron's choice)",
+        help="default: interleaved_1f1b with virtual stages, 1f1b otherwise (Megatron's choice); "
+        "zb_h1 and zbv split backwards (zero bubble; zbv needs 2 chunks per rank); auto picks "
+        "the shortest simulated schedule that holds no more activations than 1F1B",
     )
     which.add_argument(
         "--pipeline-schedule-file",
@@ -337,6 +350,10 @@ def _check_named_schedule(
 ) -> None:
     pp = args.pipeline_model_parallel_size
     vp = args.virtual_pipeline_model_parallel_size or 1
+    args.schedule_choice = None
+    if args.pipeline_schedule == "auto":
+        args.schedule_choice = _choose(parser, pp, vp, counts)
+        args.pipeline_schedule = args.schedule_choice.chosen.name
     name = args.pipeline_schedule
     chosen = name or ("interleaved_1f1b" if vp > 1 else "1f1b" if pp > 1 else "no_pipelining")
     for count in counts:
@@ -351,6 +368,31 @@ def _check_named_schedule(
                 else ""
             )
             parser.error(f"--pipeline-schedule {name} with {vp} chunk(s) per rank: {error}{hint}")
+
+
+def _choose(parser: argparse.ArgumentParser, pp: int, vp: int, counts: list[int]) -> Choice:
+    """--pipeline-schedule auto: the shortest simulated schedule that fits.
+
+    Costs F:I:W = 1:1:1; the schedule must run every microbatch count of the run and hold no
+    more activations than 1F1B's first rank.
+    """
+    if pp < 2:
+        parser.error("--pipeline-schedule auto needs --pipeline-model-parallel-size 2 or more")
+    runnable = []
+    for name, _ in candidates_for(vp):
+        try:
+            for count in counts:
+                plan(name, pp_size=pp, num_microbatches=count, vp_size=vp)
+        except ValueError:
+            continue
+        runnable.append(name)
+    try:
+        return choose_schedule(
+            pp_size=pp, num_microbatches=max(counts), vp_size=vp,
+            memory_limit=float(min(pp, max(counts))), names=runnable,
+        )  # fmt: skip
+    except ValueError as error:
+        parser.error(f"--pipeline-schedule auto: {error}")
 
 
 def _read_text(parser: argparse.ArgumentParser, flag: str, path: str) -> str:
@@ -525,7 +567,11 @@ def run(args: argparse.Namespace) -> str:
     device = args.device
     pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
     schedule: Plan | None = args.pipeline_plan
-    placement = schedule.placement if schedule is not None else Placement.looped(pp, vp)
+    placement = (
+        schedule.placement
+        if schedule is not None
+        else Placement.named("v" if args.pipeline_schedule == "zbv" else "looped", pp, vp)
+    )
     pp_rank = state.pipeline_model_parallel_rank
     # Megatron logs from the last rank: the last stage (the losses) of the last replica.
     is_logging_rank = (
@@ -659,6 +705,8 @@ def run(args: argparse.Namespace) -> str:
         f"{_schedule_title(args, forward_backward.schedule, placement)}; "
         f"{train_data.samples_per_epoch} training samples per epoch"
     )
+    if getattr(args, "schedule_choice", None) is not None:
+        say("pipeline schedule chosen by simulation:\n" + args.schedule_choice.table())
     config = TrainingConfig(
         train_iters=args.train_iters,
         micro_batch_size=args.micro_batch_size,

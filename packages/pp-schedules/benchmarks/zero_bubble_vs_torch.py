@@ -1,0 +1,430 @@
+r"""Step time of pp-schedules' zero-bubble schedules against torch.distributed.pipelining's.
+
+Both executors run the same chunks, microbatches and seeds over gloo in the same processes,
+at every microbatch count asked for:
+
+- ``1f1b``: this package's 1F1B (a whole backward, I + W, per step) beside torch's Schedule1F1B:
+  the baseline the zero-bubble schedules are measured against.
+- ``zb_h1``: this package's ZB-H1 (one chunk per rank, looped placement) beside torch's
+  ScheduleInterleavedZeroBubble given one stage per rank.
+- ``zbv``: this package's ZB-V (two chunks per rank on the V placement: rank r holds stages r
+  and 2p-1-r) beside torch's ScheduleZBVZeroBubble.
+
+Every chunk is a sleep stage whose backward splits: its forward sleeps F ms, the gradient of
+its input I ms and the gradient of its weight W ms (F/2, I/2 and W/2 with the V's two chunks,
+so each rank always does m * (F + I + W) of work). The input's sleep is a custom autograd
+function on the activation, the weight's one on the parameter alone, and a built-in add joins
+them: the branch to the weight leaves the input's path at a built-in node, where both
+executors split the backward. Sleeping uses no CPU, so the ratios measure the schedule and
+the runtime's own overhead, almost independent of load. The theoretical makespan is the
+simulator's for our plan with zero transfer time and the stage's own step costs: each rank
+first times its chunk's F, I, W and whole backward alone (no pipeline, no communication;
+medians) and the slowest rank's times are the costs. The nominal-cost makespan is in the JSON
+records. The first stage's input is data, so neither executor runs its I sleep (its I step is
+empty, its backward only W) while the simulator charges every stage the same: that puts 1F1B's
+theory one I above a perfect executor's time (at pp 4, 330 against 320 nominal ms at m 8) and
+leaves ZB-H1's and ZB-V's unchanged (simulated with that I at zero, their makespans stay).
+
+Steps alternate A B B A between the two executors (one warm-up step each first); the table
+shows medians. Goals: ZB-H1 <= 0.86x our 1F1B at pp 4 m 8 and <= 0.92x at pp 4 m 16; ZB-H1
+and ZB-V <= torch's; each schedule <= 1.05x its theoretical makespan. Where torch's schedule
+refuses the configuration or fails, its column shows '-' and the reason follows the row.
+
+    torchrun --standalone --nproc-per-node 4 \
+        packages/pp-schedules/benchmarks/zero_bubble_vs_torch.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from pp_comm import CommConfig, P2PCommunicator
+from pp_schedules import (
+    Costs,
+    PipelineExecutor,
+    Placement,
+    PlanReport,
+    ScheduleConfig,
+    get_forward_backward_func,
+    simulate,
+)
+from pp_schedules.split_backward import backward_input
+
+TORCH_SCHEDULES: dict[str, Any] = {
+    "1f1b": Schedule1F1B,
+    "zb_h1": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+SCHEDULES = (("1f1b", 1), ("zb_h1", 1), ("zbv", 2))
+# ZB-H1's time over our 1F1B's, by (pp, microbatches): the spec's goals.
+ZB_H1_GOALS = {(4, 8): 0.86, (4, 16): 0.92}
+THEORY_LIMIT = 1.05
+
+Step = Callable[[], None]
+
+
+class _SleepInput(torch.autograd.Function):
+    """On the activation: forward sleeps F, backward (the input gradient) sleeps I."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, input_s: float) -> torch.Tensor:
+        time.sleep(forward_s)
+        ctx.input_s = input_s
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.input_s)
+        return grad, None, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """On the parameter alone: forward is free, backward (the weight gradient) sleeps W."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, weight_s: float) -> torch.Tensor:
+        ctx.weight_s = weight_s
+        return weight * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.weight_s)
+        return grad, None
+
+
+class Chunk(torch.nn.Module):
+    """A sleep stage of fixed F, I and W times (seconds) whose backward splits at an add."""
+
+    def __init__(self, sleep: tuple[float, float, float]) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.sleep = sleep
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensors: list[torch.Tensor | None]) -> None:
+        """Megatron's hook: the previous stage's activations."""
+        self.input_tensor = tensors[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The input's branch plus the weight's (broadcast): the add is where they split."""
+        forward_s, input_s, weight_s = self.sleep
+        activation = _SleepInput.apply(x, forward_s, input_s)  # type: ignore[no-untyped-call]
+        weight = _SleepWeight.apply(self.weight, weight_s)  # type: ignore[no-untyped-call]
+        return activation + weight  # type: ignore[no-any-return]
+
+
+def placement_of(name: str, pp: int, vp: int) -> Placement:
+    """The V placement for zbv, the looped one otherwise."""
+    return Placement.v_shape(pp, vp) if name == "zbv" else Placement.looped(pp, vp)
+
+
+def build(args: argparse.Namespace, vp: int) -> list[Chunk]:
+    """This rank's chunks: vp sleep stages sharing the rank's F, I and W."""
+    sleep = (args.forward_ms / 1e3 / vp, args.input_ms / 1e3 / vp, args.weight_ms / 1e3 / vp)
+    return [Chunk(sleep) for _ in range(vp)]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error."""
+    return ((output - target) ** 2).mean()
+
+
+def ours(
+    comm: P2PCommunicator, name: str, vp: int, chunks: list[Chunk], data: list[dict[str, Any]]
+) -> tuple[Step, PipelineExecutor]:
+    """One training step with this package's executor, and the executor."""
+    rows, cols, width = data[0]["x"].shape
+    forward_backward = get_forward_backward_func(
+        comm, vp_size=vp, config=ScheduleConfig(hidden_size=width, schedule=name)
+    )
+
+    def forward_step(it: Iterator[dict[str, Any]], model: Chunk) -> tuple[Any, Any]:
+        batch = next(it)
+        out = model(batch["x"] if model.input_tensor is None else model.input_tensor)
+        return out, lambda o: (loss_fn(o, batch["y"]), {})
+
+    def step() -> None:
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=[iter(data) for _ in range(vp)],
+            model=chunks,
+            num_microbatches=len(data),
+            seq_length=rows,
+            micro_batch_size=cols,
+        )
+
+    return step, forward_backward
+
+
+def theirs(
+    name: str, chunks: list[Chunk], data: list[dict[str, Any]], *, pp: int, vp: int, rank: int
+) -> Step:
+    """One training step with torch.distributed.pipelining on the same chunks and data."""
+    placement = placement_of(name, pp, vp)
+    stages = [
+        PipelineStage(chunk, placement.stage(rank, c), pp * vp, torch.device("cpu"))
+        for c, chunk in enumerate(chunks)
+    ]
+    target = stages[0] if name == "1f1b" else stages
+    schedule = TORCH_SCHEDULES[name](target, n_microbatches=len(data), loss_fn=loss_fn)
+    inputs = torch.cat([d["x"] for d in data])
+    targets = torch.cat([d["y"] for d in data])
+    first, last = placement.holds_first(rank), placement.holds_last(rank)
+
+    def step() -> None:
+        if first and last:  # ZB-V: rank 0 holds the first stage and the last
+            schedule.step(inputs, target=targets)
+        elif first:
+            schedule.step(inputs)
+        elif last:
+            schedule.step(target=targets)
+        else:
+            schedule.step()
+
+    return step
+
+
+def agree(error: str | None) -> str | None:
+    """The first rank's error, if any rank had one (every rank gets the same answer)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    for rank, found in enumerate(errors):
+        if found is not None:
+            return f"rank {rank}: {found}"
+    return None
+
+
+def attempt(action: Callable[[], Any]) -> tuple[Any, str | None]:
+    """`action`'s result, or the error some rank met (torch refusing a configuration)."""
+    try:
+        result, error = action(), None
+    except Exception as caught:  # reported in the table instead
+        result, error = None, f"{type(caught).__name__}: {caught}".splitlines()[0]
+    return result, agree(error)
+
+
+def timed(step: Step) -> float:
+    """Seconds for one step, all ranks starting and ending together."""
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+@functools.cache
+def _stage_costs(sleep_ms: tuple[float, float, float], vp: int) -> tuple[float, ...]:
+    return _time_stage(sleep_ms, vp)
+
+
+def stage_costs(args: argparse.Namespace, vp: int) -> tuple[float, ...]:
+    """Median ms of one chunk's F, I, W and whole backward run alone (slowest rank's)."""
+    return _stage_costs((args.forward_ms, args.input_ms, args.weight_ms), vp)
+
+
+def _time_stage(
+    sleep_ms: tuple[float, float, float], vp: int, rounds: int = 20
+) -> tuple[float, ...]:
+    forward_ms, input_ms, weight_ms = sleep_ms
+    chunk = Chunk((forward_ms / 1e3 / vp, input_ms / 1e3 / vp, weight_ms / 1e3 / vp))
+    params = list(chunk.parameters())
+    times: list[list[float]] = [[], [], [], []]  # F, I, W, B
+    for _ in range(rounds):
+        x = torch.randn(1, 4, 1, requires_grad=True)  # a middle stage's input
+        start = time.perf_counter()
+        out = chunk(x)
+        forward = time.perf_counter()
+        grad = torch.ones_like(out)
+        _, weight_gradients = backward_input([out], [grad], [x], params)
+        middle = time.perf_counter()
+        weight_gradients.run()
+        end = time.perf_counter()
+        out = chunk(x)
+        whole = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        times[0].append(forward - start)
+        times[1].append(middle - forward)
+        times[2].append(end - middle)
+        times[3].append(time.perf_counter() - whole)
+    costs = torch.tensor([statistics.median(t) for t in times]) * 1e3
+    dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+    return tuple(float(c) for c in costs)
+
+
+def measure(
+    args: argparse.Namespace, comm: P2PCommunicator, name: str, vp: int, m: int
+) -> tuple[float, float | None, str | None, PlanReport]:
+    """Median seconds of ours and of torch's (None and why, if it fails), and our plan.
+
+    One warm-up step each, then steps alternating A B B A.
+    """
+    pp, rank = comm.num_stages, comm.stage
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        {key: torch.randn(1, 4, 1, generator=generator) for key in ("x", "y")} for _ in range(m)
+    ]
+    ours_step, executor = ours(comm, name, vp, build(args, vp), data)
+    theirs_step, error = attempt(
+        lambda: theirs(name, build(args, vp), data, pp=pp, vp=vp, rank=rank)
+    )
+    if error is None:  # torch's warm-up step: it infers shapes there and may still refuse
+        _, error = attempt(theirs_step)
+    timed(ours_step)  # ours' warm-up
+    ours_times: list[float] = []
+    theirs_times: list[float] = []
+    pair: list[tuple[Step, list[float]]] = [(ours_step, ours_times)]
+    if error is None:
+        pair.append((theirs_step, theirs_times))
+    for index in range(args.steps):
+        for step, times in pair if index % 2 == 0 else reversed(pair):
+            times.append(timed(step))
+    theirs_s = statistics.median(theirs_times) if theirs_times else None
+    return statistics.median(ours_times), theirs_s, error, executor.plan_for(m, False)[1]
+
+
+def theory(args: argparse.Namespace, name: str, vp: int, report: PlanReport) -> dict[str, Any]:
+    """The plan's makespan at the chunk's measured costs, and at the nominal ones."""
+    f, i, w, b = stage_costs(args, vp)
+    nominal = [args.forward_ms / vp, args.input_ms / vp, args.weight_ms / vp]
+    if name == "1f1b":  # whole backwards: B is I and W in one step
+        costs = Costs(forward=f, backward=b)
+        ideal = Costs(forward=nominal[0], backward=nominal[1] + nominal[2])
+    else:
+        costs = Costs(forward=f, backward=i + w, backward_input=i, backward_weight=w)
+        ideal = Costs(
+            forward=nominal[0],
+            backward=nominal[1] + nominal[2],
+            backward_input=nominal[1],
+            backward_weight=nominal[2],
+        )
+    return {
+        "theory_ms": simulate(report, costs).makespan,
+        "nominal_ms": simulate(report, ideal).makespan,
+        "stage_forward_ms": f,
+        "stage_input_ms": i,
+        "stage_weight_ms": w,
+        "stage_backward_ms": b,
+    }
+
+
+def row(
+    args: argparse.Namespace, comm: P2PCommunicator, config: tuple[str, int, int], baseline: float
+) -> dict[str, Any]:
+    """One table row: times, theory, ratios, the goals and whether they are met.
+
+    `baseline` is our 1F1B's median ms at the same microbatch count (0 for the 1F1B row).
+    """
+    name, vp, m = config
+    pp = comm.num_stages
+    ours_s, theirs_s, error, report = measure(args, comm, name, vp, m)
+    ours_ms = ours_s * 1e3
+    record: dict[str, Any] = {
+        "benchmark": "zero_bubble_vs_torch", "schedule": name,
+        "torch_schedule": TORCH_SCHEDULES[name].__name__, "pp": pp, "vp": vp,
+        "microbatches": m, "ours_ms": ours_ms,
+        "torch_ms": None if theirs_s is None else theirs_s * 1e3, "torch_error": error,
+        "ours_vs_torch": None if theirs_s is None else ours_s / theirs_s,
+    }  # fmt: skip
+    record.update(theory(args, name, vp, report))
+    record["ours_vs_theory"] = ours_ms / record["theory_ms"]
+    record["ours_vs_1f1b"] = ours_ms / baseline if baseline else None
+    # (description, met); a goal that cannot be measured (torch failed) is not met.
+    goals = [(f"ours/theory <= {THEORY_LIMIT:.2f}", record["ours_vs_theory"] <= THEORY_LIMIT)]
+    if name != "1f1b":
+        versus = record["ours_vs_torch"]
+        goals.insert(0, ("ours/torch <= 1.00", versus is not None and versus <= 1.0))
+    limit = ZB_H1_GOALS.get((pp, m))
+    if name == "zb_h1" and limit is not None:
+        goals.insert(0, (f"ours/1f1b <= {limit:.2f}", record["ours_vs_1f1b"] <= limit))
+    record.update(goal=", ".join(g for g, _ in goals), passed=all(ok for _, ok in goals))
+    return record
+
+
+HEADER = (
+    f"{'configuration':<20} {'ours ms':>9} {'torch ms':>9} {'theory':>8} {'ours/torch':>10} "
+    f"{'ours/theory':>11} {'ours/1f1b':>9}  {'goal':<58} pass"
+)
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render(record: dict[str, Any]) -> str:
+    """One line of the table, and torch's error on the next if it failed."""
+    config = f"{record['schedule']} pp{record['pp']} vp{record['vp']} m{record['microbatches']}"
+    line = (
+        f"{config:<20} {record['ours_ms']:>9.1f} {_number(record['torch_ms'], 1):>9} "
+        f"{record['theory_ms']:>8.1f} {_number(record['ours_vs_torch'], 3):>10} "
+        f"{record['ours_vs_theory']:>11.3f} {_number(record['ours_vs_1f1b'], 3):>9}  "
+        f"{record['goal']:<58} {'yes' if record['passed'] else 'NO'}"
+    )
+    if record["torch_error"] is not None:
+        line += f"\n  torch {record['torch_schedule']} failed: {record['torch_error']}"
+    return line
+
+
+def header(args: argparse.Namespace, pp: int) -> str:
+    """The line above the table: the configuration, the chunks' measured costs, the load."""
+    load = os.getloadavg()
+    chunks = {"chunk": stage_costs(args, 1), "V chunk": stage_costs(args, 2)}
+    alone = [
+        f"{what} alone F {f:.2f}, I {i:.2f}, W {w:.2f}, B {b:.2f} ms"
+        for what, (f, i, w, b) in chunks.items()
+    ]
+    return (
+        f"pp {pp}: medians of {args.steps} alternating steps; sleep stages F "
+        f"{args.forward_ms:g} ms, I {args.input_ms:g} ms, W {args.weight_ms:g} ms per "
+        f"microbatch and rank (halved per chunk in the V); {'; '.join(alone)}; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n{HEADER}"
+    )
+
+
+def main() -> None:
+    """Every configuration side by side; rank 0 prints the table (or JSON lines)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--microbatches", default="8,16", help="comma-separated counts")
+    parser.add_argument("--forward-ms", type=float, default=10.0)
+    parser.add_argument("--input-ms", type=float, default=10.0)
+    parser.add_argument("--weight-ms", type=float, default=10.0)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", action="store_true", help="print JSON lines, not a table")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    torch.set_num_threads(1)
+    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(minutes=2)))
+    first = dist.get_rank() == 0
+    line = header(args, comm.num_stages)  # every rank: the stage costs are all-reduced
+    if first and not args.json:
+        print(line, flush=True)
+    for m in (int(x) for x in args.microbatches.split(",")):
+        baseline = 0.0
+        for name, vp in SCHEDULES:
+            record = row(args, comm, (name, vp, m), baseline)
+            if name == "1f1b":
+                baseline = record["ours_ms"]
+            if first:
+                print(json.dumps(record) if args.json else render(record), flush=True)
+    comm.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

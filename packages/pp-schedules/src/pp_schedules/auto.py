@@ -1,0 +1,168 @@
+"""Choosing a schedule by simulation: the shortest one that fits in memory.
+
+`choose_schedule` plans every schedule that can run the configuration (the model's chunks per
+rank fix which), simulates each with the given costs, and picks the smallest makespan among
+those whose peak activation memory stays under the limit. Costs may be given, or measured:
+record one step's timeline (`PipelineExecutor.record_timeline`) and pass
+`measured_costs(gather_timeline(executor))`.
+
+Memory is counted in stage-sized units: one unit holds one microbatch's activations of one
+rank's share of the model, so a chunk of a rank with two chunks counts one half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pp_schedules.generators import plan
+from pp_schedules.plans import Plan
+from pp_schedules.simulation import Costs, simulate
+from pp_schedules.validation import validate
+
+__all__ = ["Candidate", "Choice", "candidates_for", "choose_schedule"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One schedule considered.
+
+    Attributes:
+        name: The schedule (`pp_schedules.plan`'s name).
+        placement: Its placement's name ("looped" or "v").
+        makespan: Simulated step time (the costs' unit); None if it cannot run.
+        bubble: Mean share of the step a rank idles.
+        peak_memory: Most activations a rank holds, in stage-sized units.
+        note: Why it cannot run or does not fit; empty if it can.
+        plan: The plan, when it can run.
+    """
+
+    name: str
+    placement: str
+    makespan: float | None = None
+    bubble: float = 0.0
+    peak_memory: float = 0.0
+    note: str = ""
+    plan: Plan | None = dataclasses.field(default=None, repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The chosen schedule and every candidate."""
+
+    chosen: Candidate
+    candidates: list[Candidate]
+
+    @property
+    def plan(self) -> Plan:
+        """The chosen plan."""
+        assert self.chosen.plan is not None
+        return self.chosen.plan
+
+    def table(self) -> str:
+        """The candidates as a small table, the choice marked with '*'."""
+        lines = [f"  {'schedule':<18} {'placement':<9} {'makespan':>9} {'bubble':>7} {'memory':>7}"]
+        for c in self.candidates:
+            mark = "*" if c is self.chosen else " "
+            if c.makespan is None:
+                lines.append(
+                    f"{mark} {c.name:<18} {c.placement:<9} {'-':>9} {'-':>7} {'-':>7}  {c.note}"
+                )
+                continue
+            lines.append(
+                f"{mark} {c.name:<18} {c.placement:<9} {c.makespan:>9.1f} {c.bubble:>7.1%} "
+                f"{c.peak_memory:>7.1f}  {c.note}".rstrip()
+            )
+        return "\n".join(lines)
+
+
+def candidates_for(vp_size: int) -> list[tuple[str, str]]:
+    """The (schedule, placement) pairs that run a model with `vp_size` chunks per rank."""
+    if vp_size == 1:
+        return [("1f1b", "looped"), ("zb_h1", "looped"), ("gpipe", "looped")]
+    pairs = [("interleaved_1f1b", "looped"), ("gpipe", "looped")]
+    if vp_size == 2:
+        pairs[1:1] = [("zbv", "v")]
+    return pairs
+
+
+def _candidate(
+    name: str, placement: str, sizes: tuple[int, int, int], costs: Costs, limit: float | None
+) -> Candidate:
+    pp_size, num_microbatches, vp_size = sizes
+    try:
+        chosen = plan(
+            name,
+            pp_size=pp_size,
+            num_microbatches=num_microbatches,
+            vp_size=vp_size,
+            placement=placement,
+        )
+    except ValueError as error:
+        return Candidate(name, placement, note=f"cannot run: {error}")
+    report = validate(chosen)
+    simulation = simulate(report, costs)
+    memory = max(report.peak_in_flight) / vp_size
+    over = limit is not None and memory > limit
+    return Candidate(
+        name,
+        placement,
+        makespan=simulation.makespan,
+        bubble=sum(simulation.bubble_fraction) / len(simulation.bubble_fraction),
+        peak_memory=memory,
+        note=f"over the memory limit {limit:g}" if over else "",
+        plan=chosen,
+    )
+
+
+def choose_schedule(
+    *,
+    pp_size: int,
+    num_microbatches: int,
+    vp_size: int = 1,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    placement: str | None = None,
+    names: Sequence[str] | None = None,
+) -> Choice:
+    """The schedule with the smallest simulated makespan that fits `memory_limit`.
+
+    Args:
+        pp_size: Pipeline ranks.
+        num_microbatches: Microbatches per step.
+        vp_size: Model chunks per rank (which schedules apply depends on it).
+        costs: Per chunk step; F:B = 1:2 with I = W = B / 2 by default. Measured costs come
+            from `measured_costs` of a recorded step.
+        memory_limit: Most activations a rank may hold, in stage-sized units (1F1B's
+            first rank holds `pp_size`); no limit by default.
+        placement: Consider only schedules on this placement (the model is built for it).
+        names: Consider only these schedules.
+
+    Returns:
+        The choice and every candidate (`Choice.table` draws them).
+
+    Raises:
+        ValueError: No schedule runs the configuration within the memory limit; the message
+            lists each candidate's memory and why it was left out.
+    """
+    unit = costs or Costs(forward=1.0, backward=2.0)
+    sizes = (pp_size, num_microbatches, vp_size)
+    considered = [
+        _candidate(name, where, sizes, unit, memory_limit)
+        for name, where in candidates_for(vp_size)
+        if (placement is None or where == placement) and (names is None or name in names)
+    ]
+    fitting = [c for c in considered if c.makespan is not None and not c.note]
+    if not fitting:
+        reasons = "; ".join(
+            f"{c.name}: {c.note or 'fits'}"
+            + (f" (holds {c.peak_memory:g})" if c.makespan is not None else "")
+            for c in considered
+        )
+        raise ValueError(
+            f"no schedule runs {pp_size} ranks x {vp_size} chunks with {num_microbatches} "
+            f"microbatches within memory {memory_limit}: {reasons or 'no candidates'}; raise "
+            "the limit or use more microbatches"
+        )
+    best = min(fitting, key=lambda c: (c.makespan, c.peak_memory))
+    return Choice(best, considered)
