@@ -307,7 +307,8 @@ def test_zero_bubble_schedules_train_as_one_process(
 
 def test_auto_schedule_prints_its_candidates_and_picks_zero_bubble() -> None:
     run = _train([*PP2, "--pipeline-schedule", "auto"])
-    assert "pipeline schedule chosen by simulation:" in run
+    assert "pipeline schedule chosen by simulation with step costs measured in a warm-up" in run
+    assert re.search(r"\(ms per chunk: F [\d.]+, I [\d.]+, W [\d.]+\)", run)
     assert "* zb_h1" in run
     assert "data parallel 1, zero-bubble ZB-H1;" in run
 

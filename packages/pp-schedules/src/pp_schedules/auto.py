@@ -52,6 +52,8 @@ class Choice:
 
     chosen: Candidate
     candidates: list[Candidate]
+    costs: Costs | None = None
+    """The costs simulated with."""
 
     @property
     def plan(self) -> Plan:
@@ -165,4 +167,4 @@ def choose_schedule(
             "the limit or use more microbatches"
         )
     best = min(fitting, key=lambda c: (c.makespan, c.peak_memory))
-    return Choice(best, considered)
+    return Choice(best, considered, unit)

@@ -30,6 +30,7 @@ from pp_schedules import (
     validate,
 )
 from pp_state import ParallelConfig, ParallelState, Placement
+from pp_train.auto_schedule import choose_measured
 from pp_train.checkpointing import CheckpointError
 from pp_train.data import ByteTokenizer, GPTDataset, corpus_tokens, microbatches, split_corpus
 from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
@@ -395,6 +396,15 @@ def _choose(parser: argparse.ArgumentParser, pp: int, vp: int, counts: list[int]
         parser.error(f"--pipeline-schedule auto: {error}")
 
 
+def _costs_text(choice: Choice) -> str:
+    costs = choice.costs
+    return (
+        f"F {costs.forward:.2f}, I {costs.of('I'):.2f}, W {costs.of('W'):.2f}"
+        if costs is not None
+        else "-"
+    )
+
+
 def _read_text(parser: argparse.ArgumentParser, flag: str, path: str) -> str:
     """The UTF-8 text of the file a flag names; an argparse error if it cannot be read."""
     try:
@@ -556,6 +566,25 @@ def _schedule_title(args: argparse.Namespace, name: str, placement: Placement) -
     return _SCHEDULE_TITLES.get(name, name)
 
 
+def _placement(args: argparse.Namespace, gpt: GPTConfig, pp: int, vp: int) -> Placement:
+    """The run's placement: the plan file's, V for zbv, else looped.
+
+    With ``--pipeline-schedule auto`` the schedule is chosen here, again, with costs measured
+    in a short warm-up (`choose_measured`).
+    """
+    if args.pipeline_plan is not None:
+        placement: Placement = args.pipeline_plan.placement
+        return placement
+    if getattr(args, "schedule_choice", None) is not None:
+        counts = _microbatch_counts(args, args.data_parallel_size)
+        args.schedule_choice = choose_measured(
+            gpt, args.schedule_choice, sizes=(pp, max(counts), vp),
+            micro_batch_size=args.micro_batch_size, seed=args.seed,
+        )  # fmt: skip
+        args.pipeline_schedule = args.schedule_choice.chosen.name
+    return Placement.named("v" if args.pipeline_schedule == "zbv" else "looped", pp, vp)
+
+
 def run(args: argparse.Namespace) -> str:
     """Trains with validated `args` inside an initialised process group; returns the exit reason."""
     state = ParallelState.create(
@@ -566,12 +595,17 @@ def run(args: argparse.Namespace) -> str:
     )
     device = args.device
     pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
-    schedule: Plan | None = args.pipeline_plan
-    placement = (
-        schedule.placement
-        if schedule is not None
-        else Placement.named("v" if args.pipeline_schedule == "zbv" else "looped", pp, vp)
+    gpt = GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
     )
+
+    schedule: Plan | None = args.pipeline_plan
+    placement = _placement(args, gpt, pp, vp)
     pp_rank = state.pipeline_model_parallel_rank
     # Megatron logs from the last rank: the last stage (the losses) of the last replica.
     is_logging_rank = (
@@ -581,15 +615,6 @@ def run(args: argparse.Namespace) -> str:
     def say(text: str) -> None:
         if is_logging_rank:
             print(text, flush=True)
-
-    gpt = GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-    )
 
     def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
         layers = chunk_layers(gpt.num_layers, pp, vp, pp_rank, vp_stage, placement=placement)
@@ -706,7 +731,10 @@ def run(args: argparse.Namespace) -> str:
         f"{train_data.samples_per_epoch} training samples per epoch"
     )
     if getattr(args, "schedule_choice", None) is not None:
-        say("pipeline schedule chosen by simulation:\n" + args.schedule_choice.table())
+        say(
+            "pipeline schedule chosen by simulation with step costs measured in a warm-up "
+            f"(ms per chunk: {_costs_text(args.schedule_choice)}):\n" + args.schedule_choice.table()
+        )
     config = TrainingConfig(
         train_iters=args.train_iters,
         micro_batch_size=args.micro_batch_size,

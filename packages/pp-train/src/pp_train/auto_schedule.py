@@ -1,0 +1,83 @@
+"""``--pipeline-schedule auto``: step costs measured in a short warm-up, then the simulator's pick.
+
+Before the model is built, each rank times one microbatch through a throwaway chunk of the
+run's size (its transformer layers, no embedding or head): the forward, the input half and the
+weight half of the backward (pp-schedules' split backward), medians of a few rounds. The
+slowest rank's times are the costs `choose_schedule` simulates every candidate with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from pp_schedules import Choice, Costs, choose_schedule
+from pp_schedules.split_backward import backward_input
+from pp_train.gpt import GPTChunk, GPTConfig
+
+__all__ = ["choose_measured", "warmup_costs"]
+
+
+def warmup_costs(
+    config: GPTConfig, *, layers: int, micro_batch_size: int, seed: int, rounds: int = 3
+) -> Costs:
+    """Milliseconds of F, I and W of one microbatch through `layers` layers (max over ranks).
+
+    Args:
+        config: The model's shape.
+        layers: Transformer layers per chunk.
+        micro_batch_size: Sequences per microbatch.
+        seed: Seeds the throwaway chunk's weights.
+        rounds: Timed rounds after one untimed; the medians count.
+    """
+    chunk = GPTChunk(config, layers=range(layers), pre_process=False, post_process=False, seed=seed)
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    activations = torch.randn(config.seq_length, micro_batch_size, config.hidden_size)
+    times: list[tuple[float, float, float]] = []
+    for _ in range(rounds + 1):
+        given = activations.clone().requires_grad_()
+        chunk.set_input_tensor([given])
+        start = time.perf_counter()
+        output = chunk(None)
+        forward = time.perf_counter()
+        _, weights = backward_input([output], [torch.ones_like(output)], [given], params)
+        inputs = time.perf_counter()
+        weights.run()
+        times.append((forward - start, inputs - forward, time.perf_counter() - inputs))
+    medians = torch.tensor([statistics.median(t[k] for t in times[1:]) * 1e3 for k in range(3)])
+    if dist.is_initialized():
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    f, i, w = (max(float(v), 1e-3) for v in medians)
+    return Costs(forward=f, backward=i + w, backward_input=i, backward_weight=w)
+
+
+def choose_measured(
+    config: GPTConfig,
+    guess: Choice,
+    *,
+    sizes: tuple[int, int, int],
+    micro_batch_size: int,
+    seed: int,
+) -> Choice:
+    """Choose again among `guess`'s runnable candidates with warm-up costs.
+
+    Args:
+        config: The model's shape.
+        guess: The choice made with default costs when the flags were checked.
+        sizes: Pipeline ranks, microbatches per step, chunks per rank.
+        micro_batch_size: Sequences per microbatch.
+        seed: Seeds the throwaway chunk.
+    """
+    pp, m, vp = sizes
+    costs = warmup_costs(
+        config, layers=config.num_layers // (pp * vp), micro_batch_size=micro_batch_size,
+        seed=seed,
+    )  # fmt: skip
+    runnable = [c.name for c in guess.candidates if c.makespan is not None]
+    return choose_schedule(
+        pp_size=pp, num_microbatches=m, vp_size=vp, costs=costs,
+        memory_limit=float(min(pp, m)), names=runnable,
+    )  # fmt: skip
