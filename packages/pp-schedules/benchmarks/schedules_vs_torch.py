@@ -26,38 +26,21 @@ from one more step with the timeline recorded): what is left once the plan is kn
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
+import _pipeline_bench as bench
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from pp_comm import CommConfig, P2PCommunicator
-from pp_schedules import (
-    Costs,
-    PipelineExecutor,
-    Placement,
-    PlanReport,
-    ScheduleConfig,
-    gather_timeline,
-    get_forward_backward_func,
-    measured_costs,
-    simulate,
-)
+from pp_comm import P2PCommunicator
+from pp_schedules import Costs, Placement, PlanReport, gather_timeline, measured_costs, simulate
 
-TORCH_SCHEDULES = {
+TORCH_SCHEDULES: dict[str, bench.TorchSchedule] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -65,22 +48,7 @@ TORCH_SCHEDULES = {
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
 
 
-class _Sleep(torch.autograd.Function):
-    """Forward sleeps one time, backward another: a stage with fixed costs."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        time.sleep(forward_s)
-        ctx.backward_s = backward_s
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.backward_s)
-        return grad, None, None
-
-
-class Chunk(torch.nn.Module):
+class Chunk(bench.StageChunk):
     """A model chunk: residual MLP blocks, or a sleep of fixed forward/backward times."""
 
     def __init__(self, blocks: list[torch.nn.Module], sleep: tuple[float, float] | None) -> None:
@@ -88,16 +56,11 @@ class Chunk(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(blocks)
         self.weight = torch.nn.Parameter(torch.ones(1))
         self.sleep = sleep
-        self.input_tensor: torch.Tensor | None = None
-
-    def set_input_tensor(self, tensors: list[torch.Tensor | None]) -> None:
-        """Megatron's hook: the previous stage's activations."""
-        self.input_tensor = tensors[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Each block adds its MLP to the residual stream (or the chunk sleeps)."""
         if self.sleep is not None:
-            return _Sleep.apply(x * self.weight, *self.sleep)  # type: ignore[no-any-return, no-untyped-call]
+            return bench.Sleep.apply(x * self.weight, *self.sleep)  # type: ignore[no-any-return, no-untyped-call]
         for block in self.blocks:
             x = x + block(x)
         return x
@@ -123,103 +86,25 @@ def build(args: argparse.Namespace, model: str, pp: int, vp: int, rank: int) -> 
     ]
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error."""
-    return ((output - target) ** 2).mean()
-
-
-def ours(
-    comm: P2PCommunicator, name: str, vp: int, chunks: list[Chunk], data: list[dict[str, Any]]
-) -> tuple[Callable[[], None], PipelineExecutor]:
-    """One training step with this package's executor, and the executor."""
-    rows, cols, width = data[0]["x"].shape
-    forward_backward = get_forward_backward_func(
-        comm, vp_size=vp, config=ScheduleConfig(hidden_size=width, schedule=name)
-    )
-
-    def forward_step(it: Iterator[dict[str, Any]], model: Chunk) -> tuple[Any, Any]:
-        batch = next(it)
-        out = model(batch["x"] if model.input_tensor is None else model.input_tensor)
-        return out, lambda o: (loss_fn(o, batch["y"]), {})
-
-    def step() -> None:
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=[iter(data) for _ in range(vp)],
-            model=chunks,
-            num_microbatches=len(data),
-            seq_length=rows,
-            micro_batch_size=cols,
-        )
-
-    return step, forward_backward
-
-
-def theirs(
-    name: str, chunks: list[Chunk], data: list[dict[str, Any]], *, pp: int, vp: int, rank: int
-) -> Callable[[], None]:
-    """One training step with torch.distributed.pipelining on the same chunks and data."""
-    placement = Placement.looped(pp, vp)
-    stages = [
-        PipelineStage(chunk, placement.stage(rank, c), pp * vp, torch.device("cpu"))
-        for c, chunk in enumerate(chunks)
-    ]
-    schedule_class = TORCH_SCHEDULES[name]
-    target = stages if name == "interleaved_1f1b" else stages[0]
-    schedule = schedule_class(target, n_microbatches=len(data), loss_fn=loss_fn)
-    inputs = torch.cat([d["x"] for d in data])
-    targets = torch.cat([d["y"] for d in data])
-    first, last = placement.holds_first(rank), placement.holds_last(rank)
-
-    def step() -> None:
-        if first and last:
-            schedule.step(inputs, target=targets)
-        elif first:
-            schedule.step(inputs)
-        elif last:
-            schedule.step(target=targets)
-        else:
-            schedule.step()
-
-    return step
-
-
-def timed(step: Callable[[], None]) -> float:
-    """Seconds for one step, all ranks starting and ending together."""
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 @functools.cache
 def _stage_costs(forward_ms: float, backward_ms: float, vp: int) -> tuple[float, float]:
-    args = argparse.Namespace(forward_ms=forward_ms, backward_ms=backward_ms)
-    return _time_stage(args, vp)
+    chunk = Chunk([], (forward_ms / 1e3 / vp, backward_ms / 1e3 / vp))
+    x, y = torch.randn(1, 4, 1), torch.randn(1, 4, 1)
+
+    def once() -> tuple[float, float]:
+        start = time.perf_counter()
+        loss = bench.loss_fn(chunk(x), y)
+        middle = time.perf_counter()
+        loss.backward()
+        return middle - start, time.perf_counter() - middle
+
+    forward, backward = bench.slowest_medians(once)
+    return forward, backward
 
 
 def stage_costs(args: argparse.Namespace, vp: int) -> tuple[float, float]:
     """Median ms of one sleep chunk's forward and backward run alone (slowest rank's)."""
     return _stage_costs(args.forward_ms, args.backward_ms, vp)
-
-
-def _time_stage(args: argparse.Namespace, vp: int, rounds: int = 20) -> tuple[float, float]:
-    (chunk,) = build(args, "sleep", 1, 1, 0)
-    chunk.sleep = (args.forward_ms / 1e3 / vp, args.backward_ms / 1e3 / vp)
-    x, y = torch.randn(1, 4, 1), torch.randn(1, 4, 1)
-    forward: list[float] = []
-    backward: list[float] = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        loss = loss_fn(chunk(x), y)
-        middle = time.perf_counter()
-        loss.backward()
-        forward.append(middle - start)
-        backward.append(time.perf_counter() - middle)
-    costs = torch.tensor([statistics.median(forward), statistics.median(backward)]) * 1e3
-    dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    return float(costs[0]), float(costs[1])
 
 
 def hop_latency(comm: P2PCommunicator, rounds: int = 30) -> float:
@@ -255,35 +140,18 @@ def measure(
     """
     model, m, name, vp = config
     pp, rank = comm.num_stages, comm.stage
-    generator = torch.Generator().manual_seed(1)
-    width = 1 if model == "sleep" else args.width
-    rows = 1 if model == "sleep" else args.rows
-    data = [
-        {
-            "x": torch.randn(rows, 4, width, generator=generator),
-            "y": torch.randn(rows, 4, width, generator=generator),
-        }
-        for _ in range(m)
-    ]
-    ours_step, executor = ours(comm, name, vp, build(args, model, pp, vp, rank), data)
-    theirs_step = theirs(name, build(args, model, pp, vp, rank), data, pp=pp, vp=vp, rank=rank)
-    ours_times: list[float] = []
-    theirs_times: list[float] = []
-    pair = [(ours_step, ours_times), (theirs_step, theirs_times)]
-    for index in range(args.steps + 1):
-        for step, times in pair if index % 2 == 0 else reversed(pair):
-            elapsed = timed(step)
-            if index:  # the first round warms up both
-                times.append(elapsed)
+    rows, width = (1, 1) if model == "sleep" else (args.rows, args.width)
+    data = bench.microbatches(m, rows, width)
+    ours_step, executor = bench.ours(comm, name, vp, build(args, model, pp, vp, rank), data)
+    chunks = build(args, model, pp, vp, rank)
+    placement = Placement.looped(pp, vp)
+    theirs_step = bench.theirs(TORCH_SCHEDULES[name], placement, chunks, data, rank=rank)
+    # The first round warms up both.
+    ours_s, theirs_s = bench.alternate([ours_step, theirs_step], args.steps + 1, warm_up=1)
     executor.record_timeline()
-    timed(ours_step)
+    bench.timed(ours_step)
     posting = measured_costs(gather_timeline(executor)).exchange
-    return (
-        statistics.median(ours_times),
-        statistics.median(theirs_times),
-        executor.plan_for(m, forward_only=False)[1],
-        posting,
-    )
+    return ours_s, theirs_s, executor.plan_for(m, forward_only=False)[1], posting
 
 
 def row(
@@ -340,19 +208,14 @@ def render(record: dict[str, Any]) -> str:
         f"{record['model']} {record['schedule']} pp{record['pp']} vp{record['vp']} "
         f"m{record['microbatches']}"
     )
-    theory = record.get("theory_ms")
-    nominal = record.get("nominal_ms")
-    sim = record.get("simulated_ms")
-    post = record.get("exchange_ms")
-    versus = record.get("ours_vs_theory")
     return (
         f"{config:<34} {record['ours_ms']:>9.1f} {record['torch_ms']:>9.1f} "
-        f"{'-' if nominal is None else f'{nominal:.1f}':>8} "
-        f"{'-' if theory is None else f'{theory:.1f}':>8} "
-        f"{'-' if post is None else f'{post:.2f}':>5} "
-        f"{'-' if sim is None else f'{sim:.1f}':>8} "
-        f"{record['ours_vs_torch']:>10.3f} {'-' if versus is None else f'{versus:.3f}':>11}  "
-        f"{record['goal']:<40} {'yes' if record['passed'] else 'NO'}"
+        f"{bench.number(record.get('nominal_ms'), 1):>8} "
+        f"{bench.number(record.get('theory_ms'), 1):>8} "
+        f"{bench.number(record.get('exchange_ms'), 2):>5} "
+        f"{bench.number(record.get('simulated_ms'), 1):>8} "
+        f"{record['ours_vs_torch']:>10.3f} {bench.number(record.get('ours_vs_theory'), 3):>11}  "
+        f"{bench.verdict(record, 40)}"
     )
 
 
@@ -367,21 +230,14 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--json", action="store_true", help="print JSON lines, not a table")
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    torch.set_num_threads(1)
-    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(minutes=2)))
+    args, comm = bench.start(parser)
     hop = hop_latency(comm)
     first = dist.get_rank() == 0
     if first and not args.json:
-        load = os.getloadavg()
         print(
             f"pp {comm.num_stages}: medians of {args.steps} alternating steps; sleep stages F "
             f"{args.forward_ms:g} ms, B {args.backward_ms:g} ms per microbatch and rank; hop "
-            f"{hop * 1e3:.2f} ms; load average "
-            f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n{HEADER}",
+            f"{hop * 1e3:.2f} ms; load average {bench.load_average()}\n{HEADER}",
             flush=True,
         )
     wanted = set(args.schedules.split(","))
@@ -393,8 +249,7 @@ def main() -> None:
                 record = row(args, comm, (model, m, name, vp), hop)
                 if first:
                     print(json.dumps(record) if args.json else render(record), flush=True)
-    comm.destroy()
-    dist.destroy_process_group()
+    bench.finish(comm)
 
 
 if __name__ == "__main__":

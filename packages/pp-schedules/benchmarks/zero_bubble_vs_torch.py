@@ -37,37 +37,26 @@ refuses the configuration or fails, its column shows '-' and the reason follows 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import os
-import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+import _pipeline_bench as bench
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
 
-from pp_comm import CommConfig, P2PCommunicator
-from pp_schedules import (
-    Costs,
-    PipelineExecutor,
-    Placement,
-    PlanReport,
-    ScheduleConfig,
-    get_forward_backward_func,
-    simulate,
-)
+from pp_comm import P2PCommunicator
+from pp_schedules import Costs, Placement, PlanReport, simulate
 from pp_schedules.split_backward import backward_input
 
-TORCH_SCHEDULES: dict[str, Any] = {
+TORCH_SCHEDULES: dict[str, bench.TorchSchedule] = {
     "1f1b": Schedule1F1B,
     "zb_h1": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
@@ -76,23 +65,6 @@ SCHEDULES = (("1f1b", 1), ("zb_h1", 1), ("zbv", 2))
 # ZB-H1's time over our 1F1B's, by (pp, microbatches): the spec's goals.
 ZB_H1_GOALS = {(4, 8): 0.86, (4, 16): 0.92}
 THEORY_LIMIT = 1.05
-
-Step = Callable[[], None]
-
-
-class _SleepInput(torch.autograd.Function):
-    """On the activation: forward sleeps F, backward (the input gradient) sleeps I."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, input_s: float) -> torch.Tensor:
-        time.sleep(forward_s)
-        ctx.input_s = input_s
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.input_s)
-        return grad, None, None
 
 
 class _SleepWeight(torch.autograd.Function):
@@ -109,23 +81,19 @@ class _SleepWeight(torch.autograd.Function):
         return grad, None
 
 
-class Chunk(torch.nn.Module):
+class Chunk(bench.StageChunk):
     """A sleep stage of fixed F, I and W times (seconds) whose backward splits at an add."""
 
     def __init__(self, sleep: tuple[float, float, float]) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.sleep = sleep
-        self.input_tensor: torch.Tensor | None = None
-
-    def set_input_tensor(self, tensors: list[torch.Tensor | None]) -> None:
-        """Megatron's hook: the previous stage's activations."""
-        self.input_tensor = tensors[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The input's branch plus the weight's (broadcast): the add is where they split."""
         forward_s, input_s, weight_s = self.sleep
-        activation = _SleepInput.apply(x, forward_s, input_s)  # type: ignore[no-untyped-call]
+        # On the activation: forward sleeps F, backward (the input gradient) sleeps I.
+        activation = bench.Sleep.apply(x, forward_s, input_s)  # type: ignore[no-untyped-call]
         weight = _SleepWeight.apply(self.weight, weight_s)  # type: ignore[no-untyped-call]
         return activation + weight  # type: ignore[no-any-return]
 
@@ -139,66 +107,6 @@ def build(args: argparse.Namespace, vp: int) -> list[Chunk]:
     """This rank's chunks: vp sleep stages sharing the rank's F, I and W."""
     sleep = (args.forward_ms / 1e3 / vp, args.input_ms / 1e3 / vp, args.weight_ms / 1e3 / vp)
     return [Chunk(sleep) for _ in range(vp)]
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error."""
-    return ((output - target) ** 2).mean()
-
-
-def ours(
-    comm: P2PCommunicator, name: str, vp: int, chunks: list[Chunk], data: list[dict[str, Any]]
-) -> tuple[Step, PipelineExecutor]:
-    """One training step with this package's executor, and the executor."""
-    rows, cols, width = data[0]["x"].shape
-    forward_backward = get_forward_backward_func(
-        comm, vp_size=vp, config=ScheduleConfig(hidden_size=width, schedule=name)
-    )
-
-    def forward_step(it: Iterator[dict[str, Any]], model: Chunk) -> tuple[Any, Any]:
-        batch = next(it)
-        out = model(batch["x"] if model.input_tensor is None else model.input_tensor)
-        return out, lambda o: (loss_fn(o, batch["y"]), {})
-
-    def step() -> None:
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=[iter(data) for _ in range(vp)],
-            model=chunks,
-            num_microbatches=len(data),
-            seq_length=rows,
-            micro_batch_size=cols,
-        )
-
-    return step, forward_backward
-
-
-def theirs(
-    name: str, chunks: list[Chunk], data: list[dict[str, Any]], *, pp: int, vp: int, rank: int
-) -> Step:
-    """One training step with torch.distributed.pipelining on the same chunks and data."""
-    placement = placement_of(name, pp, vp)
-    stages = [
-        PipelineStage(chunk, placement.stage(rank, c), pp * vp, torch.device("cpu"))
-        for c, chunk in enumerate(chunks)
-    ]
-    target = stages[0] if name == "1f1b" else stages
-    schedule = TORCH_SCHEDULES[name](target, n_microbatches=len(data), loss_fn=loss_fn)
-    inputs = torch.cat([d["x"] for d in data])
-    targets = torch.cat([d["y"] for d in data])
-    first, last = placement.holds_first(rank), placement.holds_last(rank)
-
-    def step() -> None:
-        if first and last:  # ZB-V: rank 0 holds the first stage and the last
-            schedule.step(inputs, target=targets)
-        elif first:
-            schedule.step(inputs)
-        elif last:
-            schedule.step(target=targets)
-        else:
-            schedule.step()
-
-    return step
 
 
 def agree(error: str | None) -> str | None:
@@ -220,33 +128,13 @@ def attempt(action: Callable[[], Any]) -> tuple[Any, str | None]:
     return result, agree(error)
 
 
-def timed(step: Step) -> float:
-    """Seconds for one step, all ranks starting and ending together."""
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 @functools.cache
 def _stage_costs(sleep_ms: tuple[float, float, float], vp: int) -> tuple[float, ...]:
-    return _time_stage(sleep_ms, vp)
-
-
-def stage_costs(args: argparse.Namespace, vp: int) -> tuple[float, ...]:
-    """Median ms of one chunk's F, I, W and whole backward run alone (slowest rank's)."""
-    return _stage_costs((args.forward_ms, args.input_ms, args.weight_ms), vp)
-
-
-def _time_stage(
-    sleep_ms: tuple[float, float, float], vp: int, rounds: int = 20
-) -> tuple[float, ...]:
     forward_ms, input_ms, weight_ms = sleep_ms
     chunk = Chunk((forward_ms / 1e3 / vp, input_ms / 1e3 / vp, weight_ms / 1e3 / vp))
     params = list(chunk.parameters())
-    times: list[list[float]] = [[], [], [], []]  # F, I, W, B
-    for _ in range(rounds):
+
+    def once() -> tuple[float, float, float, float]:  # F, I, W, B
         x = torch.randn(1, 4, 1, requires_grad=True)  # a middle stage's input
         start = time.perf_counter()
         out = chunk(x)
@@ -259,13 +147,14 @@ def _time_stage(
         out = chunk(x)
         whole = time.perf_counter()
         torch.autograd.backward(out, grad)
-        times[0].append(forward - start)
-        times[1].append(middle - forward)
-        times[2].append(end - middle)
-        times[3].append(time.perf_counter() - whole)
-    costs = torch.tensor([statistics.median(t) for t in times]) * 1e3
-    dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    return tuple(float(c) for c in costs)
+        return forward - start, middle - forward, end - middle, time.perf_counter() - whole
+
+    return bench.slowest_medians(once)
+
+
+def stage_costs(args: argparse.Namespace, vp: int) -> tuple[float, ...]:
+    """Median ms of one chunk's F, I, W and whole backward run alone (slowest rank's)."""
+    return _stage_costs((args.forward_ms, args.input_ms, args.weight_ms), vp)
 
 
 def measure(
@@ -276,27 +165,20 @@ def measure(
     One warm-up step each, then steps alternating A B B A.
     """
     pp, rank = comm.num_stages, comm.stage
-    generator = torch.Generator().manual_seed(1)
-    data = [
-        {key: torch.randn(1, 4, 1, generator=generator) for key in ("x", "y")} for _ in range(m)
-    ]
-    ours_step, executor = ours(comm, name, vp, build(args, vp), data)
+    data = bench.microbatches(m)
+    ours_step, executor = bench.ours(comm, name, vp, build(args, vp), data)
     theirs_step, error = attempt(
-        lambda: theirs(name, build(args, vp), data, pp=pp, vp=vp, rank=rank)
+        lambda: bench.theirs(
+            TORCH_SCHEDULES[name], placement_of(name, pp, vp), build(args, vp), data, rank=rank
+        )
     )
     if error is None:  # torch's warm-up step: it infers shapes there and may still refuse
         _, error = attempt(theirs_step)
-    timed(ours_step)  # ours' warm-up
-    ours_times: list[float] = []
-    theirs_times: list[float] = []
-    pair: list[tuple[Step, list[float]]] = [(ours_step, ours_times)]
-    if error is None:
-        pair.append((theirs_step, theirs_times))
-    for index in range(args.steps):
-        for step, times in pair if index % 2 == 0 else reversed(pair):
-            times.append(timed(step))
-    theirs_s = statistics.median(theirs_times) if theirs_times else None
-    return statistics.median(ours_times), theirs_s, error, executor.plan_for(m, False)[1]
+    bench.timed(ours_step)  # ours' warm-up
+    steps: list[bench.Step] = [ours_step] if error is not None else [ours_step, theirs_step]
+    medians = bench.alternate(steps, args.steps)
+    theirs_s = medians[1] if len(medians) > 1 else None
+    return medians[0], theirs_s, error, executor.plan_for(m, False)[1]
 
 
 def theory(args: argparse.Namespace, name: str, vp: int, report: PlanReport) -> dict[str, Any]:
@@ -363,27 +245,8 @@ HEADER = (
 )
 
 
-def _number(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def render(record: dict[str, Any]) -> str:
-    """One line of the table, and torch's error on the next if it failed."""
-    config = f"{record['schedule']} pp{record['pp']} vp{record['vp']} m{record['microbatches']}"
-    line = (
-        f"{config:<20} {record['ours_ms']:>9.1f} {_number(record['torch_ms'], 1):>9} "
-        f"{record['theory_ms']:>8.1f} {_number(record['ours_vs_torch'], 3):>10} "
-        f"{record['ours_vs_theory']:>11.3f} {_number(record['ours_vs_1f1b'], 3):>9}  "
-        f"{record['goal']:<58} {'yes' if record['passed'] else 'NO'}"
-    )
-    if record["torch_error"] is not None:
-        line += f"\n  torch {record['torch_schedule']} failed: {record['torch_error']}"
-    return line
-
-
 def header(args: argparse.Namespace, pp: int) -> str:
     """The line above the table: the configuration, the chunks' measured costs, the load."""
-    load = os.getloadavg()
     chunks = {"chunk": stage_costs(args, 1), "V chunk": stage_costs(args, 2)}
     alone = [
         f"{what} alone F {f:.2f}, I {i:.2f}, W {w:.2f}, B {b:.2f} ms"
@@ -393,8 +256,22 @@ def header(args: argparse.Namespace, pp: int) -> str:
         f"pp {pp}: medians of {args.steps} alternating steps; sleep stages F "
         f"{args.forward_ms:g} ms, I {args.input_ms:g} ms, W {args.weight_ms:g} ms per "
         f"microbatch and rank (halved per chunk in the V); {'; '.join(alone)}; load average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n{HEADER}"
+        f"{bench.load_average()}\n{HEADER}"
     )
+
+
+def render(record: dict[str, Any]) -> str:
+    """One line of the table, and torch's error on the next if it failed."""
+    config = f"{record['schedule']} pp{record['pp']} vp{record['vp']} m{record['microbatches']}"
+    line = (
+        f"{config:<20} {record['ours_ms']:>9.1f} {bench.number(record['torch_ms'], 1):>9} "
+        f"{record['theory_ms']:>8.1f} {bench.number(record['ours_vs_torch'], 3):>10} "
+        f"{record['ours_vs_theory']:>11.3f} {bench.number(record['ours_vs_1f1b'], 3):>9}  "
+        f"{bench.verdict(record, 58)}"
+    )
+    if record["torch_error"] is not None:
+        line += f"\n  torch {record['torch_schedule']} failed: {record['torch_error']}"
+    return line
 
 
 def main() -> None:
@@ -404,12 +281,7 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--input-ms", type=float, default=10.0)
     parser.add_argument("--weight-ms", type=float, default=10.0)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--json", action="store_true", help="print JSON lines, not a table")
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    torch.set_num_threads(1)
-    comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(minutes=2)))
+    args, comm = bench.start(parser)
     first = dist.get_rank() == 0
     line = header(args, comm.num_stages)  # every rank: the stage costs are all-reduced
     if first and not args.json:
@@ -422,8 +294,7 @@ def main() -> None:
                 baseline = record["ours_ms"]
             if first:
                 print(json.dumps(record) if args.json else render(record), flush=True)
-    comm.destroy()
-    dist.destroy_process_group()
+    bench.finish(comm)
 
 
 if __name__ == "__main__":
