@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from pp_schedules import Action, format_plan, interleaved_table, parse_action, parse_plan, plan
+from pp_schedules import (
+    Action,
+    ScheduleConfigError,
+    format_plan,
+    interleaved_table,
+    parse_action,
+    parse_plan,
+    plan,
+)
 
 GOLDEN = json.loads(
     gzip.decompress((Path(__file__).parent / "data" / "megatron_schedules.json.gz").read_bytes())
@@ -169,3 +177,11 @@ def test_planning_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'planning pulled in torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_interleaving_refusals_are_megatrons_runtime_errors_too() -> None:
+    # Megatron's interleaved schedule raises RuntimeError; ported tests expecting it hold.
+    with pytest.raises(RuntimeError, match="9 microbatches in groups of 4 leave 1"):
+        plan("interleaved_1f1b", pp_size=4, num_microbatches=9, vp_size=2)
+    with pytest.raises(ScheduleConfigError):
+        plan("interleaved_1f1b", pp_size=1, num_microbatches=4, vp_size=2)

@@ -12,6 +12,7 @@ from pp_state import (
     GroupKind,
     NotInitializedError,
     ParallelConfig,
+    ParallelSizeError,
     ParallelState,
     reset_default_state,
     set_default_state,
@@ -47,15 +48,16 @@ def _group_getters(state: ParallelState) -> list[tuple[Callable[[], object], Gro
 
 def _ported_megatron_code() -> dict[str, object]:
     """What code written against megatron.core.parallel_state would do."""
-    state = mpu.initialize_model_parallel(
+    returned = mpu.initialize_model_parallel(  # type: ignore[func-returns-value]
         tensor_model_parallel_size=2,
         pipeline_model_parallel_size=2,
         virtual_pipeline_model_parallel_size=2,
         distributed_timeout_minutes=0.5,
     )
+    state = mpu.get_parallel_state()
     seen: dict[str, object] = {
         "initialized": (mpu.model_parallel_is_initialized(), mpu.is_initialized()),
-        "same_state": mpu.get_parallel_state() is state,
+        "returns_none": returned is None,
         "sizes": (
             mpu.get_tensor_model_parallel_world_size(),
             mpu.get_pipeline_model_parallel_world_size(),
@@ -123,8 +125,8 @@ def _ported_megatron_code() -> dict[str, object]:
     )
     try:
         mpu.initialize_model_parallel(tensor_model_parallel_size=2)
-    except RuntimeError as error:
-        seen["twice"] = str(error)
+    except AssertionError as error:  # Megatron asserts; ours is a RuntimeError as well
+        seen["twice"] = (str(error), isinstance(error, RuntimeError))
     state_before = mpu.get_parallel_state()
     mpu.destroy_model_parallel()
     seen["after_destroy"] = (
@@ -138,9 +140,10 @@ def _ported_megatron_code() -> dict[str, object]:
         seen["getter_after_destroy"] = str(error)
     # Initialise again after destroying: a new default, and no override survives.
     mpu.set_pipeline_model_parallel_rank(3)
-    again = mpu.initialize_model_parallel(
+    mpu.initialize_model_parallel(
         pipeline_model_parallel_size=4, pipeline_model_parallel_split_rank=1
     )
+    again = mpu.get_parallel_state()
     seen["again"] = (
         mpu.get_pipeline_model_parallel_world_size(),
         mpu.get_pipeline_model_parallel_rank(),
@@ -160,7 +163,7 @@ def test_ported_megatron_code_runs_on_the_facade() -> None:
     for rank, seen in enumerate(run_distributed(_ported_megatron_code, 8, timeout=120)):
         tp_rank, dp_rank, pp_rank = rank % 2, (rank // 2) % 2, rank // 4
         assert seen["initialized"] == (True, True)
-        assert seen["same_state"] is True
+        assert seen["returns_none"] is True
         assert seen["sizes"] == (2, 2, 2, 2, 1, 2)
         assert seen["ranks"] == (tp_rank, pp_rank, dp_rank, 0, 0)
         assert seen["pipeline"] == (rank % 4, rank % 4 + 4, (rank + 4) % 8, (rank + 4) % 8)
@@ -180,6 +183,7 @@ def test_ported_megatron_code_runs_on_the_facade() -> None:
         assert seen["overridden_neighbours"] == (rank % 4, rank % 4, True)
         assert seen["overridden"] == (0, True, True, rank % 4)
         assert "already initialized; call destroy_model_parallel() first" in str(seen["twice"])
+        assert seen["twice"][1] is True
         assert seen["after_destroy"] == (False, None, True)
         assert "not initialized: call pp_state.initialize_model_parallel" in str(
             seen["getter_after_destroy"]
@@ -249,7 +253,38 @@ def test_overrides_work_without_groups_and_reset_clears_them() -> None:
 def test_initialize_refuses_bad_sizes_before_touching_torch_distributed() -> None:
     with pytest.raises(ValueError, match="needs pipeline_model_parallel_size of 2 or more, got 1"):
         mpu.initialize_model_parallel(virtual_pipeline_model_parallel_size=2)
+    # Megatron raises RuntimeError here; ported tests that expect it pass too.
+    with pytest.raises(RuntimeError, match="needs pipeline_model_parallel_size of 2 or more"):
+        mpu.initialize_model_parallel(virtual_pipeline_model_parallel_size=2)
     assert not mpu.model_parallel_is_initialized()
+
+
+def test_initialize_before_init_process_group_is_megatrons_assertion() -> None:
+    with pytest.raises(AssertionError, match=r"torch\.distributed is not initialised"):
+        mpu.initialize_model_parallel()
+    with pytest.raises(RuntimeError, match=r"call torch\.distributed\.init_process_group"):
+        mpu.initialize_model_parallel()
+    assert not mpu.model_parallel_is_initialized()
+
+
+def test_getters_before_initialization_are_assertions_too() -> None:
+    reset_default_state()
+    with pytest.raises(AssertionError, match="model parallel state is not initialized"):
+        mpu.get_tensor_model_parallel_world_size()
+
+
+def _indivisible_world() -> tuple[bool, bool, str]:
+    try:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    except ParallelSizeError as error:
+        return isinstance(error, ValueError), isinstance(error, RuntimeError), str(error)
+    raise AssertionError("2 ranks cannot hold tp 2 x pp 2")
+
+
+def test_a_world_the_sizes_do_not_divide_is_a_value_and_a_runtime_error() -> None:
+    for result in run_distributed(_indivisible_world, 2, timeout=60):
+        assert result[:2] == (True, True)
+        assert result[2].startswith("world size 2 is not divisible by tensor (2) x pipeline (2)")
 
 
 def test_set_default_state_refuses_non_states() -> None:

@@ -35,6 +35,7 @@ from pp_schedules.actions import (
 from pp_schedules.auto import Candidate, Choice, candidates_for, choose_schedule
 from pp_schedules.generators import (
     SCHEDULES,
+    ScheduleConfigError,
     gpipe,
     interleaved_1f1b,
     interleaved_table,
@@ -134,6 +135,7 @@ __all__ = [
     "PlanReport",
     "RunStats",
     "ScheduleConfig",
+    "ScheduleConfigError",
     "Simulation",
     "Span",
     "Step",

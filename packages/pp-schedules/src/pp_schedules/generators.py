@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEDULES",
+    "ScheduleConfigError",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_table",
@@ -30,6 +31,10 @@ __all__ = [
 ]
 
 Actions = list[list[Action]]
+
+
+class ScheduleConfigError(ValueError, RuntimeError):
+    """A configuration the interleaved schedule refuses (Megatron raises a RuntimeError)."""
 
 
 def _check_int(name: str, value: int, least: int) -> None:
@@ -105,9 +110,9 @@ def _valid_group_sizes(pp_size: int, num_microbatches: int) -> list[int]:
 
 def _check_interleaving(pp_size: int, num_microbatches: int, vp_size: int, group: int) -> None:
     if pp_size < 2:
-        raise ValueError(f"interleaved_1f1b needs pp_size of 2 or more, got {pp_size}")
+        raise ScheduleConfigError(f"interleaved_1f1b needs pp_size of 2 or more, got {pp_size}")
     if vp_size < 2:
-        raise ValueError(
+        raise ScheduleConfigError(
             f"interleaved_1f1b needs vp_size of 2 or more, got {vp_size}; with one chunk use '1f1b'"
         )
     valid = _valid_group_sizes(pp_size, num_microbatches)
@@ -115,14 +120,14 @@ def _check_interleaving(pp_size: int, num_microbatches: int, vp_size: int, group
         f"no value works for {num_microbatches} microbatches; use at least {pp_size} microbatches"
     )  # fmt: skip
     if not pp_size <= group <= num_microbatches:
-        raise ValueError(
+        raise ScheduleConfigError(
             f"microbatch_group_size_per_vp_stage {group} must lie between the pipeline size "
             f"{pp_size} "
             f"and the number of microbatches {num_microbatches} (Megatron's rule); {hint}"
         )
     remainder = num_microbatches % group
     if remainder and remainder < pp_size:
-        raise ValueError(
+        raise ScheduleConfigError(
             f"{num_microbatches} microbatches in groups of {group} leave {remainder}: "
             "the last group "
             f"must be empty or hold at least pp_size={pp_size} microbatches, or the pipeline waits "

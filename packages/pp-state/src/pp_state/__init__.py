@@ -15,6 +15,11 @@ import importlib
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
 
+from pp_state.errors import (
+    AlreadyInitializedError,
+    DistributedNotInitializedError,
+    ParallelSizeError,
+)
 from pp_state.layout import (
     AXES,
     DEFAULT_ORDER,
@@ -73,9 +78,12 @@ __all__ = [
     "DEFAULT_ORDER",
     "KINDS",
     "PLACEMENTS",
+    "AlreadyInitializedError",
+    "DistributedNotInitializedError",
     "GroupKind",
     "NotInitializedError",
     "ParallelConfig",
+    "ParallelSizeError",
     "ParallelState",
     "Placement",
     "StateDestroyedError",

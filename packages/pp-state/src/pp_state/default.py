@@ -17,8 +17,8 @@ __all__ = [
 ]
 
 
-class NotInitializedError(RuntimeError):
-    """The default parallel state was read before it was set."""
+class NotInitializedError(RuntimeError, AssertionError):
+    """The default parallel state was read before it was set (Megatron asserts it)."""
 
 
 _DEFAULT: ParallelState | None = None

@@ -15,6 +15,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, get_args
 
+from pp_state.errors import ParallelSizeError
+
 __all__ = [
     "AXES",
     "DEFAULT_ORDER",
@@ -88,7 +90,7 @@ def _data_parallel_size(world_size: int, tp: int, pp: int, cp: int) -> int:
     _check_positive("context_parallel_size", cp)
     model_size = tp * pp * cp
     if world_size % model_size:
-        raise ValueError(
+        raise ParallelSizeError(
             f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
             f"context ({cp}) parallel size = {model_size}; the product of these sizes must "
             f"divide {world_size}: one of {_divisors(world_size)}"

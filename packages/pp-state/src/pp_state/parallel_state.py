@@ -5,8 +5,12 @@
 process-wide default state that `initialize_model_parallel` sets once; new code should pass a
 `ParallelState` (or just the groups it needs) instead.
 
-Differences from Megatron: a getter before initialisation raises `NotInitializedError` with a
-hint instead of an assertion; `destroy_model_parallel` resets everything, overrides included,
+Errors carry Megatron's types too: sizes that do not fit raise `ParallelSizeError` (a
+ValueError and a RuntimeError), a getter before initialisation `NotInitializedError` (a
+RuntimeError and an AssertionError, with a hint), initialising twice `AlreadyInitializedError`.
+`initialize_model_parallel` returns None, as Megatron's does.
+
+Other differences from Megatron: `destroy_model_parallel` resets everything, overrides included,
 and a new default state starts without overrides; `is_pipeline_stage_at_split` is False when
 there is no split; expert, hierarchical-context and distributed-optimizer-instance groups do
 not exist here.
@@ -25,6 +29,7 @@ from pp_state.default import (
     reset_default_state,
     set_default_state,
 )
+from pp_state.errors import AlreadyInitializedError
 from pp_state.layout import DEFAULT_ORDER, GroupKind
 from pp_state.stages import (
     after_split,
@@ -104,7 +109,7 @@ def initialize_model_parallel(
     distributed_timeout_minutes: float = 30,
     order: str = DEFAULT_ORDER,
     backend: str | None = None,
-) -> ParallelState:
+) -> None:
     """Create every model-parallel group and make it the default state, as Megatron does.
 
     Call it on every rank after ``torch.distributed.init_process_group``. Arguments after the
@@ -122,16 +127,18 @@ def initialize_model_parallel(
             same layout as the default here).
         backend: Backend of the groups; None takes the default group's.
 
-    Returns:
-        The `ParallelState` now set as the default.
+    Returns None, as Megatron's does; `get_parallel_state` hands out the state (or build one
+    with `ParallelState.create`, which returns it).
 
     Raises:
-        RuntimeError: Already initialised (call `destroy_model_parallel` first), or
-            torch.distributed is not initialised.
-        ValueError: Sizes that do not fit the world; the message names the numbers.
+        AlreadyInitializedError: Already initialised (call `destroy_model_parallel` first).
+        DistributedNotInitializedError: torch.distributed is not initialised.
+        ParallelSizeError: Sizes that do not fit the world; the message names the numbers.
+        (Each is also the RuntimeError or AssertionError Megatron raises, and a size error a
+        ValueError.)
     """
     if has_default_state():
-        raise RuntimeError(
+        raise AlreadyInitializedError(
             "model parallel is already initialized; call destroy_model_parallel() first"
         )
     config = ParallelConfig(
@@ -148,7 +155,6 @@ def initialize_model_parallel(
     set_default_state(state)
     if virtual_pipeline_model_parallel_size is not None:
         _default._OVERRIDES[_VP_RANK] = 0  # Megatron starts at chunk 0
-    return state
 
 
 def destroy_model_parallel() -> None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
+from pp_state.errors import DistributedNotInitializedError, ParallelSizeError
 from pp_state.layout import (
     DEFAULT_ORDER,
     KINDS,
@@ -99,7 +100,7 @@ class ParallelConfig:
                     f"virtual_pipeline_model_parallel_size must be 1 or more, got {vp}"
                 )
             if pp < 2:
-                raise ValueError(
+                raise ParallelSizeError(
                     f"virtual_pipeline_model_parallel_size {vp} needs pipeline_model_parallel_size "
                     f"of 2 or more, got {pp}: the interleaved schedule runs over a pipeline; "
                     "leave the virtual size as None"
@@ -183,12 +184,14 @@ class ParallelState:
             This rank's view of the groups.
 
         Raises:
-            RuntimeError: torch.distributed is not initialised.
-            ValueError: The world size does not fit the config; the message names the numbers.
+            DistributedNotInitializedError: torch.distributed is not initialised (a
+                RuntimeError and an AssertionError).
+            ParallelSizeError: The world size does not fit the config; the message names the
+                numbers (a ValueError and a RuntimeError).
         """
         config = config or ParallelConfig()
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
+            raise DistributedNotInitializedError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
                 "(torchrun sets up the environment for it) before ParallelState.create"
             )
