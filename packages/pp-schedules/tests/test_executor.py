@@ -15,6 +15,7 @@ from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import (
     PlanError,
     ScheduleConfig,
+    deallocate_output_tensor,
     get_forward_backward_func,
     parse_schedule,
     plan,
@@ -598,3 +599,12 @@ def test_prefetch_needs_fixed_shapes_and_is_not_negative() -> None:
         get_forward_backward_func(headers, config=ScheduleConfig(prefetch_receives=1))  # type: ignore[arg-type]
     assert get_forward_backward_func(headers).prefetch == 0  # type: ignore[arg-type]
     assert get_forward_backward_func(fixed).prefetch == 1  # type: ignore[arg-type]
+
+
+def test_deallocate_output_tensor_has_megatrons_signature() -> None:
+    output = torch.ones(3, 4, requires_grad=True) * 2.0
+    deallocate_output_tensor(output)  # Megatron's default: nothing happens
+    before = output.numel()
+    deallocate_output_tensor(output, deallocate_pipeline_outputs=True)
+    assert (before, output.numel()) == (12, 1)
+    assert output.grad_fn is not None  # the graph stays for backward

@@ -133,13 +133,18 @@ class RunStats:
     steps: int = 0
 
 
-def deallocate_output_tensor(output: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
+def deallocate_output_tensor(
+    out: torch.Tensor | Sequence[torch.Tensor] | None, deallocate_pipeline_outputs: bool = False
+) -> None:
     """Replace an output's storage with one element, keeping its autograd node (Megatron's trick).
 
     Only the next stage needs the values; this stage's backward needs the graph, which
-    `custom_backward` runs without checking the output's shape.
+    `custom_backward` runs without checking the output's shape. Megatron's signature: nothing
+    happens unless `deallocate_pipeline_outputs` is True.
     """
-    for tensor in _as_list(output):
+    if not deallocate_pipeline_outputs:
+        return
+    for tensor in _as_list(out):
         if tensor._base is not None:  # a view shares storage it does not own
             continue
         tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
@@ -607,7 +612,10 @@ class _Run:
                 key = (message.channel, action.microbatch, action.chunk)
                 self.arrived[key] = (handle, number, tensors)
             elif message.channel == "forward" and self.x.config.deallocate_pipeline_outputs:
-                deallocate_output_tensor(self._own_outputs((action.microbatch, action.chunk)))
+                deallocate_output_tensor(
+                    self._own_outputs((action.microbatch, action.chunk)),
+                    deallocate_pipeline_outputs=True,
+                )
         if sent:
             self.pending[index] = (handle, sent)
             self._measure_in_flight()
