@@ -92,6 +92,15 @@ def test_measured_peak_activations_match_the_validator(pp: int, vp: int, m: int)
         assert predicted.peak_in_flight == [min(pp - rank, m) for rank in range(pp)]
 
 
+def test_zero_bubble_holds_activations_from_f_until_w_as_validated() -> None:
+    """ZB-H1 keeps a microbatch's outputs until its W; every rank holds min(p, m)."""
+    pp, m = 4, 8
+    predicted = validate(plan("zb_h1", pp_size=pp, num_microbatches=m))
+    config = ScheduleConfig(hidden_size=WIDTH, schedule="zb_h1")
+    results = run_distributed(_step, pp, 1, m, config, timeout=120)
+    assert [r["peak"] for r in results] == predicted.peak_in_flight == [pp] * pp
+
+
 def _dealloc(deallocate: bool) -> dict[str, Any]:
     # Stages end in a residual add, which keeps no reference to its output for backward:
     # once sent and deallocated, an output is kept alive only by its in-flight send.
