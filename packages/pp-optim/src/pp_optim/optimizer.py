@@ -537,6 +537,39 @@ def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]
     return groups
 
 
+def _inner_optimizer(
+    config: OptimizerConfig, groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """The torch optimizer `config` names (Megatron's adam is AdamW), over `groups`."""
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
+    return torch.optim.SGD(
+        groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
+    )
+
+
+def _grad_scaler(config: OptimizerConfig) -> GradScaler | None:
+    """A constant scale if `loss_scale` is set, Megatron's dynamic one for fp16, else none."""
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: list[torch.nn.Module],
@@ -571,32 +604,8 @@ def get_megatron_optimizer(
             )
         grad_stats_group = parallel_state.group("mp")
         tensor_parallel_rank = parallel_state.group_rank("tp")
-    groups = get_param_groups(model_chunks)
-    inner: torch.optim.Optimizer
-    if config.optimizer == "adam":
-        inner = torch.optim.AdamW(
-            groups,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-        )
-    else:
-        inner = torch.optim.SGD(
-            groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
-        )
-    scaler: GradScaler | None = None
-    if config.loss_scale is not None:
-        scaler = ConstantGradScaler(config.loss_scale)
-    elif config.fp16:
-        scaler = DynamicGradScaler(
-            initial_scale=config.initial_loss_scale,
-            min_scale=config.min_loss_scale,
-            growth_factor=2.0,
-            backoff_factor=0.5,
-            growth_interval=config.loss_scale_window,
-            hysteresis=config.hysteresis,
-        )
+    inner = _inner_optimizer(config, get_param_groups(model_chunks))
+    scaler = _grad_scaler(config)
     wrapper = Float16OptimizerWithFloat16Params if config.fp16 or config.bf16 else FP32Optimizer
     return wrapper(
         inner,

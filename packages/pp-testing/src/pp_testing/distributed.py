@@ -106,12 +106,10 @@ def run_distributed(
         raise ValueError(
             f"timeouts must be positive, got timeout={timeout} pg_timeout={pg_timeout}"
         )
-    target = _FunctionRef.of(fn)
-    context = _context()
     with tempfile.TemporaryDirectory(prefix="pp-testing-") as tmp:
         workdir = Path(tmp)
         spec = _RunSpec(
-            target=target,
+            target=_FunctionRef.of(fn),
             args=pickle.dumps(args),
             world_size=world_size,
             store_path=str(workdir / "store"),
@@ -120,23 +118,29 @@ def run_distributed(
             pg_timeout=pg_timeout,
             env=dict(env or {}),
         )
-        processes = [
-            # Not daemonic, so a test body may start processes of its own (DataLoader
-            # workers); every rank is killed in the finally below either way.
-            context.Process(target=_rank_main, args=(spec, rank), name=f"rank{rank}")
-            for rank in range(world_size)
-        ]
-        try:
-            for process in processes:
-                process.start()
-            timed_out = _wait(processes, workdir, timeout)
-            return _collect(processes, workdir, timed_out, timeout)
-        finally:
-            for process in processes:
-                if process.is_alive():
-                    process.kill()
-            for process in processes:
-                process.join(timeout=5)
+        return _run_ranks(spec, workdir, timeout)
+
+
+def _run_ranks(spec: _RunSpec, workdir: Path, timeout: float) -> list[Any]:
+    """Start one process per rank, wait for them, and collect; never leave one running."""
+    context = _context()
+    processes = [
+        # Not daemonic, so a test body may start processes of its own (DataLoader
+        # workers); every rank is killed in the finally below either way.
+        context.Process(target=_rank_main, args=(spec, rank), name=f"rank{rank}")
+        for rank in range(spec.world_size)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        timed_out = _wait(processes, workdir, timeout)
+        return _collect(processes, workdir, timed_out, timeout)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(timeout=5)
 
 
 @dataclasses.dataclass(frozen=True)

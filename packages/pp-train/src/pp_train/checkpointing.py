@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import pickle
 import random
@@ -366,26 +367,45 @@ def save_checkpoint(
         ValueError: A count is negative or `model` is empty.
         CheckpointError: A rank could not write its file or the tracker.
     """
+    consumed = (consumed_train_samples, consumed_valid_samples)
+    _check_save_arguments(iteration, consumed, model, args)
+    content = functools.partial(
+        _checkpoint_content,
+        iteration,
+        model=model,
+        optimizer=optimizer if save_optim else None,
+        scheduler=scheduler if save_optim else None,
+        args=args,
+        consumed=consumed,
+        save_rng=save_rng,
+    )
+    return _write_checkpoint(Path(root), iteration, state, content)
+
+
+def _check_save_arguments(
+    iteration: int, consumed: tuple[int, int], model: object, args: object
+) -> None:
     _check_count("iteration", iteration)
-    _check_count("consumed_train_samples", consumed_train_samples)
-    _check_count("consumed_valid_samples", consumed_valid_samples)
+    _check_count("consumed_train_samples", consumed[0])
+    _check_count("consumed_valid_samples", consumed[1])
     _check_chunks(model)
     _check_plain(args, "args")
-    root = Path(root)
+
+
+def _write_checkpoint(
+    root: Path, iteration: int, state: ParallelState, content: Callable[[], dict[str, Any]]
+) -> Path:
+    """Writes every position's file, then moves the tracker; a collective (`save_checkpoint`).
+
+    Only data-parallel rank 0 of each position calls `content` and writes its file (at the
+    path returned); only global rank 0 writes the tracker.
+    """
     path = _own_path(root, iteration, state)
     error: BaseException | None = None
     if state.group_rank("dp_cp") == 0:
         try:
-            content = _checkpoint_content(
-                iteration,
-                model=model,
-                optimizer=optimizer if save_optim else None,
-                scheduler=scheduler if save_optim else None,
-                args=args,
-                consumed=(consumed_train_samples, consumed_valid_samples),
-                save_rng=save_rng,
-            )
-            _atomic_write(path, lambda file: torch.save(content, file))
+            saved = content()
+            _atomic_write(path, lambda file: torch.save(saved, file))
             _fsync_directory(path.parent.parent)
         except Exception as caught:
             error = caught
@@ -486,11 +506,10 @@ class _LoadPlan:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _LoadRequest:
-    """What this run expects of the checkpoint and what it wants restored."""
+    """Where this run loads from, what it expects of the checkpoint and what it wants restored."""
 
-    path: Path
-    iteration: int
-    rank: int
+    root: Path
+    state: ParallelState
     model: list[torch.nn.Module]
     optimizer: MegatronOptimizer | None
     scheduler: OptimizerParamScheduler | None
@@ -547,19 +566,10 @@ def load_checkpoint(
             missing, corrupt or unsafe file, or a checkpoint that does not fit the run. The
             model, optimizer, scheduler and RNG are then unchanged on every rank.
     """
-    _check_chunks(model)
-    if not isinstance(args, dict):
-        raise TypeError(f"args must be a dict, got {type(args).__name__}")
-    if not isinstance(strict_args, tuple) or not all(isinstance(k, str) for k in strict_args):
-        raise TypeError(f"strict_args must be a tuple of str, got {strict_args!r}")
-    root = Path(root)
-    iteration = _agree_on_iteration(root, state.rank)
-    if iteration is None:
-        return None
+    _check_load_arguments(model, args, strict_args)
     request = _LoadRequest(
-        path=_own_path(root, iteration, state),
-        iteration=iteration,
-        rank=state.rank,
+        root=Path(root),
+        state=state,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -569,16 +579,37 @@ def load_checkpoint(
         load_optim=not (finetune or no_load_optim),
         load_rng=not (finetune or no_load_rng),
     )
+    return _load_latest(request)
+
+
+def _check_load_arguments(model: object, args: object, strict_args: object) -> None:
+    _check_chunks(model)
+    if not isinstance(args, dict):
+        raise TypeError(f"args must be a dict, got {type(args).__name__}")
+    if not isinstance(strict_args, tuple) or not all(isinstance(k, str) for k in strict_args):
+        raise TypeError(f"strict_args must be a tuple of str, got {strict_args!r}")
+
+
+def _load_latest(request: _LoadRequest) -> LoadedCheckpoint | None:
+    """Checks the tracker's iteration on every rank, then applies it; a collective.
+
+    None on every rank when there is no tracker (see `load_checkpoint`).
+    """
+    root, state = request.root, request.state
+    iteration = _agree_on_iteration(root, state.rank)
+    if iteration is None:
+        return None
+    path = _own_path(root, iteration, state)
     plan: _LoadPlan | None = None
     error: BaseException | None = None
     try:
-        plan = _plan_load(_read_checkpoint(request), request)
+        plan = _plan_load(_read_checkpoint(path, iteration, state.rank), request, path, iteration)
     except Exception as caught:  # whatever the cause, every rank must hear of it
         error = caught
     _raise_if_any_failed(
         state.rank,
         error,
-        f"cannot load checkpoint file {request.path}",
+        f"cannot load checkpoint file {path}",
         f"checkpoint iteration {iteration} in {root} was not loaded; nothing was changed",
     )
     assert plan is not None
@@ -590,7 +621,7 @@ def load_checkpoint(
     _raise_if_any_failed(
         state.rank,
         error,
-        f"failed while applying checkpoint file {request.path}; its state may be partly loaded",
+        f"failed while applying checkpoint file {path}; its state may be partly loaded",
         f"checkpoint iteration {iteration} in {root} was not applied on every rank: restart",
     )
     return plan.result
@@ -624,11 +655,10 @@ def _agree_on_iteration(root: Path, rank: int) -> int | None:
     return None if codes[0] == -1 else codes[0]
 
 
-def _read_checkpoint(request: _LoadRequest) -> dict[str, Any]:
-    path, rank = request.path, request.rank
+def _read_checkpoint(path: Path, iteration: int, rank: int) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(
-            f"rank {rank}: checkpoint file {path} of iteration {request.iteration} is missing "
+            f"rank {rank}: checkpoint file {path} of iteration {iteration} is missing "
             "(the tracker names that iteration)"
         )
     try:
@@ -651,9 +681,11 @@ def _read_checkpoint(request: _LoadRequest) -> dict[str, Any]:
     return content
 
 
-def _plan_load(content: dict[str, Any], request: _LoadRequest) -> _LoadPlan:
-    where = f"rank {request.rank}: checkpoint {request.path}"
-    problem = _header_problem(content, request)
+def _plan_load(
+    content: dict[str, Any], request: _LoadRequest, path: Path, iteration: int
+) -> _LoadPlan:
+    where = f"rank {request.state.rank}: checkpoint {path}"
+    problem = _header_problem(content, iteration)
     if problem is None:
         problem = _strict_args_problem(content["args"], request)
     if problem is not None:
@@ -678,7 +710,7 @@ def _plan_load(content: dict[str, Any], request: _LoadRequest) -> _LoadPlan:
         )
     else:
         result = LoadedCheckpoint(
-            iteration=request.iteration,
+            iteration=iteration,
             consumed_train_samples=content["consumed_train_samples"],
             consumed_valid_samples=content["consumed_valid_samples"],
             args=content["args"],
@@ -686,14 +718,14 @@ def _plan_load(content: dict[str, Any], request: _LoadRequest) -> _LoadPlan:
     return _LoadPlan(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, result=result)
 
 
-def _header_problem(content: dict[str, Any], request: _LoadRequest) -> str | None:
+def _header_problem(content: dict[str, Any], iteration: int) -> str | None:
     version = content.get("checkpoint_version")
     if version != CHECKPOINT_VERSION:
         return f"has checkpoint_version {version!r}; only {CHECKPOINT_VERSION} is supported"
-    if content.get("iteration") != request.iteration:
+    if content.get("iteration") != iteration:
         return (
             f"holds iteration {content.get('iteration')!r}, but sits in the directory of "
-            f"iteration {request.iteration}"
+            f"iteration {iteration}"
         )
     if not isinstance(content.get("args"), dict):
         return "has no args dict"

@@ -18,9 +18,16 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
+from pp_optim import (
+    DDPConfig,
+    LRScheduleConfig,
+    MegatronOptimizer,
+    OptimizerConfig,
+    OptimizerParamScheduler,
+)
 from pp_schedules import (
     Choice,
+    PipelineExecutor,
     Plan,
     candidates_for,
     check_trace_path,
@@ -31,10 +38,10 @@ from pp_schedules import (
 )
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_train.auto_schedule import choose_measured
-from pp_train.checkpointing import CheckpointError
+from pp_train.checkpointing import CheckpointError, LoadedCheckpoint
 from pp_train.data import ByteTokenizer, GPTDataset, corpus_tokens, microbatches, split_corpus
 from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
-from pp_train.microbatches import build_num_microbatches_calculator
+from pp_train.microbatches import NumMicroBatchesCalculator, build_num_microbatches_calculator
 from pp_train.reporting import Timers, TrainingLogger, memory_report
 from pp_train.training import (
     TrainingConfig,
@@ -317,12 +324,7 @@ def _check_batches(parser: argparse.ArgumentParser, args: argparse.Namespace, dp
 def _check_rampup(parser: argparse.ArgumentParser, args: argparse.Namespace, dp: int) -> None:
     start, increment, samples = args.rampup_batch_size
     try:
-        build_num_microbatches_calculator(
-            global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size,
-            data_parallel_size=dp,
-            rampup_batch_size=(start, increment, samples),
-        )
+        _microbatch_calculator(args, dp)
     except (TypeError, ValueError) as error:
         parser.error(f"--rampup-batch-size {start} {increment} {samples}: {error}")
     unit = args.micro_batch_size * dp
@@ -334,6 +336,16 @@ def _check_rampup(parser: argparse.ArgumentParser, args: argparse.Namespace, dp:
             f"size {dp} = {unit} does not divide; use a start and increment that are "
             f"multiples of {unit}"
         )
+
+
+def _microbatch_calculator(args: argparse.Namespace, dp: int) -> NumMicroBatchesCalculator:
+    """Microbatches per step for the run's batch sizes (ramping up with --rampup-batch-size)."""
+    return build_num_microbatches_calculator(
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=dp,
+        rampup_batch_size=None if args.rampup_batch_size is None else tuple(args.rampup_batch_size),
+    )
 
 
 def _microbatch_counts(args: argparse.Namespace, dp: int) -> list[int]:
@@ -587,15 +599,73 @@ def _placement(args: argparse.Namespace, gpt: GPTConfig, pp: int, vp: int) -> Pl
 
 def run(args: argparse.Namespace) -> str:
     """Trains with validated `args` inside an initialised process group; returns the exit reason."""
-    state = ParallelState.create(
+    state = _parallel_state(args)
+    pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
+    gpt = _gpt_config(args)
+    placement = _placement(args, gpt, pp, vp)
+    is_logging_rank = _is_logging_rank(state, placement)
+
+    def say(text: str) -> None:
+        if is_logging_rank:
+            print(text, flush=True)
+
+    model, optimizer, scheduler, loaded = _build_model(args, state, gpt, placement)
+    progress = _progress(args, loaded, say)
+    train_data, valid_data = _datasets(args)
+    timers = Timers()
+    forward_backward = build_forward_backward_func(
+        state,
+        model,
+        optimizer,
+        hidden_size=args.hidden_size,
+        device=args.device,
+        timers=timers,
+        schedule=args.pipeline_schedule,
+        plan=args.pipeline_plan,
+        placement=placement,
+    )
+    calculator = _microbatch_calculator(args, state.group_size("dp_cp"))
+    logger, writer = _build_logger(args, is_logging_rank)
+    for message in _startup_messages(args, state, forward_backward.schedule, placement, train_data):
+        say(message)
+    reason = train(
+        gpt_forward_step,
+        model,
+        optimizer,
+        scheduler,
+        _microbatch_iterators(args, state, train_data, progress.consumed_train_samples),
+        _microbatch_iterators(args, state, valid_data, progress.consumed_valid_samples),
+        state=state,
+        config=_training_config(args),
+        forward_backward_func=forward_backward,
+        calculator=calculator,
+        progress=progress,
+        logger=logger,
+        timers=timers,
+        checkpoint_args=_checkpoint_args(args),
+        print_fn=say,
+    )
+    if reason == "train_iters" and args.eval_iters > 0:
+        valid = _microbatch_iterators(args, state, valid_data, progress.consumed_valid_samples)
+        _final_validation(
+            args, state, model, forward_backward, valid, num_microbatches=calculator.get(), say=say
+        )
+    say(memory_report())
+    _release(writer, forward_backward, state)
+    return reason
+
+
+def _parallel_state(args: argparse.Namespace) -> ParallelState:
+    return ParallelState.create(
         ParallelConfig(
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         )
     )
-    device = args.device
-    pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
-    gpt = GPTConfig(
+
+
+def _gpt_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -604,17 +674,22 @@ def run(args: argparse.Namespace) -> str:
         ffn_hidden_size=args.ffn_hidden_size,
     )
 
-    schedule: Plan | None = args.pipeline_plan
-    placement = _placement(args, gpt, pp, vp)
-    pp_rank = state.pipeline_model_parallel_rank
+
+def _is_logging_rank(state: ParallelState, placement: Placement) -> bool:
     # Megatron logs from the last rank: the last stage (the losses) of the last replica.
-    is_logging_rank = (
-        placement.holds_last(pp_rank) and state.group_rank("dp_cp") == state.group_size("dp_cp") - 1
+    return placement.holds_last(state.pipeline_model_parallel_rank) and (
+        state.group_rank("dp_cp") == state.group_size("dp_cp") - 1
     )
 
-    def say(text: str) -> None:
-        if is_logging_rank:
-            print(text, flush=True)
+
+def _build_model(
+    args: argparse.Namespace, state: ParallelState, gpt: GPTConfig, placement: Placement
+) -> tuple[
+    list[torch.nn.Module], MegatronOptimizer, OptimizerParamScheduler, LoadedCheckpoint | None
+]:
+    """This rank's chunks of the GPT, with optimizer and scheduler, restored from --load."""
+    pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
+    pp_rank = state.pipeline_model_parallel_rank
 
     def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
         layers = chunk_layers(gpt.num_layers, pp, vp, pp_rank, vp_stage, placement=placement)
@@ -622,44 +697,13 @@ def run(args: argparse.Namespace) -> str:
             gpt, layers=layers, pre_process=pre_process, post_process=post_process, seed=args.seed
         )
 
-    gbs = args.global_batch_size
-    model, optimizer, scheduler, loaded = setup_model_and_optimizer(
+    return setup_model_and_optimizer(
         provider,
         state,
-        optimizer_config=OptimizerConfig(
-            optimizer=args.optimizer,
-            lr=args.lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            fp16=args.fp16,
-            bf16=args.bf16,
-            loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-            clip_grad=args.clip_grad,
-            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        ),
-        lr_schedule=LRScheduleConfig(
-            max_lr=args.lr,
-            min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters * gbs,
-            lr_decay_steps=args.lr_decay_iters * gbs,
-            lr_decay_style=args.lr_decay_style,
-            wsd_decay_steps=None
-            if args.lr_wsd_decay_iters is None
-            else args.lr_wsd_decay_iters * gbs,
-            lr_wsd_decay_style=args.lr_wsd_decay_style,
-            start_wd=args.weight_decay,
-            end_wd=args.weight_decay,
-            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-            override_opt_param_scheduler=args.override_opt_param_scheduler,
-        ),
+        optimizer_config=_optimizer_config(args),
+        lr_schedule=_lr_schedule_config(args),
         ddp_config=DDPConfig(overlap_grad_reduce=args.overlap_grad_reduce),
-        device=device,
+        device=args.device,
         load=args.load,
         checkpoint_args=_checkpoint_args(args),
         finetune=args.finetune,
@@ -667,55 +711,94 @@ def run(args: argparse.Namespace) -> str:
         no_load_rng=args.no_load_rng,
         placement=placement,
     )
-    progress = TrainingProgress()
-    if loaded is not None:
-        progress = TrainingProgress(
-            iteration=loaded.iteration,
-            consumed_train_samples=loaded.consumed_train_samples,
-            consumed_valid_samples=loaded.consumed_valid_samples,
-        )
-        say(
-            f"loaded checkpoint from {args.load} at iteration {loaded.iteration} "
-            f"({loaded.consumed_train_samples} samples consumed)"
-        )
-    elif args.load is not None:
-        say(f"no checkpoint in {args.load}: starting from scratch")
+
+
+def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        clip_grad=args.clip_grad,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+    )
+
+
+def _lr_schedule_config(args: argparse.Namespace) -> LRScheduleConfig:
+    # The scheduler steps in samples, as Megatron's does: iterations times the global batch.
+    gbs = args.global_batch_size
+    return LRScheduleConfig(
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        wsd_decay_steps=None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )
+
+
+def _progress(
+    args: argparse.Namespace, loaded: LoadedCheckpoint | None, say: Callable[[str], None]
+) -> TrainingProgress:
+    """Where training starts: the loaded checkpoint's counters, else zero; says which."""
+    if loaded is None:
+        if args.load is not None:
+            say(f"no checkpoint in {args.load}: starting from scratch")
+        return TrainingProgress()
+    say(
+        f"loaded checkpoint from {args.load} at iteration {loaded.iteration} "
+        f"({loaded.consumed_train_samples} samples consumed)"
+    )
+    return TrainingProgress(
+        iteration=loaded.iteration,
+        consumed_train_samples=loaded.consumed_train_samples,
+        consumed_valid_samples=loaded.consumed_valid_samples,
+    )
+
+
+def _datasets(args: argparse.Namespace) -> tuple[GPTDataset, GPTDataset]:
+    """The bundled corpus's training and validation samples."""
     train_tokens, valid_tokens = split_corpus(corpus_tokens())
-    dp_rank, dp_size = state.group_rank("dp_cp"), state.group_size("dp_cp")
-
-    def iterators(dataset: GPTDataset, consumed: int) -> Any:
-        streams = [
-            microbatches(
-                dataset,
-                consumed_samples=consumed,
-                micro_batch_size=args.micro_batch_size,
-                data_parallel_rank=dp_rank,
-                data_parallel_size=dp_size,
-            )
-            for _ in range(vp)
-        ]
-        return streams if vp > 1 else streams[0]
-
-    train_data = GPTDataset(train_tokens, args.seq_length, seed=args.seed)
-    valid_data = GPTDataset(valid_tokens, args.seq_length, seed=args.seed + 1)
-    timers = Timers()
-    forward_backward = build_forward_backward_func(
-        state,
-        model,
-        optimizer,
-        hidden_size=args.hidden_size,
-        device=device,
-        timers=timers,
-        schedule=args.pipeline_schedule,
-        plan=schedule,
-        placement=placement,
+    return (
+        GPTDataset(train_tokens, args.seq_length, seed=args.seed),
+        GPTDataset(valid_tokens, args.seq_length, seed=args.seed + 1),
     )
-    calculator = build_num_microbatches_calculator(
-        global_batch_size=gbs,
-        micro_batch_size=args.micro_batch_size,
-        data_parallel_size=dp_size,
-        rampup_batch_size=None if args.rampup_batch_size is None else tuple(args.rampup_batch_size),
-    )
+
+
+def _microbatch_iterators(
+    args: argparse.Namespace, state: ParallelState, dataset: GPTDataset, consumed: int
+) -> Any:
+    """This data-parallel rank's microbatches from `consumed` on: one stream per model chunk."""
+    vp = state.virtual_pipeline_model_parallel_size or 1
+    streams = [
+        microbatches(
+            dataset,
+            consumed_samples=consumed,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_rank=state.group_rank("dp_cp"),
+            data_parallel_size=state.group_size("dp_cp"),
+        )
+        for _ in range(vp)
+    ]
+    return streams if vp > 1 else streams[0]
+
+
+def _build_logger(args: argparse.Namespace, is_logging_rank: bool) -> tuple[TrainingLogger, Any]:
+    """The training log and the TensorBoard writer it writes to (None without one)."""
     writer = _writer(args, is_logging_rank)
     logger = TrainingLogger(
         train_iters=args.train_iters,
@@ -723,19 +806,36 @@ def run(args: argparse.Namespace) -> str:
         writer=writer,
         is_logging_rank=is_logging_rank,
     )
-    say(
+    return logger, writer
+
+
+def _startup_messages(
+    args: argparse.Namespace,
+    state: ParallelState,
+    schedule: str,
+    placement: Placement,
+    train_data: GPTDataset,
+) -> list[str]:
+    """The line that describes the run; with ``auto``, also the schedule choice and its table."""
+    pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
+    dp_size = state.group_size("dp_cp")
+    messages = [
         f"pp-train: GPT with {args.num_layers} layers, hidden {args.hidden_size}, on "
         f"{dist.get_world_size()} processes ({dist.get_backend()}): pipeline {pp}"
         f"{f' x {vp} virtual stages' if vp > 1 else ''}, data parallel {dp_size}, "
-        f"{_schedule_title(args, forward_backward.schedule, placement)}; "
+        f"{_schedule_title(args, schedule, placement)}; "
         f"{train_data.samples_per_epoch} training samples per epoch"
-    )
+    ]
     if getattr(args, "schedule_choice", None) is not None:
-        say(
+        messages.append(
             "pipeline schedule chosen by simulation with step costs measured in a warm-up "
             f"(ms per chunk: {_costs_text(args.schedule_choice)}):\n" + args.schedule_choice.table()
         )
-    config = TrainingConfig(
+    return messages
+
+
+def _training_config(args: argparse.Namespace) -> TrainingConfig:
+    return TrainingConfig(
         train_iters=args.train_iters,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
@@ -750,38 +850,35 @@ def run(args: argparse.Namespace) -> str:
         profile_schedule_path=args.profile_schedule,
         profile_schedule_iteration=args.profile_schedule_iteration,
     )
-    reason = train(
+
+
+def _final_validation(
+    args: argparse.Namespace,
+    state: ParallelState,
+    model: list[torch.nn.Module],
+    forward_backward: PipelineExecutor,
+    valid: Any,
+    *,
+    num_microbatches: int,
+    say: Callable[[str], None],
+) -> None:
+    """Evaluates the trained model on `valid` and says each loss, as Megatron does at the end."""
+    losses = evaluate(
         gpt_forward_step,
+        valid,
         model,
-        optimizer,
-        scheduler,
-        iterators(train_data, progress.consumed_train_samples),
-        iterators(valid_data, progress.consumed_valid_samples),
-        state=state,
-        config=config,
         forward_backward_func=forward_backward,
-        calculator=calculator,
-        progress=progress,
-        logger=logger,
-        timers=timers,
-        checkpoint_args=_checkpoint_args(args),
-        print_fn=say,
+        state=state,
+        eval_iters=args.eval_iters,
+        num_microbatches=num_microbatches,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
     )
-    if reason == "train_iters" and args.eval_iters > 0:
-        losses = evaluate(
-            gpt_forward_step,
-            iterators(valid_data, progress.consumed_valid_samples),
-            model,
-            forward_backward_func=forward_backward,
-            state=state,
-            eval_iters=args.eval_iters,
-            num_microbatches=calculator.get(),
-            micro_batch_size=args.micro_batch_size,
-            seq_length=args.seq_length,
-        )
-        for key, value in losses.items():
-            say(f"validation at the end of training | {key}: {value:.6E}")
-    say(memory_report())
+    for key, value in losses.items():
+        say(f"validation at the end of training | {key}: {value:.6E}")
+
+
+def _release(writer: Any, forward_backward: PipelineExecutor, state: ParallelState) -> None:
     if writer is not None:
         writer.close()
     # Release the pipeline's and the state's process groups before the default one goes.
@@ -789,7 +886,6 @@ def run(args: argparse.Namespace) -> str:
     if communicator is not None:
         communicator.destroy()
     state.destroy()
-    return reason
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -335,11 +335,7 @@ class GPTChunk(torch.nn.Module):
             )
         self.to_empty(device="cpu")
         self._initialise(seed)
-        if self.output_layer is not None and share_embeddings_and_output_weights:
-            # Megatron's marks: the grad norm skips `shared`, the trainer syncs
-            # `shared_embedding` with the first stage's word embedding.
-            self.output_layer.weight.shared = True  # type: ignore[attr-defined]
-            self.output_layer.weight.shared_embedding = True  # type: ignore[attr-defined]
+        self._mark_tied_output_weight()
 
     def global_name(self, local_name: str) -> str:
         """The global name of a parameter: its layer index made global.
@@ -379,6 +375,13 @@ class GPTChunk(torch.nn.Module):
                     param.zero_()
             else:
                 init_parameter_(param, seed=seed, name=name, std=std)
+
+    def _mark_tied_output_weight(self) -> None:
+        if self.output_layer is not None and self.share_embeddings_and_output_weights:
+            # Megatron's marks: the grad norm skips `shared`, the trainer syncs
+            # `shared_embedding` with the first stage's word embedding.
+            self.output_layer.weight.shared = True  # type: ignore[attr-defined]
+            self.output_layer.weight.shared_embedding = True  # type: ignore[attr-defined]
 
     def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
         """The weight tied between the first and last stage, as this chunk holds it.

@@ -9,6 +9,7 @@ in the format of Megatron's training log. `memory_report` is a one-line memory s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -289,15 +290,39 @@ def format_log_line(
     fields.append(f" global batch size: {global_batch_size:5d}")
     fields.extend(f" {name}: {average:.6E}" for name, average in loss_averages.items())
     fields.append(f" loss scale: {loss_scale:.1f}")
+    fields.extend(_norm_fields(grad_norm, num_zeros_in_grad, params_norm))
+    fields.append(f" number of skipped iterations: {skipped_iterations:3d}")
+    fields.append(f" number of nan iterations: {nan_iterations:3d}")
+    return "".join(field + " |" for field in fields) + " " + _progress_bar(iteration, train_iters)
+
+
+def _norm_fields(
+    grad_norm: float | None, num_zeros_in_grad: int | None, params_norm: float | None
+) -> list[str]:
+    # Each is computed only when asked for; one not computed is left out of the line.
+    fields = []
     if grad_norm is not None:
         fields.append(f" grad norm: {grad_norm:.3f}")
     if num_zeros_in_grad is not None:
         fields.append(f" num zeros: {float(num_zeros_in_grad):.1f}")
     if params_norm is not None:
         fields.append(f" params norm: {params_norm:.3f}")
-    fields.append(f" number of skipped iterations: {skipped_iterations:3d}")
-    fields.append(f" number of nan iterations: {nan_iterations:3d}")
-    return "".join(field + " |" for field in fields) + " " + _progress_bar(iteration, train_iters)
+    return fields
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _IterationScalars:
+    """What one iteration reports: to the writer every iteration, in the log line at intervals."""
+
+    iteration: int
+    consumed_samples: int
+    learning_rate: float
+    global_batch_size: int
+    loss_scale: float
+    grad_norm: float | None
+    num_zeros_in_grad: int | None
+    params_norm: float | None
+    elapsed_per_iteration: float | None
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -410,34 +435,37 @@ class TrainingLogger:
             raise ValueError(f"skipped_iter must be 0 or 1, got {skipped_iter!r}")
         losses = {name: float(value) for name, value in loss_dict.items()}
         self._count(losses, skipped=bool(skipped_iter))
-        if self._is_logging_rank and self._writer is not None:
-            self._write_scalars(
-                self._writer,
-                losses,
-                iteration=iteration,
-                samples=consumed_samples,
-                learning_rate=learning_rate,
-                global_batch_size=global_batch_size,
-                loss_scale=loss_scale,
-                grad_norm=grad_norm,
-                num_zeros_in_grad=num_zeros_in_grad,
-                params_norm=params_norm,
-                elapsed_per_iteration=elapsed_per_iteration,
-            )
-        if iteration % self._log_interval != 0:
-            return None
-        line = format_log_line(
+        scalars = _IterationScalars(
             iteration=iteration,
-            train_iters=self._train_iters,
             consumed_samples=consumed_samples,
-            elapsed_per_iteration=elapsed_per_iteration,
             learning_rate=learning_rate,
             global_batch_size=global_batch_size,
-            loss_averages=self._loss_averages(),
             loss_scale=loss_scale,
             grad_norm=grad_norm,
             num_zeros_in_grad=num_zeros_in_grad,
             params_norm=params_norm,
+            elapsed_per_iteration=elapsed_per_iteration,
+        )
+        if self._is_logging_rank and self._writer is not None:
+            self._write_scalars(self._writer, losses, scalars)
+        if iteration % self._log_interval != 0:
+            return None
+        return self._log_interval_line(scalars, timers_line)
+
+    def _log_interval_line(self, scalars: _IterationScalars, timers_line: str | None) -> str:
+        """Prints the interval's log line on the logging rank and restarts the counters."""
+        line = format_log_line(
+            iteration=scalars.iteration,
+            train_iters=self._train_iters,
+            consumed_samples=scalars.consumed_samples,
+            elapsed_per_iteration=scalars.elapsed_per_iteration,
+            learning_rate=scalars.learning_rate,
+            global_batch_size=scalars.global_batch_size,
+            loss_averages=self._loss_averages(),
+            loss_scale=scalars.loss_scale,
+            grad_norm=scalars.grad_norm,
+            num_zeros_in_grad=scalars.num_zeros_in_grad,
+            params_norm=scalars.params_norm,
             skipped_iterations=self._skipped,
             nan_iterations=self._nan,
         )
@@ -516,35 +544,25 @@ class TrainingLogger:
 
     @staticmethod
     def _write_scalars(
-        writer: ScalarWriter,
-        losses: Mapping[str, float],
-        *,
-        iteration: int,
-        samples: int,
-        learning_rate: float,
-        global_batch_size: int,
-        loss_scale: float,
-        grad_norm: float | None,
-        num_zeros_in_grad: int | None,
-        params_norm: float | None,
-        elapsed_per_iteration: float | None,
+        writer: ScalarWriter, losses: Mapping[str, float], scalars: _IterationScalars
     ) -> None:
         # Each quantity against iterations and, under "<tag> vs samples", against samples.
+        num_zeros = scalars.num_zeros_in_grad
         by_iteration_and_samples: list[tuple[str, float | None]] = [
-            ("learning-rate", learning_rate),
-            ("batch-size", float(global_batch_size)),
+            ("learning-rate", scalars.learning_rate),
+            ("batch-size", float(scalars.global_batch_size)),
             *losses.items(),
-            ("loss-scale", loss_scale),
-            ("grad-norm", grad_norm),
-            ("num-zeros", None if num_zeros_in_grad is None else float(num_zeros_in_grad)),
-            ("params-norm", params_norm),
+            ("loss-scale", scalars.loss_scale),
+            ("grad-norm", scalars.grad_norm),
+            ("num-zeros", None if num_zeros is None else float(num_zeros)),
+            ("params-norm", scalars.params_norm),
         ]
         for tag, value in by_iteration_and_samples:
             if value is not None:
-                writer.add_scalar(tag, value, iteration)
-                writer.add_scalar(f"{tag} vs samples", value, samples)
-        if elapsed_per_iteration is not None:
-            writer.add_scalar("iteration-time", elapsed_per_iteration, iteration)
+                writer.add_scalar(tag, value, scalars.iteration)
+                writer.add_scalar(f"{tag} vs samples", value, scalars.consumed_samples)
+        if scalars.elapsed_per_iteration is not None:
+            writer.add_scalar("iteration-time", scalars.elapsed_per_iteration, scalars.iteration)
 
 
 def _perplexity(loss: float) -> float:

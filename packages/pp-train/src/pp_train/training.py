@@ -498,17 +498,9 @@ def build_forward_backward_func(
     """
     if schedule is not None and plan is not None:
         raise ValueError(f"give a schedule name or a plan, not both (schedule {schedule!r})")
-    dtype = next(unwrap_model(model[0]).parameters()).dtype
-    communicator = None
-    if state.pipeline_model_parallel_size > 1:
-        config = comm_config or CommConfig(pipeline_dtype=dtype)
-        communicator = P2PCommunicator.from_parallel_state(
-            state, config=config, device=device, timers=timers
-        )
-    no_sync = [getattr(chunk, "no_sync", None) for chunk in model]
-    no_sync_func: Any = None
-    if all(func is not None for func in no_sync):
-        no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    communicator = _pipeline_communicator(
+        state, model, device=device, timers=timers, comm_config=comm_config
+    )
     return get_forward_backward_func(
         communicator,
         vp_size=len(model),
@@ -518,10 +510,34 @@ def build_forward_backward_func(
             plan=plan,
             placement=placement,
             grad_scale_func=optimizer.scale_loss,
-            no_sync_func=no_sync_func,
+            no_sync_func=_no_sync_func(model),
             timers=timers,
         ),
     )
+
+
+def _pipeline_communicator(
+    state: ParallelState,
+    model: Sequence[torch.nn.Module],
+    *,
+    device: torch.device | None,
+    timers: Timers | None,
+    comm_config: CommConfig | None,
+) -> P2PCommunicator | None:
+    """The transfers between stages (None for one stage), by default in the model's dtype."""
+    dtype = next(unwrap_model(model[0]).parameters()).dtype
+    if state.pipeline_model_parallel_size <= 1:
+        return None
+    config = comm_config or CommConfig(pipeline_dtype=dtype)
+    return P2PCommunicator.from_parallel_state(state, config=config, device=device, timers=timers)
+
+
+def _no_sync_func(model: Sequence[torch.nn.Module]) -> Any:
+    """The chunks' ``no_sync`` (one, or a list for several); None unless every chunk has one."""
+    no_sync = [getattr(chunk, "no_sync", None) for chunk in model]
+    if not all(func is not None for func in no_sync):
+        return None
+    return no_sync if len(no_sync) > 1 else no_sync[0]
 
 
 def schedule_placement(forward_backward_func: Any, state: ParallelState) -> Placement:
@@ -721,7 +737,7 @@ def _any_rank(flags: list[bool]) -> list[bool]:
 
 @dataclasses.dataclass
 class _LoopParts:
-    """What the loop's checkpoint-and-exit decision needs (kept together to pass around)."""
+    """What `train` and `finetune` step, save and exit with (kept together to pass around)."""
 
     state: ParallelState
     model: Sequence[torch.nn.Module]
@@ -731,6 +747,45 @@ class _LoopParts:
     progress: TrainingProgress
     checkpoint_args: dict[str, Any]
     print_fn: Callable[[str], None]
+    saved: bool = dataclasses.field(default=False, init=False)
+    """Whether the latest iteration saved a checkpoint (`save_on_interval`)."""
+
+    def step(
+        self,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Any,
+        forward_backward_func: ForwardBackwardFunc,
+        *,
+        num_microbatches: int,
+        timers: Timers | None = None,
+    ) -> tuple[dict[str, float], int, float | None, int | None]:
+        """`train_step` on the loop's model, optimizer and scheduler, in its batch shape."""
+        return train_step(
+            forward_step_func,
+            data_iterator,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            forward_backward_func=forward_backward_func,
+            state=self.state,
+            num_microbatches=num_microbatches,
+            micro_batch_size=self.config.micro_batch_size,
+            seq_length=self.config.seq_length,
+            timers=timers,
+        )
+
+    def save_on_interval(self) -> None:
+        """Saves when the iteration is a multiple of `save_interval`; sets `saved`."""
+        self.saved = _every(self.config.save_interval, self.progress.iteration)
+        if self.saved:
+            self.save()
+
+    def stop(self, reason: ExitReason) -> ExitReason:
+        """Saves unless this iteration just did, and says why the loop stops; `reason`."""
+        if not self.saved:
+            self.save()
+        self.print_fn(f"exiting at iteration {self.progress.iteration}: {reason}")
+        return reason
 
     def save(self) -> None:
         if self.config.save is None:
@@ -836,9 +891,14 @@ def _exit_reason(
         for reason, flagged in zip(_AGREED_EXITS, _any_rank(local), strict=True):
             if flagged:
                 return reason
-    if config.exit_interval is not None and iteration % config.exit_interval == 0:
+    if _every(config.exit_interval, iteration):
         return "exit_interval"
     return None
+
+
+def _every(interval: int | None, iteration: int) -> bool:
+    """Whether `iteration` is a multiple of `interval` (never when it is None)."""
+    return interval is not None and iteration % interval == 0
 
 
 def train(  # noqa: PLR0917 - Megatron's positional order
@@ -886,71 +946,88 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     for chunk in model:
         chunk.train()
     started = time.monotonic()
-    saved = False
-    interval_started, interval_iterations = time.perf_counter(), 0
+    loop = _TrainLoop(
+        parts, forward_step_func, forward_backward_func, calculator, logger, timers, profile
+    )
     with _SignalFlag(config.exit_signal_handler) as signals:
         while progress.iteration < config.train_iters:
-            calculator.update(progress.consumed_train_samples, True)
-            profiling = profile.starts(progress.iteration + 1)
-            loss_dict, skipped, grad_norm, zeros = train_step(
-                forward_step_func,
-                train_data_iterator,
-                model,
-                optimizer,
-                scheduler,
-                forward_backward_func=forward_backward_func,
-                state=state,
-                num_microbatches=calculator.get(),
-                micro_batch_size=config.micro_batch_size,
-                seq_length=config.seq_length,
-                timers=timers,
-            )
-            if profiling:
-                print_fn(profile.finish(calculator.get()))
-            progress.iteration += 1
-            interval_iterations += 1
-            batch = calculator.get_current_global_batch_size()
-            progress.consumed_train_samples += batch
-            log_now = progress.iteration % config.log_interval == 0
-            _log_step(
-                logger,
-                optimizer,
-                progress,
-                (loss_dict, skipped, grad_norm, zeros),
-                global_batch_size=batch,
-                elapsed_per_iteration=(time.perf_counter() - interval_started)
-                / interval_iterations,
-                timers_line=_timers_line(timers, interval_iterations) if log_now else None,
-            )
-            if log_now:
-                interval_started, interval_iterations = time.perf_counter(), 0
-            if (
-                config.eval_interval is not None
-                and progress.iteration % config.eval_interval == 0
-                and valid_data_iterator is not None
-                and config.eval_iters > 0
-            ):
-                _evaluate_and_print(
-                    forward_step_func,
-                    valid_data_iterator,
-                    parts=parts,
-                    calculator=calculator,
-                    forward_backward_func=forward_backward_func,
-                    logger=logger,
-                )
-            saved = False
-            if config.save_interval is not None and progress.iteration % config.save_interval == 0:
-                parts.save()
-                saved = True
+            loop.iteration(train_data_iterator, valid_data_iterator)
             reason = _exit_reason(parts, started=started, signals=signals, autoresume=autoresume)
             if reason is not None:
-                if not saved:
-                    parts.save()
-                print_fn(f"exiting at iteration {progress.iteration}: {reason}")
-                return reason
-    if not saved and progress.iteration > 0:
+                return parts.stop(reason)
+    if not parts.saved and progress.iteration > 0:
         parts.save()  # the final state, unless the last iteration just saved it
     return "train_iters"
+
+
+@dataclasses.dataclass
+class _TrainLoop:
+    """`train`'s iterations, and the log interval they are timed over."""
+
+    parts: _LoopParts
+    forward_step_func: ForwardStepFunc
+    forward_backward_func: ForwardBackwardFunc
+    calculator: NumMicroBatchesCalculator
+    logger: TrainingLogger
+    timers: Any
+    profile: _ScheduleProfile
+    interval_started: float = dataclasses.field(default_factory=time.perf_counter, init=False)
+    """When the current log interval started."""
+    interval_iterations: int = dataclasses.field(default=0, init=False)
+    """Iterations trained in the current log interval."""
+
+    def iteration(self, train_data_iterator: Any, valid_data_iterator: Any) -> None:
+        """One iteration: the step (profiled at its turn), the log, evaluation and saving."""
+        parts, calculator = self.parts, self.calculator
+        config, progress = parts.config, parts.progress
+        calculator.update(progress.consumed_train_samples, True)
+        profiling = self.profile.starts(progress.iteration + 1)
+        step = parts.step(
+            self.forward_step_func,
+            train_data_iterator,
+            self.forward_backward_func,
+            num_microbatches=calculator.get(),
+            timers=self.timers,
+        )
+        if profiling:
+            parts.print_fn(self.profile.finish(calculator.get()))
+        progress.iteration += 1
+        batch = calculator.get_current_global_batch_size()
+        progress.consumed_train_samples += batch
+        self._log(step, batch)
+        if (
+            _every(config.eval_interval, progress.iteration)
+            and valid_data_iterator is not None
+            and config.eval_iters > 0
+        ):
+            _evaluate_and_print(
+                self.forward_step_func,
+                valid_data_iterator,
+                parts=parts,
+                calculator=calculator,
+                forward_backward_func=self.forward_backward_func,
+                logger=self.logger,
+            )
+        parts.save_on_interval()
+
+    def _log(
+        self, step: tuple[dict[str, float], int, float | None, int | None], global_batch_size: int
+    ) -> None:
+        """The iteration's log line, with time and timers averaged over the log interval."""
+        self.interval_iterations += 1
+        log_now = self.parts.progress.iteration % self.parts.config.log_interval == 0
+        _log_step(
+            self.logger,
+            self.parts.optimizer,
+            self.parts.progress,
+            step,
+            global_batch_size=global_batch_size,
+            elapsed_per_iteration=(time.perf_counter() - self.interval_started)
+            / self.interval_iterations,
+            timers_line=_timers_line(self.timers, self.interval_iterations) if log_now else None,
+        )
+        if log_now:
+            self.interval_started, self.interval_iterations = time.perf_counter(), 0
 
 
 def _log_step(
@@ -1073,7 +1150,6 @@ def finetune(
     parts = _LoopParts(
         state, model, optimizer, scheduler, config, progress, checkpoint_args or {}, print_fn
     )
-    dp = state.group_size("dp_cp")
     start_epoch = progress.iteration // train_iters_per_epoch
     skip = progress.iteration % train_iters_per_epoch
     for chunk in model:
@@ -1086,37 +1162,37 @@ def finetune(
             if index < skip:
                 continue
             skip = 0
-            loss_dict, skipped, grad_norm, zeros = train_step(
-                forward_step_func,
-                [iter([batch]) for _ in model] if len(model) > 1 else iter([batch]),
-                model,
-                optimizer,
-                scheduler,
-                forward_backward_func=forward_backward_func,
-                state=state,
-                num_microbatches=1,
-                micro_batch_size=config.micro_batch_size,
-                seq_length=config.seq_length,
+            reason = _finetune_iteration(
+                parts, forward_step_func, forward_backward_func, logger, batch
             )
-            progress.iteration += 1
-            progress.consumed_train_samples += config.micro_batch_size * dp
-            _log_step(
-                logger,
-                optimizer,
-                progress,
-                (loss_dict, skipped, grad_norm, zeros),
-                global_batch_size=config.micro_batch_size * dp,
-            )
-            saved = False
-            if config.save_interval is not None and progress.iteration % config.save_interval == 0:
-                parts.save()
-                saved = True
-            if config.exit_interval is not None and progress.iteration % config.exit_interval == 0:
-                if not saved:
-                    parts.save()
-                print_fn(f"exiting at iteration {progress.iteration}: exit_interval")
-                return "exit_interval"
+            if reason is not None:
+                return reason
         parts.save()
         if end_of_epoch_callback is not None:
             end_of_epoch_callback(model, epoch)
     return "train_iters"
+
+
+def _finetune_iteration(
+    parts: _LoopParts,
+    forward_step_func: ForwardStepFunc,
+    forward_backward_func: ForwardBackwardFunc,
+    logger: TrainingLogger,
+    batch: Any,
+) -> ExitReason | None:
+    """One `finetune` iteration on one microbatch; "exit_interval" when the run stops after it."""
+    model, progress = parts.model, parts.progress
+    step = parts.step(
+        forward_step_func,
+        [iter([batch]) for _ in model] if len(model) > 1 else iter([batch]),
+        forward_backward_func,
+        num_microbatches=1,
+    )
+    global_batch_size = parts.config.micro_batch_size * parts.state.group_size("dp_cp")
+    progress.iteration += 1
+    progress.consumed_train_samples += global_batch_size
+    _log_step(logger, parts.optimizer, progress, step, global_batch_size=global_batch_size)
+    parts.save_on_interval()
+    if _every(parts.config.exit_interval, progress.iteration):
+        return parts.stop("exit_interval")
+    return None
