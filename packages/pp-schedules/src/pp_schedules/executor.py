@@ -516,6 +516,7 @@ class _Run:
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind in ("B", "W")}
         # Split backwards: what each W needs once its I has run.
         self.deferred: dict[_Key, WeightGradients] = {}
+        self.trainable: dict[int, list[torch.Tensor]] = {}
         self.sync_stacks: dict[int, contextlib.ExitStack] = {}
 
     def walk(self) -> None:
@@ -768,8 +769,9 @@ class _Run:
         timer = self.x.timers("backward-compute")
         start = self.recorder.now() if self.recorder is not None else 0.0
         timer.start()
-        params = [p for p in self.call.chunks[action.chunk].parameters() if p.requires_grad]
-        input_grads, self.deferred[key] = backward_input(outputs, grads, inputs, params)
+        input_grads, self.deferred[key] = backward_input(
+            outputs, grads, inputs, self._trainable(action.chunk)
+        )
         timer.stop()
         self._record(action, start)
         self.stats.steps += 1
@@ -779,6 +781,13 @@ class _Run:
                 for g, t in zip(input_grads, inputs, strict=True)
             ]
             self._hand_on(action, sent, -1)
+
+    def _trainable(self, chunk: int) -> list[torch.Tensor]:
+        """The chunk's parameters that take gradients (listed once per call)."""
+        if chunk not in self.trainable:
+            module = self.call.chunks[chunk]
+            self.trainable[chunk] = [p for p in module.parameters() if p.requires_grad]
+        return self.trainable[chunk]
 
     def backward_weight(self, action: Action) -> None:
         """The weight half: accumulate the parameters' gradients (through their hooks)."""
