@@ -24,10 +24,11 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
 
 from pp_comm import NullTimers, P2PCommunicator, P2PHandle, P2PMessage, Timers
 from pp_schedules.actions import Action
@@ -105,7 +106,12 @@ class ScheduleConfig:
         | None
     ) = None
     """Context that turns off data-parallel gradient sync (DDP's ``no_sync``): one, or with
-    virtual stages a list of one per chunk; left for the last microbatch of each chunk."""
+    virtual stages a list of one per chunk; left for the last microbatch of each chunk. None
+    with chunks wrapped in torch's ``DistributedDataParallel``: their own ``no_sync``, as
+    Megatron takes it. torch's DDP decides at each forward whether the backward reduces, so
+    for such a chunk the context is left before the forward of its last microbatch (a plan
+    that runs another microbatch's backward in between is refused); other contexts (pp-optim's
+    and Megatron's DDP, which decide at backward) are left before the last backward."""
 
     timers: Timers | None = None
     """Timer hooks for "forward-compute" and "backward-compute"."""
@@ -188,6 +194,41 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+def _is_torch_ddp(module: torch.nn.Module) -> bool:
+    return isinstance(module, DistributedDataParallel)
+
+
+def _check_torch_ddp_order(chunks: Sequence[torch.nn.Module], actions: Sequence[Action]) -> None:
+    """Refuse a plan that torch's DDP cannot reduce: it decides at forward time.
+
+    A chunk wrapped in ``torch.nn.parallel.DistributedDataParallel`` reduces its gradients in
+    the backward that follows its latest forward, so each of its forwards must be followed by
+    that microbatch's backward (B, or I and W) before the next forward or any other backward.
+
+    Raises:
+        ValueError: Naming the chunk, the microbatches and what to use instead.
+    """
+    for chunk, module in enumerate(chunks):
+        if not _is_torch_ddp(module):
+            continue
+        open_microbatch: int | None = None
+        for action in (a for a in actions if a.chunk == chunk):
+            if action.kind == "F" and open_microbatch is None:
+                open_microbatch = action.microbatch
+            elif action.kind != "F" and action.microbatch == open_microbatch:
+                open_microbatch = None if action.kind in ("B", "W") else open_microbatch
+            else:
+                raise ValueError(
+                    f"model chunk {chunk} is wrapped in torch.nn.parallel."
+                    "DistributedDataParallel, which decides at each forward whether the next "
+                    f"backward reduces gradients, but this rank's plan runs {action} while "
+                    f"microbatch {open_microbatch} is between its forward and its backward; "
+                    "wrap the chunk in pp_optim.DistributedDataParallel (it reduces at "
+                    "backward, as Megatron's DDP) or run one microbatch at a time (no "
+                    "pipelining)"
+                )
 
 
 def _wrapped_attr(module: torch.nn.Module, name: str) -> Any:
@@ -432,6 +473,10 @@ class PipelineExecutor:
             model, data_iterator, collect_non_loss_data, forward_only
         )
         prepared = self._prepared(num_microbatches, forward_only)
+        if not forward_only:
+            _check_torch_ddp_order(
+                chunks, [s.compute for s in prepared.report.steps[self.rank] if s.compute]
+            )
         run = _Run(
             self,
             _Call(
@@ -518,6 +563,12 @@ class _Run:
         self.deferred: dict[_Key, WeightGradients] = {}
         self.trainable: dict[int, list[torch.Tensor]] = {}
         self.sync_stacks: dict[int, contextlib.ExitStack] = {}
+        # torch's DDP chunks leave no_sync before the forward of their last microbatch.
+        self.sync_at_forward = {
+            chunk: microbatch
+            for chunk, microbatch in self.last_backward.items()
+            if _is_torch_ddp(call.chunks[chunk])
+        }
 
     def walk(self) -> None:
         """Run every step of this rank in order, then complete the sends still in flight."""
@@ -658,6 +709,8 @@ class _Run:
     def forward(self, action: Action) -> None:
         chunk, microbatch = action.chunk, action.microbatch
         call = self.call
+        if microbatch == self.sync_at_forward.get(chunk):
+            self._enable_sync(chunk)
         inputs = self._inputs(action)
         # Megatron hands set_input_tensor a list: [None] on the first stage.
         _wrapped_attr(call.chunks[chunk], "set_input_tensor")(
@@ -837,6 +890,8 @@ class _Run:
     @contextlib.contextmanager
     def sync_control(self) -> Iterator[None]:
         func = self.x.config.no_sync_func
+        if func is None and all(_is_torch_ddp(chunk) for chunk in self.call.chunks):
+            func = [cast("DistributedDataParallel", c).no_sync for c in self.call.chunks]
         if func is None or self.call.forward_only:
             yield
             return
