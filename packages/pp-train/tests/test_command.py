@@ -347,3 +347,36 @@ def test_profile_schedule_with_data_parallel_replicas(tmp_path: Path) -> None:
     assert _spans(path) == {0: {0}, 1: {0}}
     (match,) = SUMMARY.finditer(stdout)
     assert match.group(1) == "3"
+
+
+def _log_lines(stdout: str, prefix: str) -> list[str]:
+    return [line.strip() for line in stdout.splitlines() if line.strip().startswith(prefix)]
+
+
+def _params_norms(stdout: str) -> list[float]:
+    return [float(norm) for norm in re.findall(r" params norm: (\S+) \|", stdout)]
+
+
+def test_params_norm_and_timing_flags() -> None:
+    """--log-params-norm agrees across pipeline sizes; the timing flags shape the timers line."""
+    default = _train(PP2)
+    assert " params norm" not in default
+    assert "time across ranks" not in default  # --timing-log-level 0: iteration time only
+    detailed = _train(
+        [*PP2, "--log-params-norm", "--timing-log-level", "2", "--timing-log-option", "all"]
+    )
+    timers = _log_lines(detailed, "times across ranks (ms) | ")
+    assert len(timers) == 3
+    # Every phase, each rank's time: forward-compute and the gradient reduction run on both.
+    assert re.search(r"forward-backward: \[[\d.]+, [\d.]+\]", timers[0])
+    assert re.search(r"forward-compute: \[[\d.]+, [\d.]+\]", timers[0])
+    minmax = _train([*PP2, "--timing-log-level", "1", "--no-barrier-with-L1-time"])
+    phases = _log_lines(minmax, "(min, max) time across ranks (ms) | ")
+    assert len(phases) == 3
+    assert re.search(r"optimizer: \([\d.]+, [\d.]+\)", phases[0])
+    assert "forward-compute" not in phases[0]  # a level-2 timer
+    # The norm of the whole model, each weight once: the same on one stage as on two.
+    one_stage = _train([*TINY, "--log-params-norm"])
+    norms = _params_norms(detailed)
+    assert len(norms) == 3
+    assert norms == pytest.approx(_params_norms(one_stage), rel=1e-5)

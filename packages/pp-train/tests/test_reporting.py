@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 import pp_comm
 from pp_testing import run_distributed
+from pp_train import reporting
 from pp_train.reporting import (
     Timer,
     Timers,
@@ -163,6 +166,92 @@ def test_log_string_takes_the_max_across_ranks() -> None:
     assert line0 == line1 == expected
     assert local_line0 == f"step: {local0 * 1000.0:.2f}"
     assert local_line1 == f"step: {local1 * 1000.0:.2f}"
+
+
+def _options_across_ranks() -> dict[str, str]:
+    rank = dist.get_rank()
+    lines = {}
+    for option in ("max", "minmax", "all"):
+        timers = Timers(log_option=option)
+        timer = timers("step")
+        timer.start()
+        time.sleep(0.2 if rank == 1 else 0.0)
+        timer.stop()
+        if rank == 0:
+            timers("only-on-rank-0").start()
+            timers("only-on-rank-0").stop()
+        lines[option] = timers.log_string(
+            ["step", "only-on-rank-0"], group=dist.group.WORLD, header=True
+        )
+    return lines
+
+
+def test_log_options_show_the_max_the_min_and_max_or_every_rank() -> None:
+    lines = run_distributed(_options_across_ranks, 2, timeout=60)
+    assert lines[0] == lines[1]
+    found = lines[0]
+    maximum = re.fullmatch(
+        r"max time across ranks \(ms\) \| step: ([\d.]+) \| only-on-rank-0: [\d.]+",
+        found["max"],
+    )
+    assert maximum
+    assert float(maximum.group(1)) >= 200.0
+    low_high = re.fullmatch(
+        r"\(min, max\) time across ranks \(ms\) \| step: \(([\d.]+), ([\d.]+)\) \| "
+        r"only-on-rank-0: \(([\d.]+), \3\)",
+        found["minmax"],
+    )
+    assert low_high
+    assert float(low_high.group(1)) < 200.0 <= float(low_high.group(2))
+    every = re.fullmatch(
+        r"times across ranks \(ms\) \| step: \[([\d.]+), ([\d.]+)\] \| "
+        r"only-on-rank-0: \[[\d.]+, -\]",
+        found["all"],
+    )
+    assert every
+    assert float(every.group(1)) < 200.0 <= float(every.group(2))
+
+
+def test_timers_above_the_log_level_measure_nothing() -> None:
+    timers = Timers(log_level=1)
+    assert timers.log_level == 1
+    fine = timers("forward-compute")  # no level: the finest, 2
+    fine.start()
+    fine.stop()
+    assert "forward-compute" not in timers
+    with pytest.raises(RuntimeError, match="above the timing log level"):
+        fine.elapsed()
+    phase = timers("optimizer", log_level=1)
+    assert phase is timers("optimizer") is timers("optimizer", log_level=1)
+    assert timers.names() == ["optimizer"]
+    with pytest.raises(ValueError, match="made with log level 1, asked for with 0"):
+        timers("optimizer", log_level=0)
+    assert timers.log_string(["forward-compute", "optimizer"]) == "optimizer: 0.00"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"log_level": 3}, "log_level must be 0, 1 or 2"),
+        ({"log_level": -1}, "log_level must be 0, 1 or 2"),
+        ({"log_option": "mean"}, "log_option must be one of max, minmax, all, got 'mean'"),
+    ],
+)
+def test_bad_timing_settings_name_the_choices(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Timers(**kwargs)
+
+
+def test_a_timer_waits_for_the_device_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits: list[str] = []
+    monkeypatch.setattr(reporting, "_synchronize_cuda", lambda: waits.append("sync"))
+    timer = Timers()("forward-backward", log_level=1)
+    timer.start()
+    timer.stop()
+    assert waits == []
+    timer.start(barrier=True)
+    timer.stop(barrier=True)
+    assert waits == ["sync", "sync"]
 
 
 # --- the log line -----------------------------------------------------------------------------
@@ -326,7 +415,7 @@ def test_timers_line_is_printed_under_the_log_line() -> None:
         num_zeros_in_grad=None,
         consumed_samples=8,
         global_batch_size=8,
-        timers_line="forward-backward: 12.34 | optimizer: 1.20",
+        timers_line="max time across ranks (ms) | forward-backward: 12.34 | optimizer: 1.20",
     )
     assert text is not None
     line, timers = text.split("\n")

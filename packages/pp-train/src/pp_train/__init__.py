@@ -34,10 +34,21 @@ from pp_train.microbatches import (
     RampupBatchsizeNumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
-from pp_train.reporting import Timer, Timers, TrainingLogger, format_log_line, memory_report
+from pp_train.norms import calc_params_l2_norm
+from pp_train.reporting import (
+    TIMING_LOG_OPTIONS,
+    Timer,
+    Timers,
+    TimingLogOption,
+    TrainingLogger,
+    format_log_line,
+    memory_report,
+)
 from pp_train.training import (
+    EncoderDecoderModelProvider,
     ExitReason,
     ModelProvider,
+    ModelType,
     TiedEmbeddingSync,
     TrainingConfig,
     TrainingProgress,
@@ -57,20 +68,24 @@ from pp_train.wrappers import unwrap_model
 __version__ = _version("pp-train")
 
 __all__ = [
+    "TIMING_LOG_OPTIONS",
     "ByteTokenizer",
     "CheckpointError",
     "ConstantNumMicroBatchesCalculator",
+    "EncoderDecoderModelProvider",
     "ExitReason",
     "GPTChunk",
     "GPTConfig",
     "GPTDataset",
     "LoadedCheckpoint",
     "ModelProvider",
+    "ModelType",
     "NumMicroBatchesCalculator",
     "RampupBatchsizeNumMicroBatchesCalculator",
     "TiedEmbeddingSync",
     "Timer",
     "Timers",
+    "TimingLogOption",
     "TrainingConfig",
     "TrainingLogger",
     "TrainingProgress",
@@ -78,6 +93,7 @@ __all__ = [
     "build_forward_backward_func",
     "build_num_microbatches_calculator",
     "build_parser",
+    "calc_params_l2_norm",
     "checkpoint_path",
     "chunk_layers",
     "corpus_tokens",

@@ -42,7 +42,7 @@ from pp_train.checkpointing import CheckpointError, LoadedCheckpoint
 from pp_train.data import ByteTokenizer, GPTDataset, corpus_tokens, microbatches, split_corpus
 from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
 from pp_train.microbatches import NumMicroBatchesCalculator, build_num_microbatches_calculator
-from pp_train.reporting import Timers, TrainingLogger, memory_report
+from pp_train.reporting import TIMING_LOG_OPTIONS, Timers, TrainingLogger, memory_report
 from pp_train.training import (
     TrainingConfig,
     TrainingProgress,
@@ -209,6 +209,33 @@ def _io_flags(parser: argparse.ArgumentParser) -> None:
     )
     io.add_argument("--tensorboard-dir", default=None)
     io.add_argument("--seed", type=int, default=1234)
+    io.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="report the parameters' L2 norm in the log line and TensorBoard",
+    )
+    io.add_argument(
+        "--timing-log-level",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="0: iteration time only (no timer waits); 1: also once-per-iteration phases "
+        "(forward-backward, gradient reduction, optimizer); 2: also each forward, backward "
+        "and transfer",
+    )
+    io.add_argument(
+        "--timing-log-option",
+        choices=list(TIMING_LOG_OPTIONS),
+        default="minmax",
+        help="what the timers line shows of the ranks' times: the max, min and max, or all",
+    )
+    io.add_argument(
+        "--barrier-with-L1-time",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="level-1 timers start after a barrier and a device synchronisation (default "
+        "on); off, no timer waits",
+    )
 
 
 def _divisors(number: int) -> list[int]:
@@ -612,7 +639,7 @@ def run(args: argparse.Namespace) -> str:
     model, optimizer, scheduler, loaded = _build_model(args, state, gpt, placement)
     progress = _progress(args, loaded, say)
     train_data, valid_data = _datasets(args)
-    timers = Timers()
+    timers = Timers(args.timing_log_level, args.timing_log_option)
     forward_backward = build_forward_backward_func(
         state,
         model,
@@ -849,6 +876,8 @@ def _training_config(args: argparse.Namespace) -> TrainingConfig:
         exit_signal_handler=args.exit_signal_handler,
         profile_schedule_path=args.profile_schedule,
         profile_schedule_iteration=args.profile_schedule_iteration,
+        log_params_norm=args.log_params_norm,
+        barrier_with_l1_time=args.barrier_with_L1_time,
     )
 
 

@@ -14,15 +14,17 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "TIMING_LOG_OPTIONS",
     "ScalarWriter",
     "Timer",
     "Timers",
+    "TimingLogOption",
     "TrainingLogger",
     "format_log_line",
     "memory_report",
@@ -30,8 +32,18 @@ __all__ = [
 
 _PROGRESS_BAR_WIDTH = 20
 _BYTES_PER_MB = 1024 * 1024
-# Marks a timer a rank has never created; a MAX across ranks keeps it only if no rank has one.
+# Marks a timer a rank has never created; it is left out of the min, max and list of times.
 _MISSING = -1.0
+_MAX_LOG_LEVEL = 2
+
+TimingLogOption = Literal["max", "minmax", "all"]
+"""Megatron's ``--timing-log-option``: what a timer's line shows of the ranks' times."""
+TIMING_LOG_OPTIONS: tuple[TimingLogOption, ...] = get_args(TimingLogOption)
+_HEADERS: Mapping[str, str] = {
+    "max": "max time across ranks (ms)",
+    "minmax": "(min, max) time across ranks (ms)",
+    "all": "times across ranks (ms)",
+}
 
 
 def _synchronize_cuda() -> None:
@@ -80,7 +92,9 @@ class Timer:
 
         Args:
             barrier: Wait for every rank of the barrier group first, so that the interval
-                measured is the same on all of them.
+                measured is the same on all of them, and for this rank's device (CUDA
+                kernels run asynchronously). Without it the clock is read at once: nothing
+                waits, so the timer adds no synchronisation to the step.
 
         Raises:
             RuntimeError: The timer is already running.
@@ -89,14 +103,15 @@ class Timer:
             raise RuntimeError(f"timer {self._name!r} is already running; stop it first")
         if barrier:
             self._barrier()
-        _synchronize_cuda()
+            _synchronize_cuda()
         self._started_at = time.perf_counter()
 
     def stop(self, barrier: bool = False) -> None:
         """Stops timing and adds the interval to the elapsed time.
 
         Args:
-            barrier: Wait for every rank of the barrier group before reading the clock.
+            barrier: Wait for every rank of the barrier group, and for this rank's device,
+                before reading the clock.
 
         Raises:
             RuntimeError: The timer is not running.
@@ -105,7 +120,7 @@ class Timer:
             raise RuntimeError(f"timer {self._name!r} is not running; start it first")
         if barrier:
             self._barrier()
-        _synchronize_cuda()
+            _synchronize_cuda()
         self._elapsed += time.perf_counter() - self._started_at
         self._started_at = None
 
@@ -135,28 +150,110 @@ class Timer:
         return elapsed
 
 
-class Timers:
-    """Named timers made on first use: ``timers("optimizer").start()``, as in Megatron."""
+class _DummyTimer:
+    """What a timer above the timing log level is: it measures and reports nothing."""
 
-    def __init__(self, *, barrier_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def start(self, barrier: bool = False) -> None:
+        """Does nothing."""
+
+    def stop(self, barrier: bool = False) -> None:
+        """Does nothing."""
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Refuses: the timer's level is above the timing log level.
+
+        Raises:
+            RuntimeError: Always.
+        """
+        raise RuntimeError(
+            f"timer {self._name!r} is above the timing log level, so it measures nothing; "
+            "raise the log level (Timers(log_level=...), --timing-log-level) to read it"
+        )
+
+
+class Timers:
+    """Named timers made on first use: ``timers("optimizer").start()``, as in Megatron.
+
+    Each timer has a level (Megatron's ``--timing-log-level``): 0 for what runs once per run
+    or per iteration at no cost, 1 for phases run once per iteration (forward-backward, the
+    gradient reduction, the optimizer), 2 for what runs many times per iteration (each
+    forward and backward, each transfer). Timers above the configured level measure nothing.
+    """
+
+    def __init__(
+        self,
+        log_level: int = _MAX_LOG_LEVEL,
+        log_option: TimingLogOption = "max",
+        *,
+        barrier_group: dist.ProcessGroup | None = None,
+    ) -> None:
         """Makes an empty set of timers.
 
         Args:
+            log_level: Timers of a higher level are dummies (0, 1 or 2; 2 keeps all).
+            log_option: What `log_string` reports of the ranks' times: "max", "minmax" or
+                "all" (each rank's).
             barrier_group: The group the timers wait for when started or stopped with
                 ``barrier=True`` (None: the default group).
+
+        Raises:
+            ValueError: A level or option outside the choices.
         """
+        _check_level("log_level", log_level)
+        if log_option not in TIMING_LOG_OPTIONS:
+            raise ValueError(
+                f"log_option must be one of {', '.join(TIMING_LOG_OPTIONS)}, got {log_option!r}"
+            )
+        self._log_level = log_level
+        self._log_option: TimingLogOption = log_option
         self._barrier_group = barrier_group
         self._timers: dict[str, Timer] = {}
+        self._levels: dict[str, int] = {}
 
-    def __call__(self, name: str) -> Timer:
-        """The timer called `name`, made stopped and empty if it does not exist yet."""
+    @property
+    def log_level(self) -> int:
+        """Timers above this level measure nothing."""
+        return self._log_level
+
+    @property
+    def log_option(self) -> TimingLogOption:
+        """What `log_string` reports of the ranks' times."""
+        return self._log_option
+
+    def __call__(self, name: str, log_level: int | None = None) -> Timer | _DummyTimer:
+        """The timer called `name`, made stopped and empty if it does not exist yet.
+
+        Args:
+            name: The timer's name.
+            log_level: Its level (by default 2, the finest); a timer above the configured
+                level is a dummy that measures nothing.
+
+        Raises:
+            ValueError: A level outside 0 .. 2, or one that differs from the level the timer
+                was made with.
+        """
+        if log_level is not None:
+            _check_level("a timer's log_level", log_level)
         timer = self._timers.get(name)
-        if timer is None:
-            timer = self._timers[name] = Timer(name, self._barrier_group)
+        if timer is not None:
+            if log_level is not None and log_level != self._levels[name]:
+                raise ValueError(
+                    f"timer {name!r} was made with log level {self._levels[name]}, "
+                    f"asked for with {log_level}"
+                )
+            return timer
+        level = _MAX_LOG_LEVEL if log_level is None else log_level
+        if level > self._log_level:
+            return _DummyTimer(name)
+        timer = self._timers[name] = Timer(name, self._barrier_group)
+        self._levels[name] = level
         return timer
 
     def __contains__(self, name: object) -> bool:
-        """Whether a timer called `name` has been made."""
+        """Whether a timer called `name` has been made (dummies are not)."""
         return name in self._timers
 
     def names(self) -> list[str]:
@@ -174,18 +271,23 @@ class Timers:
         normalizer: float = 1.0,
         group: dist.ProcessGroup | None = None,
         reset: bool = True,
+        header: bool = False,
     ) -> str:
-        """The elapsed time of each timer in `names`, maximised over the ranks of `group`.
+        """The elapsed time of each timer in `names` over the ranks of `group`.
 
         Every rank of `group` must call this with the same `names`: the times meet in one
-        all-reduce. A name no rank has a timer for is left out of the line.
+        all-gather. A name no rank has a timer for is left out of the line. What is shown
+        of the ranks' times is the `log_option`: "max" (``"optimizer: 1.20"``), "minmax"
+        (``"optimizer: (0.98, 1.20)"``) or "all" (``"optimizer: [1.20, 0.98]"``, ``-`` for
+        a rank without the timer).
 
         Args:
             names: The timers to report, in the order to print them.
             normalizer: Divides every time (e.g. the number of iterations they cover).
-            group: The ranks to take the maximum over; None (or no initialised
-                torch.distributed) reports this rank's times.
+            group: The ranks to report over; None (or no initialised torch.distributed)
+                reports this rank's times.
             reset: Reset the timers after reading them, as Megatron's log does.
+            header: Start with what the numbers are, e.g. ``"max time across ranks (ms) | "``.
 
         Returns:
             A line such as ``"forward-backward: 12.34 | optimizer: 1.20"`` in milliseconds.
@@ -205,22 +307,46 @@ class Timers:
             ],
             dtype=torch.float64,
         )
+        per_rank = seconds.unsqueeze(0)  # (ranks, names)
         if group is not None and _distributed_ready() and len(names) > 0:
-            seconds = _max_over_group(seconds, group)
+            per_rank = _gather_over_group(seconds, group)
         parts = [
-            f"{name}: {value * 1000.0 / normalizer:.2f}"
-            for name, value in zip(names, seconds.tolist(), strict=True)
-            if value != _MISSING
+            f"{name}: {text}"
+            for index, name in enumerate(names)
+            if (text := _format_times(per_rank[:, index].tolist(), normalizer, self._log_option))
         ]
-        return " | ".join(parts)
+        body = " | ".join(parts)
+        return f"{_HEADERS[self._log_option]} | {body}" if header and body else body
 
 
-def _max_over_group(values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    # NCCL reduces device tensors only; gloo (and the rest) take the CPU tensor as it is.
+def _check_level(name: str, level: object) -> None:
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= _MAX_LOG_LEVEL:
+        raise ValueError(f"{name} must be 0, 1 or 2 (Megatron's timing log levels), got {level!r}")
+
+
+def _format_times(seconds: list[float], normalizer: float, option: TimingLogOption) -> str:
+    """One timer's milliseconds over the ranks as the option shows them; '' if no rank has it."""
+    known = [value * 1000.0 / normalizer for value in seconds if value != _MISSING]
+    if not known:
+        return ""
+    if option == "max":
+        return f"{max(known):.2f}"
+    if option == "minmax":
+        return f"({min(known):.2f}, {max(known):.2f})"
+    shown = (
+        "-" if value == _MISSING else f"{value * 1000.0 / normalizer:.2f}" for value in seconds
+    )
+    return "[" + ", ".join(shown) + "]"
+
+
+def _gather_over_group(values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's `values`, one row per rank of `group`."""
+    # NCCL gathers device tensors only; gloo (and the rest) take the CPU tensor as it is.
     device = torch.device("cuda") if dist.get_backend(group) == "nccl" else values.device
-    reduced = values.to(device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    return reduced.cpu()
+    local = values.to(device)
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, local, group=group)
+    return torch.stack(rows).cpu()
 
 
 class ScalarWriter(Protocol):
@@ -421,7 +547,8 @@ class TrainingLogger:
             consumed_samples: Samples consumed by training, this iteration's included.
             global_batch_size: The global batch size of this iteration.
             elapsed_per_iteration: Seconds per iteration over the interval, or None.
-            timers_line: A `Timers.log_string` line, printed under the log line.
+            timers_line: A `Timers.log_string` line (with its header), printed under the
+                log line.
             params_norm: The parameter norm, or None.
 
         Returns:
@@ -469,11 +596,7 @@ class TrainingLogger:
             skipped_iterations=self._skipped,
             nan_iterations=self._nan,
         )
-        text = (
-            line
-            if timers_line is None
-            else f"{line}\n    max time across ranks (ms) | {timers_line}"
-        )
+        text = line if not timers_line else f"{line}\n    {timers_line}"
         self._restart_interval()
         if self._is_logging_rank:
             self._print(text)

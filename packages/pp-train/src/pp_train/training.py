@@ -8,6 +8,7 @@ optimizer, scheduler, forward-backward function): use them together through `tra
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import signal
 import time
@@ -46,13 +47,17 @@ from pp_train.checkpointing import (
     save_checkpoint,
 )
 from pp_train.microbatches import NumMicroBatchesCalculator
+from pp_train.norms import calc_params_l2_norm
+from pp_train.reporting import Timers as LevelledTimers
 from pp_train.reporting import TrainingLogger
 from pp_train.wrappers import unwrap_model
 
 __all__ = [
+    "EncoderDecoderModelProvider",
     "ExitReason",
     "ForwardBackwardFunc",
     "ModelProvider",
+    "ModelType",
     "TiedEmbeddingSync",
     "TrainingConfig",
     "TrainingProgress",
@@ -77,6 +82,27 @@ class ModelProvider(Protocol):
 
     def __call__(self, *, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
         """The chunk of virtual stage `vp_stage`; `pre_process` / `post_process` on the ends."""
+
+
+class EncoderDecoderModelProvider(Protocol):
+    """Builds an encoder-decoder model's stage, as Megatron calls it for such models."""
+
+    def __call__(
+        self, *, pre_process: bool, post_process: bool, add_encoder: bool, add_decoder: bool
+    ) -> torch.nn.Module:
+        """One stage of the model.
+
+        `pre_process`: the stage embeds (the first encoder or first decoder stage);
+        `post_process`: it ends the encoder or the whole model; `add_encoder` /
+        `add_decoder`: which half it holds (both on a single stage).
+        """
+
+
+class ModelType(enum.Enum):
+    """Megatron's model types: one stack, or an encoder and a decoder split at a pipeline rank."""
+
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
 
 
 class ForwardBackwardFunc(Protocol):
@@ -114,6 +140,17 @@ class TrainingConfig:
 
     seq_length: int
     """Tokens per sample; activations between stages are (seq_length, micro_batch_size, h)."""
+
+    decoder_seq_length: int | None = None
+    """Encoder-decoder models: the decoder's tokens per sample (None: `seq_length`)."""
+
+    log_params_norm: bool = False
+    """Compute the parameters' L2 norm every iteration (over the whole model, each weight
+    counted once) and report it in the log line and TensorBoard (``--log-params-norm``)."""
+
+    barrier_with_l1_time: bool = True
+    """Start the level-1 timers of `train_step` after a barrier and a device synchronisation
+    (Megatron's ``--barrier-with-L1-time``); off, timers never wait."""
 
     eval_interval: int | None = None
     """Evaluate every this many iterations (None: never during training)."""
@@ -165,7 +202,7 @@ class TrainingConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("eval_interval", "save_interval", "exit_interval"):
+        for name in ("eval_interval", "save_interval", "exit_interval", "decoder_seq_length"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -225,7 +262,7 @@ def _layout_placement(state: ParallelState, placement: Placement | None) -> Plac
 
 
 def get_model(
-    model_provider: ModelProvider,
+    model_provider: ModelProvider | EncoderDecoderModelProvider,
     state: ParallelState,
     *,
     fp16: bool = False,
@@ -234,6 +271,7 @@ def get_model(
     device: torch.device | None = None,
     wrap_with_ddp: bool = True,
     placement: Placement | None = None,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> list[torch.nn.Module]:
     """One model chunk per virtual stage, moved to `device`, cast and wrapped as Megatron does.
 
@@ -245,9 +283,17 @@ def get_model(
     after which parameters are broadcast from data-parallel rank 0. Last, the copies of a
     tied word embedding are made equal (see `tied_embedding_sync`).
 
+    An encoder-decoder model (`model_type` ``ModelType.encoder_and_decoder``) is built as
+    Megatron builds one: with a pipeline, the state's split rank is the first decoder stage;
+    the provider is called as ``model_provider(pre_process=, post_process=, add_encoder=,
+    add_decoder=)``, ``pre_process`` on the first encoder and the first decoder stage,
+    ``post_process`` on the last of each. The copies of the word embedding on the first,
+    split and last stage, and of the position embedding on the first and split stage, start
+    equal to the first stage's and have their gradients summed (`finalize_model_grads`).
+
     Args:
         model_provider: Builds one chunk: ``model_provider(pre_process=, post_process=,
-            vp_stage=)``.
+            vp_stage=)`` (see above for encoder-decoder models).
         state: The parallel state (pipeline rank and size, virtual size, groups).
         fp16: Wrap each chunk in `Float16Module` with float16.
         bf16: Wrap each chunk in `Float16Module` with bfloat16.
@@ -256,18 +302,18 @@ def get_model(
         wrap_with_ddp: Wrap each chunk in `DistributedDataParallel`.
         placement: Which virtual stage each (rank, chunk) holds; the schedule's (a plan's
             placement), Megatron's looped one when None.
+        model_type: Megatron's: one stack, or an encoder and a decoder.
 
     Raises:
-        ValueError: fp16 and bf16 together, a placement for another pipeline, or a tied
-            embedding whose two ends the placement puts where they cannot be kept in sync.
+        ValueError: fp16 and bf16 together, a placement for another pipeline, a tied
+            embedding whose two ends the placement puts where they cannot be kept in sync,
+            or an encoder-decoder model with virtual stages or a pipeline without split rank.
     """
     where = _layout_placement(state, placement)
-    rank = state.pipeline_model_parallel_rank
     dtype = _half_dtype(fp16, bf16)
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(where.vp_size):
-        pre, post = where.is_first(rank, vp_stage), where.is_last(rank, vp_stage)
-        chunk = model_provider(pre_process=pre, post_process=post, vp_stage=vp_stage)
+        chunk, pre, post = _provide(model_provider, state, where, vp_stage, model_type)
         if device is not None:
             chunk = chunk.to(device)
         if dtype is not None:
@@ -281,6 +327,37 @@ def get_model(
         chunks.append(chunk)
     _sync_shared_embeddings(chunks, state, where)
     return chunks
+
+
+def _provide(
+    model_provider: ModelProvider | EncoderDecoderModelProvider,
+    state: ParallelState,
+    where: Placement,
+    vp_stage: int,
+    model_type: ModelType,
+) -> tuple[torch.nn.Module, bool, bool]:
+    """One chunk from the provider, and whether it is pre- and post-processing."""
+    rank = state.pipeline_model_parallel_rank
+    if model_type is ModelType.encoder_or_decoder:
+        pre, post = where.is_first(rank, vp_stage), where.is_last(rank, vp_stage)
+        provider = cast("ModelProvider", model_provider)
+        return provider(pre_process=pre, post_process=post, vp_stage=vp_stage), pre, post
+    pp, split = state.pipeline_model_parallel_size, state.pipeline_model_parallel_split_rank
+    if where.vp_size > 1 or (pp > 1 and split is None):
+        raise ValueError(
+            f"an encoder-decoder model needs a pipeline split rank (the first decoder stage) "
+            f"when the pipeline has more than one stage, and no virtual stages; got pipeline "
+            f"size {pp}, split rank {split}, virtual size {where.vp_size}"
+        )
+    encoder = pp == 1 or state.is_pipeline_stage_before_split()
+    decoder = pp == 1 or state.is_pipeline_stage_after_split()
+    pre = rank in (0, split)
+    post = rank == pp - 1 or (split is not None and rank == split - 1)
+    provider_ed = cast("EncoderDecoderModelProvider", model_provider)
+    chunk = provider_ed(
+        pre_process=pre, post_process=post, add_encoder=encoder, add_decoder=decoder
+    )
+    return chunk, pre, post
 
 
 def _shared_weight(chunk: torch.nn.Module) -> torch.nn.Parameter | None:
@@ -343,7 +420,10 @@ def _ties_output_to_embedding(chunk: torch.nn.Module) -> bool:
 def _embedding_weights(
     chunks: Sequence[torch.nn.Module], state: ParallelState, placement: Placement
 ) -> list[torch.nn.Parameter]:
-    """The tied word-embedding copies this rank holds: the first stage's, then the last's."""
+    """The tied word-embedding copies this rank holds: the first stage's, then the last's.
+
+    With an encoder-decoder split, the first decoder stage's embedding is a copy too.
+    """
     if placement.num_stages == 1:
         return []
     rank = state.pipeline_model_parallel_rank
@@ -353,6 +433,8 @@ def _embedding_weights(
         for index in range(len(chunks))
         if holds(rank, index)
     ]
+    if rank == state.pipeline_model_parallel_split_rank:
+        ends = list(dict.fromkeys([0, *ends]))  # no virtual stages with a split
     weights = [
         _shared_weight(chunks[index]) for index in ends if _ties_output_to_embedding(chunks[index])
     ]
@@ -385,24 +467,51 @@ def _sum_tied_gradients(
 def _sync_shared_embeddings(
     chunks: Sequence[torch.nn.Module], state: ParallelState, placement: Placement
 ) -> None:
-    """The output layer's copy starts as the word embedding (Megatron zeroes it and all-reduces)."""
+    """Every copy of the word (and position) embedding starts as the first stage's.
+
+    Megatron's way: the copies outside the first stage are zeroed, then summed over the
+    embedding (and position-embedding) group.
+    """
+    first = state.pipeline_model_parallel_rank == 0
     weights = _embedding_weights(chunks, state, placement)
-    if not weights:
-        return
-    how = tied_embedding_sync(placement)
     with torch.no_grad():
-        if how == "local":
+        if weights and tied_embedding_sync(placement) == "local":
             if len(weights) == 2:  # the embedding and its copy
                 weights[1].copy_(weights[0])
-            return
-        for weight in weights:
-            if getattr(weight, "shared", False):
-                weight.zero_()
-            dist.all_reduce(weight.data, group=state.group("embedding"))
+        elif weights:
+            for weight in weights:
+                if not first:
+                    weight.zero_()
+                dist.all_reduce(weight.data, group=state.group("embedding"))
+        position = _split_position_embedding(chunks, state)
+        if position is not None:
+            if not first:
+                position.zero_()
+            dist.all_reduce(position.data, group=state.group("position_embedding"))
+
+
+def _split_position_embedding(
+    chunks: Sequence[torch.nn.Module], state: ParallelState
+) -> torch.nn.Parameter | None:
+    """With an encoder-decoder split, this rank's copy of the position embedding, if any.
+
+    The first encoder and first decoder stage each hold one (``model.embedding.
+    position_embeddings``, Megatron's layout); they are kept equal over the position-embedding
+    group.
+    """
+    if (
+        state.pipeline_model_parallel_split_rank is None
+        or state.pipeline_model_parallel_size == 1
+        or not state.is_rank_in_position_embedding_group()
+    ):
+        return None
+    embedding = getattr(unwrap_model(chunks[0]), "embedding", None)
+    weight = getattr(getattr(embedding, "position_embeddings", None), "weight", None)
+    return weight if isinstance(weight, torch.nn.Parameter) else None
 
 
 def setup_model_and_optimizer(
-    model_provider: ModelProvider,
+    model_provider: ModelProvider | EncoderDecoderModelProvider,
     state: ParallelState,
     *,
     optimizer_config: OptimizerConfig,
@@ -415,6 +524,7 @@ def setup_model_and_optimizer(
     no_load_optim: bool = False,
     no_load_rng: bool = False,
     placement: Placement | None = None,
+    model_type: ModelType = ModelType.encoder_or_decoder,
 ) -> tuple[
     list[torch.nn.Module], MegatronOptimizer, OptimizerParamScheduler, LoadedCheckpoint | None
 ]:
@@ -422,7 +532,7 @@ def setup_model_and_optimizer(
 
     `placement` is the schedule's: which virtual stage each chunk holds (see `get_model`);
     Megatron's looped placement when None. Give the same one to `build_forward_backward_func`
-    (a plan's placement when you run a plan).
+    (a plan's placement when you run a plan). `model_type` as `get_model`'s.
 
     Returns:
         ``(model, optimizer, scheduler, loaded)``: `loaded` is None when nothing was loaded
@@ -436,6 +546,7 @@ def setup_model_and_optimizer(
         ddp_config=ddp_config,
         device=device,
         placement=placement,
+        model_type=model_type,
     )
     optimizer = get_megatron_optimizer(
         optimizer_config, [unwrap_model(chunk) for chunk in model], parallel_state=state
@@ -509,6 +620,9 @@ def build_forward_backward_func(
             schedule=schedule,
             plan=plan,
             placement=placement,
+            pipeline_model_parallel_split_rank=state.pipeline_model_parallel_split_rank
+            if state.pipeline_model_parallel_size > 1
+            else None,
             grad_scale_func=optimizer.scale_loss,
             no_sync_func=_no_sync_func(model),
             timers=timers,
@@ -577,17 +691,9 @@ def finalize_model_grads(
         if callable(finish):
             finish()
     _sum_tied_gradients(model, state, _layout_placement(state, placement))
-    if (
-        state.pipeline_model_parallel_split_rank is not None
-        and state.pipeline_model_parallel_size > 1
-        and state.is_rank_in_position_embedding_group()
-    ):
-        weight = getattr(
-            getattr(unwrap_model(model[0]), "embedding", None), "position_embeddings", None
-        )
-        if isinstance(weight, torch.nn.Embedding):
-            parameter = cast("torch.nn.Parameter", weight.weight)
-            all_reduce_grads([parameter], group=state.group("position_embedding"))
+    position = _split_position_embedding(model, state)
+    if position is not None:
+        all_reduce_grads([position], group=state.group("position_embedding"))
 
 
 def _average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[str, float]:
@@ -621,13 +727,19 @@ def train_step(
     num_microbatches: int,
     micro_batch_size: int,
     seq_length: int,
+    decoder_seq_length: int | None = None,
     timers: Timers | None = None,
+    barrier_with_l1_time: bool = True,
 ) -> tuple[dict[str, float], int, float | None, int | None]:
     """One iteration, as Megatron's ``train_step``.
 
     Zeroes the grad buffers and the optimizer's grads, runs the forward-backward function,
     finalizes the gradients (`finalize_model_grads`), steps the optimizer and, when the step
     was not skipped, the scheduler by ``num_microbatches * micro_batch_size * dp`` samples.
+    The three phases are timed as "forward-backward", "grads-all-reduce" and "optimizer"
+    (timing level 1 with pp-train's `Timers`); with `barrier_with_l1_time` (Megatron's
+    ``--barrier-with-L1-time``) the first and the last start after a barrier and a device
+    synchronisation, so that they time the same interval on every rank.
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
@@ -640,7 +752,7 @@ def train_step(
         if callable(zero):
             zero()
     optimizer.zero_grad()
-    timers("forward-backward").start()
+    _phase(timers, "forward-backward").start(**_barrier(timers, barrier_with_l1_time))
     losses = forward_backward_func(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
@@ -648,22 +760,33 @@ def train_step(
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
         forward_only=False,
     )
-    timers("forward-backward").stop()
+    _phase(timers, "forward-backward").stop()
     placement = schedule_placement(forward_backward_func, state)
-    timers("grads-all-reduce").start()
+    _phase(timers, "grads-all-reduce").start()
     finalize_model_grads(model, state, placement=placement)
-    timers("grads-all-reduce").stop()
-    timers("optimizer").start()
+    _phase(timers, "grads-all-reduce").stop()
+    _phase(timers, "optimizer").start(**_barrier(timers, barrier_with_l1_time))
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    timers("optimizer").stop()
+    _phase(timers, "optimizer").stop()
     if update_successful:
         scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp_cp"))
     skipped_iter = 0 if update_successful else 1
     holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
     loss_dict = _average_losses(losses, state) if holds_loss else {}
     return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _phase(timers: Timers, name: str) -> Any:
+    """A once-per-iteration phase's timer: level 1 with pp-train's `Timers` (Megatron's)."""
+    return timers(name, log_level=1) if isinstance(timers, LevelledTimers) else timers(name)
+
+
+def _barrier(timers: Timers, barrier: bool) -> dict[str, bool]:
+    """``start``'s keywords: pp-train's timers take a barrier; a plain `Timers` hook none."""
+    return {"barrier": barrier} if isinstance(timers, LevelledTimers) else {}
 
 
 def evaluate(
@@ -677,6 +800,7 @@ def evaluate(
     num_microbatches: int,
     micro_batch_size: int,
     seq_length: int,
+    decoder_seq_length: int | None = None,
 ) -> dict[str, float]:
     """Forward-only over `eval_iters` global batches; the model is back in train mode after.
 
@@ -697,6 +821,7 @@ def evaluate(
                     num_microbatches=num_microbatches,
                     seq_length=seq_length,
                     micro_batch_size=micro_batch_size,
+                    decoder_seq_length=decoder_seq_length,
                     forward_only=True,
                 )
     finally:
@@ -771,7 +896,9 @@ class _LoopParts:
             num_microbatches=num_microbatches,
             micro_batch_size=self.config.micro_batch_size,
             seq_length=self.config.seq_length,
+            decoder_seq_length=self.config.decoder_seq_length,
             timers=timers,
+            barrier_with_l1_time=self.config.barrier_with_l1_time,
         )
 
     def save_on_interval(self) -> None:
@@ -1025,6 +1152,9 @@ class _TrainLoop:
             elapsed_per_iteration=(time.perf_counter() - self.interval_started)
             / self.interval_iterations,
             timers_line=_timers_line(self.timers, self.interval_iterations) if log_now else None,
+            params_norm=calc_params_l2_norm(self.parts.model, self.parts.state)
+            if self.parts.config.log_params_norm
+            else None,
         )
         if log_now:
             self.interval_started, self.interval_iterations = time.perf_counter(), 0
@@ -1039,6 +1169,7 @@ def _log_step(
     global_batch_size: int,
     elapsed_per_iteration: float | None = None,
     timers_line: str | None = None,
+    params_norm: float | None = None,
 ) -> None:
     loss_dict, skipped, grad_norm, zeros = step
     logger.training_log(
@@ -1053,6 +1184,7 @@ def _log_step(
         global_batch_size=global_batch_size,
         elapsed_per_iteration=elapsed_per_iteration,
         timers_line=timers_line,
+        params_norm=params_norm,
     )
 
 
@@ -1066,11 +1198,13 @@ _LOGGED_TIMERS = (
 
 
 def _timers_line(timers: Any, iterations: int) -> str | None:
-    """Per-iteration ms of the main phases, the max over all ranks (a collective)."""
+    """Per-iteration ms of the main phases over all ranks (a collective), with its header."""
     log_string = getattr(timers, "log_string", None)
     if not callable(log_string):
         return None
-    line = log_string(_LOGGED_TIMERS, normalizer=max(1, iterations), group=dist.group.WORLD)
+    line = log_string(
+        _LOGGED_TIMERS, normalizer=max(1, iterations), group=dist.group.WORLD, header=True
+    )
     return line if isinstance(line, str) else None
 
 
@@ -1094,6 +1228,7 @@ def _evaluate_and_print(
         num_microbatches=calculator.get(),
         micro_batch_size=config.micro_batch_size,
         seq_length=config.seq_length,
+        decoder_seq_length=config.decoder_seq_length,
     )
     progress.consumed_valid_samples += (
         config.eval_iters * calculator.get_current_global_batch_size()
