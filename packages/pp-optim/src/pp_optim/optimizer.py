@@ -551,7 +551,9 @@ def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]
 
     Returns:
         Up to two torch param groups, each with a ``wd_mult`` (1.0 or 0.0) and an
-        ``lr_mult`` of 1.0 that `OptimizerParamScheduler` applies.
+        ``lr_mult`` of 1.0 that `OptimizerParamScheduler` applies, and Megatron's
+        ``default_config=True`` (both follow the default schedule), which
+        `get_canonical_lr_for_logging` looks for.
     """
     decayed: list[torch.nn.Parameter] = []
     not_decayed: list[torch.nn.Parameter] = []
@@ -564,7 +566,7 @@ def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]
             no_decay = name.endswith(".bias") or param.dim() == 1
             (not_decayed if no_decay else decayed).append(param)
     groups = [
-        {"params": params, "wd_mult": wd_mult, "lr_mult": 1.0}
+        {"params": params, "wd_mult": wd_mult, "lr_mult": 1.0, "default_config": True}
         for params, wd_mult in ((decayed, 1.0), (not_decayed, 0.0))
         if params
     ]
