@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
@@ -249,3 +251,92 @@ def _requires_grad_and_dtype() -> list[object]:
 def test_pipeline_dtype_and_requires_grad_follow_the_config_and_the_call() -> None:
     _, seen = run_distributed(_requires_grad_and_dtype, 2)
     assert seen == [torch.bfloat16, False, True]
+
+
+def _megatron_spelling() -> list[object]:
+    """Every receiving operation with Megatron's ``tensor_shape=`` keyword, on two stages."""
+    comm = P2PCommunicator(dist.group.WORLD, config=CommConfig(timeout=TIMEOUT))
+    s = comm.stage
+    mine = torch.full((2, 3), float(s + 1))
+    seen: list[object] = []
+
+    def note(got: object) -> None:
+        if isinstance(got, (list, tuple)):
+            seen.append([t.tolist() for t in got])  # a list of shapes gives lists
+        else:
+            seen.append(got.tolist() if isinstance(got, torch.Tensor) else got)
+
+    if s == 0:
+        comm.send_forward(mine)
+        note(comm.recv_backward(tensor_shape=(2, 3)))
+        note(comm.send_forward_recv_backward(mine, tensor_shape=(2, 3)))
+    else:
+        note(comm.recv_forward(tensor_shape=(2, 3)))
+        comm.send_backward(mine)
+        note(comm.send_backward_recv_forward(mine, tensor_shape=(2, 3)))
+    note(comm.send_forward_recv_forward(mine, recv_prev=True, tensor_shape=(2, 3)))
+    received, handle = comm.send_backward_recv_backward(
+        mine, recv_next=True, tensor_shape=(2, 3), overlap_p2p_comm=True
+    )
+    handle.wait()
+    note(received)
+    from_prev, from_next = comm.send_forward_backward_recv_forward_backward(
+        mine, mine, True, True, tensor_shape=[(2, 3)]
+    )
+    note(from_prev)
+    note(from_next)
+    comm.destroy()
+    return seen
+
+
+def test_megatron_tensor_shape_keyword_delivers_the_tensors() -> None:
+    first, second = run_distributed(_megatron_spelling, 2)
+    twos, ones = [[2.0] * 3] * 2, [[1.0] * 3] * 2
+    # Stage 0 gets stage 1's values and the other way round.
+    assert first == [twos, twos, twos, twos, [twos], [twos]]
+    assert second == [ones, ones, ones, ones, [ones], [ones]]
+
+
+def _both_spellings() -> list[str]:
+    config = CommConfig(timeout=TIMEOUT)
+    comm = P2PCommunicator(dist.group.WORLD, config=config)
+    x = torch.ones(2)
+    calls: list[Callable[[], object]] = [
+        lambda: comm.recv_forward((2,), tensor_shape=(2,)),
+        lambda: comm.recv_backward((2,), tensor_shape=(2,)),
+        lambda: comm.send_forward_recv_backward(x, (2,), tensor_shape=(2,)),
+        lambda: comm.send_backward_recv_forward(x, tensor_shapes=(2,), tensor_shape=(2,)),
+        lambda: comm.send_forward_recv_forward(x, True, (2,), tensor_shape=(2,)),
+        lambda: comm.send_backward_recv_backward(x, True, (2,), tensor_shape=(2,)),
+        lambda: comm.send_forward_backward_recv_forward_backward(
+            x, x, True, True, (2,), tensor_shape=(2,)
+        ),
+        comm.recv_forward,
+        # Megatron's old module functions took a config after the shape: refused, not read
+        # as is_first_stage=True (which would skip the receive) or as overlap_p2p_comm.
+        lambda: comm.recv_forward((2,), cast(Any, config)),
+        lambda: comm.send_forward_recv_forward(x, True, (2,), cast(Any, config)),
+    ]
+    messages = []
+    for call in calls:
+        with pytest.raises(TypeError) as caught:
+            call()
+        messages.append(str(caught.value))
+    # Nothing was posted: the communicator still works.
+    comm.send_forward_recv_forward(x * comm.stage, True, tensor_shape=(2,))
+    comm.destroy()
+    return messages
+
+
+def test_both_spellings_of_the_shapes_or_a_config_as_a_flag_are_refused_before_posting() -> None:
+    for messages in run_distributed(_both_spellings, 2):
+        *both, neither, config_as_stage, config_as_overlap = messages
+        assert "recv_forward(): is_first_stage must be a bool or None, got a CommConfig" in (
+            config_as_stage
+        )
+        assert "overlap_p2p_comm must be a bool or None" in config_as_overlap
+        for message in both:
+            assert "got both tensor_shapes and tensor_shape" in message
+        assert both[0].startswith("recv_forward()")
+        assert both[-1].startswith("send_forward_backward_recv_forward_backward()")
+        assert "needs the shapes to receive" in neither

@@ -260,7 +260,7 @@ def test_config_property_and_type_check() -> None:
     sched = OptimizerParamScheduler(_optimizer(), config)
     assert sched.config is config
     with pytest.raises(TypeError, match="LRScheduleConfig"):
-        OptimizerParamScheduler(_optimizer(), {"max_lr": 1.0})  # type: ignore[arg-type]
+        OptimizerParamScheduler(_optimizer(), {"max_lr": 1.0})  # type: ignore[call-overload]
 
 
 # --- state dict ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 from typing import Any, cast
@@ -405,3 +406,111 @@ def test_check_state_dict_refuses_optimizer_state_of_other_shapes() -> None:
         optimizer.check_state_dict(state)
     with pytest.raises(ValueError, match="not a dict"):
         optimizer.check_state_dict([state])
+
+
+# --- grad_norm_skip_threshold: a step with too large a gradient norm is skipped --------------
+
+
+def test_grad_norm_skip_threshold_default_and_refusals() -> None:
+    assert OptimizerConfig().grad_norm_skip_threshold == math.inf
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=rf"grad_norm_skip_threshold must be > 0.*got {bad}"):
+            OptimizerConfig(grad_norm_skip_threshold=bad)
+
+
+def _snapshot(optimizer: Any, model: torch.nn.Module) -> list[torch.Tensor]:
+    """Model parameters, main parameters and every optimizer state tensor, copied."""
+    state = [
+        torch.as_tensor(value).clone()
+        for entries in optimizer.optimizer.state.values()
+        for value in entries.values()
+    ]
+    params = [p.detach().clone() for p in [*model.parameters(), *optimizer.main_params()]]
+    return params + state
+
+
+@pytest.mark.parametrize("clip_grad", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_step_above_the_threshold_changes_nothing_and_is_counted(
+    dtype: torch.dtype, clip_grad: float
+) -> None:
+    model = _mlp(dtype)
+    config = OptimizerConfig(
+        lr=1e-2,
+        clip_grad=clip_grad,
+        log_num_zeros_in_grad=True,
+        initial_loss_scale=256.0,
+        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16,
+    )
+
+    def backward(seed: int) -> None:
+        optimizer.zero_grad()
+        optimizer.scale_loss(model(_batch(seed).to(dtype)).float().square().sum()).backward()
+
+    # The same gradients once without a threshold, to learn their norm.
+    optimizer = get_megatron_optimizer(config, [model], grad_stats_group=None)
+    backward(0)
+    ok, norm, _ = optimizer.step()  # Adam now has state to protect
+    assert ok
+    assert (norm is None) == (clip_grad == 0.0)  # no threshold yet: a norm only to clip
+    backward(1)
+    grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
+    expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
+    expected /= optimizer.get_loss_scale().item()
+
+    config = dataclasses.replace(config, grad_norm_skip_threshold=expected * 0.9)
+    optimizer.config = config
+    before = _snapshot(optimizer, model)
+    ok, norm, zeros = optimizer.step()
+    assert (ok, zeros) == (False, 0)
+    assert norm == pytest.approx(expected, rel=1e-3)
+    after = _snapshot(optimizer, model)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert (optimizer.num_skipped_steps, optimizer.num_grad_norm_skips) == (1, 1)
+
+    # Below the threshold: a normal step.
+    optimizer.config = dataclasses.replace(config, grad_norm_skip_threshold=expected * 1.1)
+    backward(1)
+    ok, norm, _ = optimizer.step()
+    assert ok
+    assert norm == pytest.approx(expected, rel=1e-3)
+    assert not all(
+        torch.equal(a, b) for a, b in zip(before, _snapshot(optimizer, model), strict=True)
+    )
+    assert optimizer.num_skipped_steps == 1
+
+
+def test_an_overflow_is_counted_as_a_skip_but_not_for_the_norm() -> None:
+    model = _mlp(torch.float16)
+    config = OptimizerConfig(fp16=True, initial_loss_scale=256.0, grad_norm_skip_threshold=1e9)
+    optimizer = get_megatron_optimizer(config, [model], grad_stats_group=None)
+    optimizer.scale_loss(model(_batch(0).half()).float().sum()).backward()
+    first = next(iter(model.parameters()))
+    assert first.grad is not None
+    first.grad[0, 0] = math.inf
+    assert optimizer.step() == (False, None, None)
+    assert (optimizer.num_skipped_steps, optimizer.num_grad_norm_skips) == (1, 0)
+
+
+def _norm_of_the_whole_model(threshold: float) -> tuple[bool, float | None, float]:
+    # Two pipeline stages of one model: each holds its own parameter (tensor-parallel rank 0),
+    # local norm 2, whole-model norm sqrt(8).
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = FP32Optimizer(
+        torch.optim.SGD([param], lr=1.0),
+        OptimizerConfig(clip_grad=0.0, grad_norm_skip_threshold=threshold),
+        grad_stats_group=dist.group.WORLD,
+    )
+    param.grad = torch.ones(4)
+    ok, norm, _ = optimizer.step()
+    return ok, norm, float(param.abs().sum())
+
+
+def test_the_norm_compared_is_the_whole_model_norm_over_the_group() -> None:
+    for ok, norm, moved in run_distributed(_norm_of_the_whole_model, 2, 2.5):
+        assert (ok, moved) == (False, 0.0)  # 2 alone would pass; sqrt(8) does not
+        assert norm == pytest.approx(math.sqrt(8))
+    for ok, norm, moved in run_distributed(_norm_of_the_whole_model, 2, 3.0):
+        assert (ok, moved) == (True, 4.0)
+        assert norm == pytest.approx(math.sqrt(8))

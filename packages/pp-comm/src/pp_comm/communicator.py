@@ -9,8 +9,9 @@ general `exchange` and `communicate`, and the nine operations as a thin layer ov
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Final, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,56 @@ if TYPE_CHECKING:
     from pp_state import ParallelState
 
 __all__ = ["CommConfig", "P2PCommunicator", "P2PHandle", "P2PMessage", "Payload", "Received"]
+
+
+class _Unset(enum.Enum):
+    """The default of the two spellings of a receive's shapes: not given."""
+
+    UNSET = "unset"
+
+
+_UNSET: Final = _Unset.UNSET
+
+
+def _pick_shapes(
+    operation: str, tensor_shapes: ShapesArg | _Unset, tensor_shape: ShapesArg | _Unset
+) -> ShapesArg:
+    """The shapes given as ``tensor_shapes`` (ours) or ``tensor_shape`` (Megatron's), not both.
+
+    Raises:
+        TypeError: Both spellings are given, or neither.
+    """
+    if isinstance(tensor_shape, _Unset):
+        if isinstance(tensor_shapes, _Unset):
+            raise TypeError(
+                f"{operation}() needs the shapes to receive: pass tensor_shapes (or Megatron's"
+                " spelling, tensor_shape)"
+            )
+        return tensor_shapes
+    if not isinstance(tensor_shapes, _Unset):
+        raise TypeError(
+            f"{operation}() got both tensor_shapes and tensor_shape, two spellings of the same"
+            " argument (tensor_shape is Megatron's); pass one"
+        )
+    return tensor_shape
+
+
+def _flag(operation: str, name: str, value: object, default: bool) -> bool:
+    """`value` as a bool, `default` for None.
+
+    Raises:
+        TypeError: `value` is not a bool: Megatron's older module-level operations took their
+            config in this position (``recv_forward(tensor_shape, config)``); the communicator
+            holds its own, and a config read as a flag would silently skip the transfer.
+    """
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{operation}(): {name} must be a bool or None, got a {type(value).__name__} (the"
+            " communicator holds its config; Megatron's old module functions took one here)"
+        )
+    return value
 
 
 class P2PCommunicator:
@@ -264,21 +315,25 @@ class P2PCommunicator:
         return (*_received(from_prev, from_next, single), handle)
 
     # ------------------------------------------------------------------------------ Megatron's nine
+    # Each receiving operation takes its shapes as ``tensor_shapes`` (positional or keyword) or
+    # as ``tensor_shape=`` (Megatron's name where its signature has it); see `_pick_shapes`.
     def recv_forward(
         self,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         is_first_stage: bool | None = None,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received:
         """Receive activations from the previous stage; None on the first stage."""
-        first = self._first if is_first_stage is None else is_first_stage
+        shapes = _pick_shapes("recv_forward", tensor_shapes, tensor_shape)
+        first = _flag("recv_forward", "is_first_stage", is_first_stage, self._first)
         if first:
             return None
         received, _, _ = self.communicate(
             recv_prev=True,
-            tensor_shapes=tensor_shapes,
+            tensor_shapes=shapes,
             dtypes=dtypes,
             operation="recv_forward",
             microbatch=microbatch,
@@ -287,19 +342,21 @@ class P2PCommunicator:
 
     def recv_backward(
         self,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         is_last_stage: bool | None = None,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received:
         """Receive gradients from the next stage; None on the last stage."""
-        last = self._last if is_last_stage is None else is_last_stage
+        shapes = _pick_shapes("recv_backward", tensor_shapes, tensor_shape)
+        last = _flag("recv_backward", "is_last_stage", is_last_stage, self._last)
         if last:
             return None
         _, received, _ = self.communicate(
             recv_next=True,
-            tensor_shapes=tensor_shapes,
+            tensor_shapes=shapes,
             dtypes=dtypes,
             operation="recv_backward",
             microbatch=microbatch,
@@ -314,7 +371,7 @@ class P2PCommunicator:
         microbatch: int | None = None,
     ) -> None:
         """Send activations to the next stage; nothing on the last stage."""
-        last = self._last if is_last_stage is None else is_last_stage
+        last = _flag("send_forward", "is_last_stage", is_last_stage, self._last)
         if not last:
             self.communicate(
                 tensor_send_next=output_tensors, operation="send_forward", microbatch=microbatch
@@ -328,7 +385,7 @@ class P2PCommunicator:
         microbatch: int | None = None,
     ) -> None:
         """Send gradients to the previous stage; nothing on the first stage."""
-        first = self._first if is_first_stage is None else is_first_stage
+        first = _flag("send_backward", "is_first_stage", is_first_stage, self._first)
         if not first:
             self.communicate(
                 tensor_send_prev=input_tensor_grads,
@@ -339,20 +396,22 @@ class P2PCommunicator:
     def send_forward_recv_backward(
         self,
         output_tensors: Payload,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         is_last_stage: bool | None = None,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received:
         """Send activations to the next stage and receive its gradients; None on the last."""
-        last = self._last if is_last_stage is None else is_last_stage
+        shapes = _pick_shapes("send_forward_recv_backward", tensor_shapes, tensor_shape)
+        last = _flag("send_forward_recv_backward", "is_last_stage", is_last_stage, self._last)
         if last:
             return None
         _, received, _ = self.communicate(
             tensor_send_next=output_tensors,
             recv_next=True,
-            tensor_shapes=tensor_shapes,
+            tensor_shapes=shapes,
             dtypes=dtypes,
             operation="send_forward_recv_backward",
             microbatch=microbatch,
@@ -362,34 +421,38 @@ class P2PCommunicator:
     def send_backward_recv_forward(
         self,
         input_tensor_grads: Payload,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         is_first_stage: bool | None = None,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received:
         """Send gradients to the previous stage, receive its next activations; None on the first."""
-        first = self._first if is_first_stage is None else is_first_stage
+        shapes = _pick_shapes("send_backward_recv_forward", tensor_shapes, tensor_shape)
+        first = _flag("send_backward_recv_forward", "is_first_stage", is_first_stage, self._first)
         if first:
             return None
         received, _, _ = self.communicate(
             tensor_send_prev=input_tensor_grads,
             recv_prev=True,
-            tensor_shapes=tensor_shapes,
+            tensor_shapes=shapes,
             dtypes=dtypes,
             operation="send_backward_recv_forward",
             microbatch=microbatch,
         )
         return received
 
+    # The two ring forms: returning at once (overlap) or not, in either spelling of the shapes.
     @overload
     def send_forward_recv_forward(
         self,
         output_tensor: Payload,
         recv_prev: bool,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         overlap_p2p_comm: Literal[False] = False,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received: ...
@@ -404,13 +467,26 @@ class P2PCommunicator:
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> tuple[Received, P2PHandle]: ...
+    @overload
     def send_forward_recv_forward(
         self,
         output_tensor: Payload,
         recv_prev: bool,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
+        *,
+        overlap_p2p_comm: Literal[True],
+        tensor_shape: ShapesArg | _Unset = _UNSET,
+        dtypes: DTypesArg = None,
+        microbatch: int | None = None,
+    ) -> tuple[Received, P2PHandle]: ...
+    def send_forward_recv_forward(
+        self,
+        output_tensor: Payload,
+        recv_prev: bool,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         overlap_p2p_comm: bool = False,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received | tuple[Received, P2PHandle]:
@@ -423,9 +499,11 @@ class P2PCommunicator:
         received, _, handle = self.communicate(
             tensor_send_next=output_tensor,
             recv_prev=recv_prev,
-            tensor_shapes=tensor_shapes,
+            tensor_shapes=_pick_shapes("send_forward_recv_forward", tensor_shapes, tensor_shape),
             dtypes=dtypes,
-            async_op=overlap_p2p_comm,
+            async_op=_flag(
+                "send_forward_recv_forward", "overlap_p2p_comm", overlap_p2p_comm, False
+            ),
             operation="send_forward_recv_forward",
             microbatch=microbatch,
         )
@@ -436,9 +514,10 @@ class P2PCommunicator:
         self,
         input_tensor_grad: Payload,
         recv_next: bool,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         overlap_p2p_comm: Literal[False] = False,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received: ...
@@ -453,13 +532,26 @@ class P2PCommunicator:
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> tuple[Received, P2PHandle]: ...
+    @overload
     def send_backward_recv_backward(
         self,
         input_tensor_grad: Payload,
         recv_next: bool,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
+        *,
+        overlap_p2p_comm: Literal[True],
+        tensor_shape: ShapesArg | _Unset = _UNSET,
+        dtypes: DTypesArg = None,
+        microbatch: int | None = None,
+    ) -> tuple[Received, P2PHandle]: ...
+    def send_backward_recv_backward(
+        self,
+        input_tensor_grad: Payload,
+        recv_next: bool,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         overlap_p2p_comm: bool = False,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> Received | tuple[Received, P2PHandle]:
@@ -467,9 +559,11 @@ class P2PCommunicator:
         _, received, handle = self.communicate(
             tensor_send_prev=input_tensor_grad,
             recv_next=recv_next,
-            tensor_shapes=tensor_shapes,
+            tensor_shapes=_pick_shapes("send_backward_recv_backward", tensor_shapes, tensor_shape),
             dtypes=dtypes,
-            async_op=overlap_p2p_comm,
+            async_op=_flag(
+                "send_backward_recv_backward", "overlap_p2p_comm", overlap_p2p_comm, False
+            ),
             operation="send_backward_recv_backward",
             microbatch=microbatch,
         )
@@ -481,20 +575,22 @@ class P2PCommunicator:
         input_tensor_grad: Payload,
         recv_prev: bool,
         recv_next: bool,
-        tensor_shapes: ShapesArg,
+        tensor_shapes: ShapesArg | _Unset = _UNSET,
         *,
+        tensor_shape: ShapesArg | _Unset = _UNSET,
         dtypes: DTypesArg = None,
         microbatch: int | None = None,
     ) -> tuple[Received, Received]:
         """Both directions at once: returns (activations from prev, gradients from next)."""
+        operation = "send_forward_backward_recv_forward_backward"
         from_prev, from_next, _ = self.communicate(
             tensor_send_next=output_tensor,
             tensor_send_prev=input_tensor_grad,
             recv_prev=recv_prev,
             recv_next=recv_next,
-            tensor_shapes=tensor_shapes,
+            tensor_shapes=_pick_shapes(operation, tensor_shapes, tensor_shape),
             dtypes=dtypes,
-            operation="send_forward_backward_recv_forward_backward",
+            operation=operation,
             microbatch=microbatch,
         )
         return from_prev, from_next

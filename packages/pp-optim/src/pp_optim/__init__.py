@@ -4,8 +4,8 @@ Loss scaling (`ConstantGradScaler`, `DynamicGradScaler`), optimizer wrappers wit
 step (`Float16OptimizerWithFloat16Params`, `FP32Optimizer`), model-parallel gradient norms,
 clipping and zero counting, contiguous grad buffers with bucketed data-parallel all-reduce
 (`DistributedDataParallel`), `Float16Module`, and the learning-rate and weight-decay schedule
-(`OptimizerParamScheduler`). Process groups come in as arguments; pp-optim never reads global
-state.
+(`OptimizerParamScheduler`, also built from Megatron's arguments). Process groups come in as
+arguments; pp-optim never reads global state.
 """
 
 from importlib.metadata import version as _version
@@ -29,11 +29,14 @@ from pp_optim.grad_norm import (
 )
 from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
 from pp_optim.lr_schedule import (
+    HasParamGroups,
     LRDecayStyle,
     LRScheduleConfig,
     OptimizerParamScheduler,
+    OptimizerParamSchedulerError,
     WDIncrStyle,
     WSDDecayStyle,
+    get_canonical_lr_for_logging,
 )
 from pp_optim.optimizer import (
     Float16OptimizerWithFloat16Params,
@@ -57,11 +60,13 @@ __all__ = [
     "GradBucket",
     "GradScaler",
     "GradSyncError",
+    "HasParamGroups",
     "LRDecayStyle",
     "LRScheduleConfig",
     "MegatronOptimizer",
     "OptimizerConfig",
     "OptimizerParamScheduler",
+    "OptimizerParamSchedulerError",
     "WDIncrStyle",
     "WSDDecayStyle",
     "__version__",
@@ -71,6 +76,7 @@ __all__ = [
     "count_zeros",
     "float16_to_fp32",
     "fp32_to_float16",
+    "get_canonical_lr_for_logging",
     "get_grad_norm",
     "get_megatron_optimizer",
     "get_param_groups",

@@ -3,25 +3,39 @@
 `OptimizerParamScheduler` counts progress in whatever unit its caller passes to
 `OptimizerParamScheduler.step` (Megatron's trainer passes the global batch size, so every
 step count in `LRScheduleConfig` is then a number of samples). After every step it writes the
-learning rate and weight decay into each param group of a ``torch.optim.Optimizer``.
+learning rate and weight decay into each param group of a ``torch.optim.Optimizer``. It is
+built from an `LRScheduleConfig` or from Megatron's constructor arguments, and exposes the
+settings under Megatron's attribute names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from collections.abc import Mapping
-from typing import Any, Literal, TypeAlias, get_args
-
-import torch
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar, get_args, overload
 
 __all__ = [
+    "HasParamGroups",
     "LRDecayStyle",
     "LRScheduleConfig",
     "OptimizerParamScheduler",
+    "OptimizerParamSchedulerError",
     "WDIncrStyle",
     "WSDDecayStyle",
+    "get_canonical_lr_for_logging",
 ]
+
+
+class OptimizerParamSchedulerError(ValueError, AssertionError):
+    """A schedule Megatron's scheduler refuses (it asserts; pp raises a ValueError).
+
+    Raised for the values `LRScheduleConfig` refuses and for a checkpoint whose schedule
+    differs from the scheduler's while neither checkpoint flag is set, so both
+    ``except ValueError`` and Megatron-style ``except AssertionError`` catch it.
+    """
+
 
 LRDecayStyle: TypeAlias = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 """How the learning rate falls from ``max_lr`` to ``min_lr`` after warmup (Megatron's
@@ -112,16 +126,16 @@ class LRScheduleConfig:
         Raises:
             TypeError: A step count is not an int (bools are refused), a rate is not a real
                 number, or a flag is not a bool.
-            ValueError: A value is out of range, a style is unknown, "WSD" lacks a valid
-                ``wsd_decay_steps``, a "constant" weight decay has ``start_wd != end_wd``, a
-                ramped weight decay has no ``wd_incr_steps``, or both checkpoint flags are
-                set.
+            OptimizerParamSchedulerError: (a ValueError and an AssertionError) A value is out
+                of range, a style is unknown, "WSD" lacks a valid ``wsd_decay_steps``, a
+                "constant" weight decay has ``start_wd != end_wd``, a ramped weight decay has
+                no ``wd_incr_steps``, or both checkpoint flags are set.
         """
         self._check_types()
         self._check_lr()
         self._check_wd()
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 "set at most one of override_opt_param_scheduler and "
                 "use_checkpoint_opt_param_scheduler (both are True)"
             )
@@ -132,7 +146,7 @@ class LRScheduleConfig:
             if not _is_real(value):
                 raise TypeError(f"{name} must be a real number, got {value!r}")
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+                raise OptimizerParamSchedulerError(f"{name} must be finite, got {value!r}")
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if not _is_int(value):
@@ -146,60 +160,68 @@ class LRScheduleConfig:
 
     def _check_lr(self) -> None:
         if self.min_lr < 0:
-            raise ValueError(f"min_lr must be >= 0, got {self.min_lr}")
+            raise OptimizerParamSchedulerError(f"min_lr must be >= 0, got {self.min_lr}")
         if self.max_lr < self.min_lr:
-            raise ValueError(f"max_lr ({self.max_lr}) must be >= min_lr ({self.min_lr})")
+            raise OptimizerParamSchedulerError(
+                f"max_lr ({self.max_lr}) must be >= min_lr ({self.min_lr})"
+            )
         if self.init_lr < 0:
-            raise ValueError(f"init_lr must be >= 0, got {self.init_lr}")
+            raise OptimizerParamSchedulerError(f"init_lr must be >= 0, got {self.init_lr}")
         if self.init_lr > self.max_lr:
-            raise ValueError(f"init_lr ({self.init_lr}) must be <= max_lr ({self.max_lr})")
+            raise OptimizerParamSchedulerError(
+                f"init_lr ({self.init_lr}) must be <= max_lr ({self.max_lr})"
+            )
         if self.lr_decay_steps <= 0:
-            raise ValueError(f"lr_decay_steps must be > 0, got {self.lr_decay_steps}")
+            raise OptimizerParamSchedulerError(
+                f"lr_decay_steps must be > 0, got {self.lr_decay_steps}"
+            )
         if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 f"lr_warmup_steps must satisfy 0 <= lr_warmup_steps < lr_decay_steps, got "
                 f"lr_warmup_steps={self.lr_warmup_steps}, lr_decay_steps={self.lr_decay_steps}"
             )
         if self.lr_decay_style not in _LR_DECAY_STYLES:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 f"unknown lr_decay_style {self.lr_decay_style!r}; "
                 f"choose one of {_choices(_LR_DECAY_STYLES)}"
             )
         if self.lr_wsd_decay_style not in _WSD_DECAY_STYLES:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 f"unknown lr_wsd_decay_style {self.lr_wsd_decay_style!r}; "
                 f"choose one of {_choices(_WSD_DECAY_STYLES)}"
             )
         if self.lr_decay_style != "WSD":
             return
         if self.wsd_decay_steps is None:
-            raise ValueError('lr_decay_style "WSD" requires wsd_decay_steps')
+            raise OptimizerParamSchedulerError('lr_decay_style "WSD" requires wsd_decay_steps')
         if not 0 < self.wsd_decay_steps <= self.lr_decay_steps:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 f"wsd_decay_steps must satisfy 0 < wsd_decay_steps <= lr_decay_steps, got "
                 f"wsd_decay_steps={self.wsd_decay_steps}, lr_decay_steps={self.lr_decay_steps}"
             )
 
     def _check_wd(self) -> None:
         if self.start_wd < 0:
-            raise ValueError(f"start_wd must be >= 0, got {self.start_wd}")
+            raise OptimizerParamSchedulerError(f"start_wd must be >= 0, got {self.start_wd}")
         if self.end_wd < 0:
-            raise ValueError(f"end_wd must be >= 0, got {self.end_wd}")
+            raise OptimizerParamSchedulerError(f"end_wd must be >= 0, got {self.end_wd}")
         if self.wd_incr_style not in _WD_INCR_STYLES:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 f"unknown wd_incr_style {self.wd_incr_style!r}; "
                 f"choose one of {_choices(_WD_INCR_STYLES)}"
             )
         if self.wd_incr_steps < 0:
-            raise ValueError(f"wd_incr_steps must be >= 0, got {self.wd_incr_steps}")
+            raise OptimizerParamSchedulerError(
+                f"wd_incr_steps must be >= 0, got {self.wd_incr_steps}"
+            )
         if self.wd_incr_style == "constant":
             if self.start_wd != self.end_wd:
-                raise ValueError(
+                raise OptimizerParamSchedulerError(
                     f'wd_incr_style "constant" requires start_wd == end_wd, got '
                     f"start_wd={self.start_wd}, end_wd={self.end_wd}"
                 )
         elif self.wd_incr_steps <= 0:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 f"wd_incr_style {self.wd_incr_style!r} requires wd_incr_steps > 0, "
                 f"got {self.wd_incr_steps}"
             )
@@ -246,6 +268,142 @@ def _lookup(state_dict: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return first
 
 
+class HasParamGroups(Protocol):
+    """What the scheduler drives: a torch optimizer, or a wrapper such as `MegatronOptimizer`."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups whose ``lr`` and ``weight_decay`` the scheduler sets."""
+        ...
+
+
+def get_canonical_lr_for_logging(param_groups: Sequence[Mapping[str, Any]]) -> float | None:
+    """The learning rate to log: that of the first group marked ``default_config``.
+
+    As in Megatron, groups on the default schedule carry ``default_config=True``
+    (`get_param_groups` marks its groups so); a group with its own ``max_lr`` / ``min_lr``
+    does not, and its rate is not the one to log.
+
+    Args:
+        param_groups: An optimizer's param groups.
+
+    Returns:
+        That group's ``lr``; None when no group is marked or the marked one has no ``lr``.
+    """
+    for group in param_groups:
+        if group.get("default_config", False):
+            lr = group.get("lr")
+            return None if lr is None else float(lr)
+    return None
+
+
+# Megatron's constructor arguments after the optimizer, in order, with its defaults; the
+# typed spelling is the second overload of `OptimizerParamScheduler.__init__`.
+_REQUIRED = inspect.Parameter.empty
+_MEGATRON_ARGUMENTS: tuple[tuple[str, Any], ...] = (
+    ("init_lr", _REQUIRED),
+    ("max_lr", _REQUIRED),
+    ("min_lr", _REQUIRED),
+    ("lr_warmup_steps", _REQUIRED),
+    ("lr_decay_steps", _REQUIRED),
+    ("lr_decay_style", _REQUIRED),
+    ("start_wd", _REQUIRED),
+    ("end_wd", _REQUIRED),
+    ("wd_incr_steps", _REQUIRED),
+    ("wd_incr_style", _REQUIRED),
+    ("use_checkpoint_opt_param_scheduler", True),
+    ("override_opt_param_scheduler", False),
+    ("wsd_decay_steps", None),
+    ("lr_wsd_decay_style", None),
+)
+_MEGATRON_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in _MEGATRON_ARGUMENTS
+    ]
+)
+
+
+def _megatron_config(arguments: dict[str, Any]) -> LRScheduleConfig:
+    """The config of Megatron's constructor arguments (bound, defaults applied).
+
+    Megatron's flags are ``Optional[bool]`` read as truth values: None is False. Its
+    ``lr_wsd_decay_style`` defaults to None; outside "WSD" the config's default stands.
+
+    Raises:
+        OptimizerParamSchedulerError: "WSD" without ``lr_wsd_decay_style`` (Megatron fails
+            only once the anneal starts), or what `LRScheduleConfig` refuses.
+    """
+    fields = dict(arguments)
+    for flag in ("use_checkpoint_opt_param_scheduler", "override_opt_param_scheduler"):
+        if fields[flag] is None:
+            fields[flag] = False
+    if fields["lr_wsd_decay_style"] is None:
+        del fields["lr_wsd_decay_style"]
+        if fields["lr_decay_style"] == "WSD" and fields["wsd_decay_steps"] is not None:
+            raise OptimizerParamSchedulerError(
+                'lr_decay_style "WSD" needs lr_wsd_decay_style, one of '
+                f"{_choices(_WSD_DECAY_STYLES)}; got None"
+            )
+    return LRScheduleConfig(**fields)
+
+
+def _config_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> LRScheduleConfig:
+    """The schedule given to the constructor: an `LRScheduleConfig` or Megatron's arguments.
+
+    Raises:
+        TypeError: Both forms, neither, or Megatron's arguments that do not bind.
+    """
+    config = kwargs.pop("config", None)
+    if config is None and args and isinstance(args[0], LRScheduleConfig):
+        config, args = args[0], args[1:]
+    if config is not None:
+        if args or kwargs:
+            names = [*list(_MEGATRON_SIGNATURE.parameters)[: len(args)], *kwargs]
+            raise TypeError(
+                "OptimizerParamScheduler() takes an LRScheduleConfig or Megatron's arguments, "
+                f"not both: got config and {', '.join(names)}"
+            )
+        if not isinstance(config, LRScheduleConfig):
+            raise TypeError(f"config must be an LRScheduleConfig, got {type(config).__name__}")
+        return config
+    try:
+        bound = _MEGATRON_SIGNATURE.bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(
+            "OptimizerParamScheduler() takes an LRScheduleConfig or Megatron's arguments ("
+            f"{', '.join(_MEGATRON_SIGNATURE.parameters)}): {err}"
+        ) from None
+    bound.apply_defaults()
+    return _megatron_config(bound.arguments)
+
+
+_T = TypeVar("_T")
+
+
+class _Setting(Generic[_T]):
+    """A read-only attribute of the scheduler with Megatron's name: its config's field."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, scheduler: None, owner: type) -> _Setting[_T]: ...
+    @overload
+    def __get__(self, scheduler: OptimizerParamScheduler, owner: type) -> _T: ...
+    def __get__(self, scheduler: OptimizerParamScheduler | None, owner: type) -> _T | _Setting[_T]:
+        if scheduler is None:
+            return self
+        value: _T = getattr(scheduler.config, self._name)
+        return value
+
+    def __set__(self, scheduler: OptimizerParamScheduler, value: object) -> None:
+        raise AttributeError(
+            f"{self._name} is read-only: it is config.{self._name}; build a new "
+            "OptimizerParamScheduler, or load a state with use_checkpoint_opt_param_scheduler"
+        )
+
+
 class OptimizerParamScheduler:
     """Sets the learning rate and weight decay of an optimizer's param groups as steps pass.
 
@@ -257,22 +415,72 @@ class OptimizerParamScheduler:
     that group) and ``lr_mult`` / ``wd_mult`` factors applied to the scheduled values.
 
     The constructor applies step 0, so the optimizer starts at the warmup-start learning rate.
+
+    Two ways to build it: ``OptimizerParamScheduler(optimizer, config)`` with an
+    `LRScheduleConfig`, or Megatron's ``OptimizerParamScheduler(optimizer, init_lr, max_lr,
+    min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd, wd_incr_steps,
+    wd_incr_style, use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
+    wsd_decay_steps=None, lr_wsd_decay_style=None)``, positional or keyword, with Megatron's
+    defaults (note ``use_checkpoint_opt_param_scheduler=True`` there, False in the config).
+    Either way the settings read as attributes with Megatron's names (``max_lr``,
+    ``lr_decay_style``, ...): read-only views of `config`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: LRScheduleConfig) -> None:
+    init_lr = _Setting[float]()
+    max_lr = _Setting[float]()
+    min_lr = _Setting[float]()
+    lr_warmup_steps = _Setting[int]()
+    lr_decay_steps = _Setting[int]()
+    lr_decay_style = _Setting[LRDecayStyle]()
+    start_wd = _Setting[float]()
+    end_wd = _Setting[float]()
+    wd_incr_steps = _Setting[int]()
+    wd_incr_style = _Setting[WDIncrStyle]()
+    use_checkpoint_opt_param_scheduler = _Setting[bool]()
+    override_opt_param_scheduler = _Setting[bool]()
+    wsd_decay_steps = _Setting["int | None"]()
+    lr_wsd_decay_style = _Setting[WSDDecayStyle]()
+
+    @overload
+    def __init__(self, optimizer: HasParamGroups, config: LRScheduleConfig) -> None: ...
+    @overload
+    def __init__(
+        self,
+        optimizer: HasParamGroups,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: LRDecayStyle,
+        start_wd: float,
+        end_wd: float,
+        wd_incr_steps: int,
+        wd_incr_style: WDIncrStyle,
+        use_checkpoint_opt_param_scheduler: bool | None = True,
+        override_opt_param_scheduler: bool | None = False,
+        wsd_decay_steps: int | None = None,
+        lr_wsd_decay_style: WSDDecayStyle | None = None,
+    ) -> None: ...
+    def __init__(self, optimizer: HasParamGroups, *args: Any, **kwargs: Any) -> None:
         """Binds the schedule to ``optimizer`` and applies step 0.
 
         Args:
-            optimizer: The optimizer whose param groups receive ``lr`` and ``weight_decay``.
-            config: The schedule.
+            optimizer: What receives ``lr`` and ``weight_decay``: a torch optimizer or
+                anything with its ``param_groups`` (a `MegatronOptimizer`).
+            *args: The `LRScheduleConfig`, or Megatron's arguments (see the class).
+            **kwargs: ``config=``, or Megatron's arguments by name.
 
         Raises:
-            TypeError: ``config`` is not an `LRScheduleConfig`.
+            TypeError: Not exactly one of a config and Megatron's arguments; a config that is
+                not an `LRScheduleConfig`; Megatron's arguments missing, unknown or of the
+                wrong type.
+            OptimizerParamSchedulerError: (a ValueError and an AssertionError) A schedule
+                Megatron refuses: ``min_lr > max_lr``, ``lr_warmup_steps >= lr_decay_steps``,
+                both checkpoint flags, ... (see `LRScheduleConfig`).
         """
-        if not isinstance(config, LRScheduleConfig):
-            raise TypeError(f"config must be an LRScheduleConfig, got {type(config).__name__}")
         self.optimizer = optimizer
-        self._config = config
+        self._config = _config_from(args, dict(kwargs))
         self.num_steps: int = 0
         """Steps counted so far: the sum of every `step` increment."""
         self.step(0)
@@ -339,21 +547,28 @@ class OptimizerParamScheduler:
             return 2.0 * math.pow(0.5, r) - 1.0
         return 1.0 - math.sqrt(r)
 
-    def get_wd(self) -> float:
+    def get_wd(self, param_group: Mapping[str, Any] | None = None) -> float:
         """The scheduled weight decay at `num_steps`, before any group's ``wd_mult``.
+
+        Args:
+            param_group: A param group; its ``start_wd`` and ``end_wd`` keys, when present,
+                replace the config's (as in Megatron). None: the config's.
 
         Returns:
             The weight decay.
         """
         cfg = self._config
+        group = param_group if param_group is not None else {}
+        start_wd = float(group.get("start_wd", cfg.start_wd))
+        end_wd = float(group.get("end_wd", cfg.end_wd))
         if self.num_steps > cfg.wd_incr_steps or cfg.wd_incr_style == "constant":
-            return cfg.end_wd
+            return end_wd
         ratio = self.num_steps / cfg.wd_incr_steps
         if cfg.wd_incr_style == "linear":
             coeff = ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
-        return cfg.start_wd + coeff * (cfg.end_wd - cfg.start_wd)
+        return start_wd + coeff * (end_wd - start_wd)
 
     def step(self, increment: int = 1) -> None:
         """Advances by ``increment`` and sets every param group's ``lr`` and ``weight_decay``.
@@ -375,10 +590,9 @@ class OptimizerParamScheduler:
         self._apply()
 
     def _apply(self) -> None:
-        wd = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
-            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule and step count as plain Python values.
@@ -459,7 +673,7 @@ class OptimizerParamScheduler:
         if cfg.use_checkpoint_opt_param_scheduler:
             return checkpoint_value
         if config_value != checkpoint_value:
-            raise ValueError(
+            raise OptimizerParamSchedulerError(
                 f"{field}: the config has {config_value!r} but the checkpoint has "
                 f"{checkpoint_value!r}; set use_checkpoint_opt_param_scheduler=True to take the "
                 f"checkpoint's value or override_opt_param_scheduler=True to keep the config's"

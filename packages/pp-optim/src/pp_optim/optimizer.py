@@ -22,6 +22,8 @@ from pp_optim.grad_norm import (
     clip_grad_norm,
     collective_device,
     count_zeros,
+    get_grad_norm,
+    grads_for_norm,
 )
 from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
 
@@ -96,6 +98,10 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Clip the gradient's total (L2) norm to this value; 0 turns clipping and the norm off."""
 
+    grad_norm_skip_threshold: float = math.inf
+    """Skip the update of a step whose gradient norm (before clipping, over the model-parallel
+    group) exceeds this; ``inf``, the default, never skips and computes no extra norm."""
+
     log_num_zeros_in_grad: bool = False
     """Count zero gradient elements each step (costs one pass over the gradients)."""
 
@@ -112,6 +118,11 @@ class OptimizerConfig:
             problems.append("set at most one of fp16 and bf16")
         if not 0.0 <= self.clip_grad < math.inf:
             problems.append(f"clip_grad must be >= 0 and finite (0 disables), got {self.clip_grad}")
+        if not self.grad_norm_skip_threshold > 0.0:
+            problems.append(
+                "grad_norm_skip_threshold must be > 0 (inf disables), got "
+                f"{self.grad_norm_skip_threshold}"
+            )
         for name in ("lr", "weight_decay", "sgd_momentum"):
             if not getattr(self, name) >= 0.0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -165,6 +176,10 @@ class MegatronOptimizer(abc.ABC):
         self.grad_scaler = grad_scaler
         self.grad_stats_group = grad_stats_group
         self.tensor_parallel_rank = tensor_parallel_rank
+        self.num_skipped_steps = 0
+        """Steps skipped so far, for either reason (inf/nan gradients or a large norm)."""
+        self.num_grad_norm_skips = 0
+        """Of those, the steps skipped for a norm above ``config.grad_norm_skip_threshold``."""
         self._adopt_params()
 
     @abc.abstractmethod
@@ -228,6 +243,19 @@ class MegatronOptimizer(abc.ABC):
             tensor_parallel_rank=self.tensor_parallel_rank,
         )
 
+    def get_grad_norm(self) -> float:
+        """The L2 norm of the main gradients over the group, duplicates counted once."""
+        grads = grads_for_norm(self.main_params(), tensor_parallel_rank=self.tensor_parallel_rank)
+        return get_grad_norm(grads, group=self.grad_stats_group)
+
+    def _norm_and_clip(self) -> float | None:
+        """Clips if asked (returning the norm before), else the norm if a skip needs it."""
+        if self.config.clip_grad:
+            return self.clip_grad_norm(self.config.clip_grad)
+        if math.isfinite(self.config.grad_norm_skip_threshold):
+            return self.get_grad_norm()
+        return None
+
     def count_zeros(self) -> int:
         """Zero elements of the main gradients over the group, duplicates counted once."""
         return count_zeros(
@@ -241,23 +269,31 @@ class MegatronOptimizer(abc.ABC):
         """One update, as Megatron's mixed-precision step.
 
         Copies the gradients to the main parameters, unscales them and looks for inf/nan on
-        every rank of the group (with a scaler), skips the update on overflow leaving
-        parameters and optimizer state as they were, clips, counts zeros, runs the inner
-        optimizer and copies the main parameters back to the model.
+        every rank of the group (with a scaler), skips the update on overflow, clips, counts
+        zeros, skips the update if the norm exceeds ``config.grad_norm_skip_threshold``, runs
+        the inner optimizer and copies the main parameters back to the model. A skipped step
+        leaves parameters and optimizer state as they were (the gradients stay until
+        `zero_grad`) and adds one to `num_skipped_steps`.
 
         Returns:
-            ``(update_successful, grad_norm, num_zeros_in_grad)``: the norm is None when the
-            step was skipped or clipping is off; the zero count None when skipped or not
-            asked for.
+            ``(update_successful, grad_norm, num_zeros_in_grad)``: the norm is None on
+            overflow or when neither clipping nor a skip threshold needs it; the zero count
+            None on overflow or when not asked for. A step skipped for its norm returns
+            ``(False, grad_norm, num_zeros_in_grad)``.
         """
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
             found_inf = self._unscale_main_grads_and_check_for_nan(self.grad_scaler)
             self.grad_scaler.update(found_inf)
             if found_inf:
+                self.num_skipped_steps += 1
                 return False, None, None
-        grad_norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad else None
+        grad_norm = self._norm_and_clip()
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        if grad_norm is not None and grad_norm > self.config.grad_norm_skip_threshold:
+            self.num_skipped_steps += 1
+            self.num_grad_norm_skips += 1
+            return False, grad_norm, num_zeros
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
@@ -515,7 +551,9 @@ def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]
 
     Returns:
         Up to two torch param groups, each with a ``wd_mult`` (1.0 or 0.0) and an
-        ``lr_mult`` of 1.0 that `OptimizerParamScheduler` applies.
+        ``lr_mult`` of 1.0 that `OptimizerParamScheduler` applies, and Megatron's
+        ``default_config=True`` (both follow the default schedule), which
+        `get_canonical_lr_for_logging` looks for.
     """
     decayed: list[torch.nn.Parameter] = []
     not_decayed: list[torch.nn.Parameter] = []
@@ -528,7 +566,7 @@ def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]
             no_decay = name.endswith(".bias") or param.dim() == 1
             (not_decayed if no_decay else decayed).append(param)
     groups = [
-        {"params": params, "wd_mult": wd_mult, "lr_mult": 1.0}
+        {"params": params, "wd_mult": wd_mult, "lr_mult": 1.0, "default_config": True}
         for params, wd_mult in ((decayed, 1.0), (not_decayed, 0.0))
         if params
     ]
