@@ -29,6 +29,7 @@ from pp_optim import (
     OptimizerConfig,
     OptimizerParamScheduler,
     all_reduce_grads,
+    get_canonical_lr_for_logging,
     get_megatron_optimizer,
 )
 from pp_schedules import (
@@ -1175,7 +1176,7 @@ def _log_step(
     logger.training_log(
         loss_dict,
         iteration=progress.iteration,
-        learning_rate=float(optimizer.param_groups[0]["lr"]),
+        learning_rate=_logged_lr(optimizer),
         loss_scale=float(optimizer.get_loss_scale().item()),
         skipped_iter=skipped,
         grad_norm=grad_norm,
@@ -1186,6 +1187,12 @@ def _log_step(
         timers_line=timers_line,
         params_norm=params_norm,
     )
+
+
+def _logged_lr(optimizer: MegatronOptimizer) -> float:
+    """Megatron's canonical rate (the default-config group's), else the first group's."""
+    lr = get_canonical_lr_for_logging(optimizer.param_groups)
+    return float(optimizer.param_groups[0]["lr"] if lr is None else lr)
 
 
 _LOGGED_TIMERS = (
