@@ -135,3 +135,24 @@ def test_layout_of_a_package(dist: str) -> None:
     assert all("==" not in r for r in torch_requirements), (
         "packages declare a torch range, not a pin"
     )
+
+
+def test_pp_train_library_never_imports_its_application() -> None:
+    """The GPT, its corpus and the command (pp_train.app) use the library, never the reverse.
+
+    import-linter's contract checks the modules under the package; this also covers the
+    package's own ``__init__`` (a re-export would pull the application into every import).
+    """
+    root = PACKAGES / "pp-train" / "src" / "pp_train"
+    for source in sorted(root.rglob("*.py")):
+        relative = source.relative_to(root)
+        if relative.parts[0] == "app" or relative.name == "__main__.py":
+            continue
+        for node in ast.walk(ast.parse(source.read_text(), filename=str(source))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert not name.startswith("pp_train.app"), f"{relative} imports {name}"

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from pp_testing import run_distributed
-from pp_train import build_parser, main, validate_args
-from pp_train.command import run
+from pp_train.app import build_parser, main, validate_args
+from pp_train.app.command import run
 
 TINY = [
     "--num-layers",

@@ -5,13 +5,10 @@ import itertools
 import pytest
 import torch
 
+from pp_train.app.corpus import CorpusDataset, corpus_tokens, load_corpus, split_corpus
 from pp_train.data import (
     ByteTokenizer,
-    GPTDataset,
-    corpus_tokens,
-    load_corpus,
     microbatches,
-    split_corpus,
 )
 
 
@@ -20,7 +17,7 @@ def _stream(size: int = 1000) -> torch.Tensor:
 
 
 def _take(
-    dataset: GPTDataset, count: int, *, consumed: int, mbs: int, rank: int = 0, dp: int = 1
+    dataset: CorpusDataset, count: int, *, consumed: int, mbs: int, rank: int = 0, dp: int = 1
 ) -> list[dict[str, torch.Tensor]]:
     iterator = microbatches(
         dataset,
@@ -95,12 +92,12 @@ def test_split_corpus() -> None:
         split_corpus(tokens.int())
 
 
-# --- GPTDataset ----------------------------------------------------------------------------
+# --- CorpusDataset ----------------------------------------------------------------------------
 
 
 def test_samples_are_shifted_windows() -> None:
     tokens = _stream(101)
-    dataset = GPTDataset(tokens, seq_length=10, seed=0)
+    dataset = CorpusDataset(tokens, seq_length=10, seed=0)
     assert dataset.samples_per_epoch == 10
     starts = sorted(dataset.window_start(i) for i in range(10))
     assert starts == list(range(0, 100, 10))
@@ -113,14 +110,14 @@ def test_samples_are_shifted_windows() -> None:
 
 
 def test_samples_per_epoch_needs_the_label_token() -> None:
-    assert GPTDataset(_stream(100), seq_length=10, seed=0).samples_per_epoch == 9
-    assert GPTDataset(_stream(11), seq_length=10, seed=0).samples_per_epoch == 1
+    assert CorpusDataset(_stream(100), seq_length=10, seed=0).samples_per_epoch == 9
+    assert CorpusDataset(_stream(11), seq_length=10, seed=0).samples_per_epoch == 1
 
 
 def test_dataset_is_deterministic_and_depends_on_the_seed() -> None:
-    a = GPTDataset(_stream(), seq_length=8, seed=3)
-    b = GPTDataset(_stream(), seq_length=8, seed=3)
-    c = GPTDataset(_stream(), seq_length=8, seed=4)
+    a = CorpusDataset(_stream(), seq_length=8, seed=3)
+    b = CorpusDataset(_stream(), seq_length=8, seed=3)
+    c = CorpusDataset(_stream(), seq_length=8, seed=4)
     order_a = [a.window_start(i) for i in range(a.samples_per_epoch)]
     # Reading backwards must not change what an index means.
     order_b = [b.window_start(i) for i in reversed(range(b.samples_per_epoch))][::-1]
@@ -131,7 +128,7 @@ def test_dataset_is_deterministic_and_depends_on_the_seed() -> None:
 
 
 def test_epochs_wrap_and_reshuffle() -> None:
-    dataset = GPTDataset(_stream(), seq_length=8, seed=3)
+    dataset = CorpusDataset(_stream(), seq_length=8, seed=3)
     n = dataset.samples_per_epoch
     epochs = [[dataset.window_start(e * n + i) for i in range(n)] for e in range(3)]
     for order in epochs:
@@ -139,20 +136,20 @@ def test_epochs_wrap_and_reshuffle() -> None:
     assert epochs[0] != epochs[1]
     assert epochs[1] != epochs[2]
     # Epoch e is shuffled with seed + e.
-    shifted = GPTDataset(_stream(), seq_length=8, seed=4)
+    shifted = CorpusDataset(_stream(), seq_length=8, seed=4)
     assert epochs[1] == [shifted.window_start(i) for i in range(n)]
 
 
 def test_dataset_errors() -> None:
     with pytest.raises(ValueError, match=r"holds 10 tokens, fewer than the seq_length \+ 1 = 11"):
-        GPTDataset(_stream(10), seq_length=10, seed=0)
+        CorpusDataset(_stream(10), seq_length=10, seed=0)
     with pytest.raises(ValueError, match="seq_length must be 1 or more, got 0"):
-        GPTDataset(_stream(), seq_length=0, seed=0)
+        CorpusDataset(_stream(), seq_length=0, seed=0)
     with pytest.raises(ValueError, match="seed must be 0 or more, got -1"):
-        GPTDataset(_stream(), seq_length=4, seed=-1)
+        CorpusDataset(_stream(), seq_length=4, seed=-1)
     with pytest.raises(TypeError, match=r"tokens must be a torch\.Tensor"):
-        GPTDataset(list(range(100)), seq_length=4, seed=0)  # type: ignore[arg-type]
-    dataset = GPTDataset(_stream(), seq_length=4, seed=0)
+        CorpusDataset(list(range(100)), seq_length=4, seed=0)  # type: ignore[arg-type]
+    dataset = CorpusDataset(_stream(), seq_length=4, seed=0)
     with pytest.raises(IndexError, match="sample index must be 0 or more, got -1"):
         dataset[-1]
 
@@ -161,7 +158,7 @@ def test_dataset_errors() -> None:
 
 
 def test_microbatches_stack_consecutive_samples() -> None:
-    dataset = GPTDataset(_stream(), seq_length=8, seed=1)
+    dataset = CorpusDataset(_stream(), seq_length=8, seed=1)
     first, second = _take(dataset, 2, consumed=0, mbs=3)
     assert first["tokens"].shape == (3, 8)
     assert first["labels"].shape == (3, 8)
@@ -172,7 +169,7 @@ def test_microbatches_stack_consecutive_samples() -> None:
 
 @pytest.mark.parametrize(("mbs", "dp"), [(1, 1), (2, 1), (2, 2), (1, 4), (3, 2)])
 def test_resume_continues_the_unbroken_run(mbs: int, dp: int) -> None:
-    dataset = GPTDataset(_stream(), seq_length=8, seed=5)
+    dataset = CorpusDataset(_stream(), seq_length=8, seed=5)
     steps = 40  # crosses epochs: 124 samples per epoch
     for rank in range(dp):
         unbroken = _take(dataset, steps, consumed=0, mbs=mbs, rank=rank, dp=dp)
@@ -183,7 +180,7 @@ def test_resume_continues_the_unbroken_run(mbs: int, dp: int) -> None:
 
 @pytest.mark.parametrize(("mbs", "dp"), [(1, 2), (2, 2), (2, 4), (3, 3)])
 def test_data_parallel_ranks_partition_the_global_batch(mbs: int, dp: int) -> None:
-    dataset = GPTDataset(_stream(), seq_length=8, seed=5)
+    dataset = CorpusDataset(_stream(), seq_length=8, seed=5)
     consumed = 17
     steps = 30
     per_rank = [_take(dataset, steps, consumed=consumed, mbs=mbs, rank=r, dp=dp) for r in range(dp)]
@@ -195,7 +192,7 @@ def test_data_parallel_ranks_partition_the_global_batch(mbs: int, dp: int) -> No
 
 
 def test_microbatches_wrap_into_the_next_epoch() -> None:
-    dataset = GPTDataset(_stream(81), seq_length=8, seed=2)
+    dataset = CorpusDataset(_stream(81), seq_length=8, seed=2)
     assert dataset.samples_per_epoch == 10
     batches = _take(dataset, 7, consumed=0, mbs=3)
     starts = [int(b["tokens"][row, 0]) for b in batches for row in range(3)]
@@ -205,7 +202,7 @@ def test_microbatches_wrap_into_the_next_epoch() -> None:
 
 
 def test_microbatch_errors() -> None:
-    dataset = GPTDataset(_stream(), seq_length=8, seed=0)
+    dataset = CorpusDataset(_stream(), seq_length=8, seed=0)
     with pytest.raises(
         ValueError,
         match=r"data_parallel_rank 2 is out of range for data-parallel size 2; valid: 0 \.\. 1",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pp_state import Placement
-from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers, init_parameter_
+from pp_train.app.gpt import GPTChunk, GPTConfig, chunk_layers, init_parameter_
 
 CONFIG = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
 SEED = 1234

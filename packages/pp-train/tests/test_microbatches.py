@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pp_train.microbatches import (
+from pp_train.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator,
     NumMicroBatchesCalculator,
     RampupBatchsizeNumMicroBatchesCalculator,

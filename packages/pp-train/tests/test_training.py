@@ -25,24 +25,20 @@ from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
     CheckpointError,
-    GPTChunk,
-    GPTConfig,
-    GPTDataset,
     TrainingConfig,
     TrainingLogger,
     TrainingProgress,
     build_forward_backward_func,
     build_num_microbatches_calculator,
-    chunk_layers,
     evaluate,
     finetune,
-    gpt_forward_step,
     microbatches,
     setup_model_and_optimizer,
     tied_embedding_sync,
     train,
     unwrap_model,
 )
+from pp_train.app import CorpusDataset, GPTChunk, GPTConfig, chunk_layers, gpt_forward_step
 
 GPT = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
 MICRO, GLOBAL = 2, 8
@@ -181,7 +177,7 @@ def _train(run: Run) -> dict[str, Any]:
             iteration=loaded.iteration, consumed_train_samples=loaded.consumed_train_samples
         )
     dp_rank, dp_size = state.group_rank("dp_cp"), state.group_size("dp_cp")
-    dataset = GPTDataset(_tokens(), GPT.seq_length, seed=3)
+    dataset = CorpusDataset(_tokens(), GPT.seq_length, seed=3)
     streams = [
         microbatches(
             dataset,
@@ -396,7 +392,7 @@ def test_a_corrupt_checkpoint_is_refused_clearly(tmp_path: Path) -> None:
 def _evaluate_before_training(run: Run) -> tuple[dict[str, float], list[bool]]:
     state, model, optimizer, _, _, _ = _setup(run)
     vp = run.vp or 1
-    dataset = GPTDataset(_tokens(), GPT.seq_length, seed=5)
+    dataset = CorpusDataset(_tokens(), GPT.seq_length, seed=5)
     streams = [
         microbatches(
             dataset,
@@ -435,7 +431,7 @@ def _finetune(run: Run, epochs_seen: list[int]) -> dict[str, Any]:
     progress = TrainingProgress()
     if loaded is not None:
         progress = TrainingProgress(iteration=loaded.iteration)
-    dataset = GPTDataset(_tokens(), GPT.seq_length, seed=9)
+    dataset = CorpusDataset(_tokens(), GPT.seq_length, seed=9)
 
     def epoch_batches(epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         order = torch.randperm(12, generator=torch.Generator().manual_seed(epoch)).tolist()

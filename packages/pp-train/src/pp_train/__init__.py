@@ -1,9 +1,10 @@
-"""pp-train: the training loop, logging, checkpoints, a bundled GPT and the ``pp-train`` command.
+"""pp-train: the training loop, logging, checkpoints and data, as a library.
 
 Composed from the four lower layers: process groups (pp-state), p2p (pp-comm), schedules
 (pp-schedules) and optimizer pieces (pp-optim). Use the pieces (`setup_model_and_optimizer`,
 `train_step`, `evaluate`, `train`, `save_checkpoint` / `load_checkpoint`, `TrainingLogger`) in a
-loop of your own, or run ``torchrun --nproc-per-node N -m pp_train`` to train the bundled GPT.
+loop of your own. The bundled GPT, its corpus and the ``pp-train`` command are an application
+of the library, in `pp_train.app` (``torchrun --nproc-per-node N -m pp_train``).
 """
 
 from importlib.metadata import version as _version
@@ -18,23 +19,14 @@ from pp_train.checkpointing import (
     save_checkpoint,
     set_rng_state,
 )
-from pp_train.command import build_parser, gpt_forward_step, main, validate_args
-from pp_train.data import (
-    ByteTokenizer,
-    GPTDataset,
-    corpus_tokens,
-    load_corpus,
-    microbatches,
-    split_corpus,
-)
-from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
-from pp_train.microbatches import (
+from pp_train.data import ByteTokenizer, SampleDataset, microbatches
+from pp_train.norms import calc_params_l2_norm
+from pp_train.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator,
     NumMicroBatchesCalculator,
     RampupBatchsizeNumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
-from pp_train.norms import calc_params_l2_norm
 from pp_train.reporting import (
     TIMING_LOG_OPTIONS,
     Timer,
@@ -74,14 +66,12 @@ __all__ = [
     "ConstantNumMicroBatchesCalculator",
     "EncoderDecoderModelProvider",
     "ExitReason",
-    "GPTChunk",
-    "GPTConfig",
-    "GPTDataset",
     "LoadedCheckpoint",
     "ModelProvider",
     "ModelType",
     "NumMicroBatchesCalculator",
     "RampupBatchsizeNumMicroBatchesCalculator",
+    "SampleDataset",
     "TiedEmbeddingSync",
     "Timer",
     "Timers",
@@ -92,21 +82,15 @@ __all__ = [
     "__version__",
     "build_forward_backward_func",
     "build_num_microbatches_calculator",
-    "build_parser",
     "calc_params_l2_norm",
     "checkpoint_path",
-    "chunk_layers",
-    "corpus_tokens",
     "evaluate",
     "finalize_model_grads",
     "finetune",
     "format_log_line",
     "get_model",
     "get_rng_state",
-    "gpt_forward_step",
     "load_checkpoint",
-    "load_corpus",
-    "main",
     "memory_report",
     "microbatches",
     "read_tracker",
@@ -114,10 +98,8 @@ __all__ = [
     "schedule_placement",
     "set_rng_state",
     "setup_model_and_optimizer",
-    "split_corpus",
     "tied_embedding_sync",
     "train",
     "train_step",
     "unwrap_model",
-    "validate_args",
 ]

@@ -1,7 +1,7 @@
-"""``python -m pp_train``: the training command (see `pp_train.command`)."""
+"""``python -m pp_train``: the training command (see `pp_train.app.command`)."""
 
 import sys
 
-from pp_train.command import main
+from pp_train.app.command import main
 
 sys.exit(main())

@@ -1,6 +1,5 @@
-"""The bundled text corpus, a byte tokenizer, and Megatron's pretraining sample order.
+"""Data pieces any model can use: a byte tokenizer and Megatron's pretraining sample order.
 
-`GPTDataset` cuts a token stream into fixed windows and shuffles them anew each epoch;
 `microbatches` walks global sample indices from a count of consumed samples the way
 Megatron's pretraining sampler does, so the data a run sees depends only on that count: a
 run resumed from a checkpoint continues with the microbatches an unbroken run would have
@@ -9,23 +8,21 @@ seen, whatever the data-parallel size.
 
 from __future__ import annotations
 
-import importlib.resources
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
-__all__ = [
-    "ByteTokenizer",
-    "GPTDataset",
-    "corpus_tokens",
-    "load_corpus",
-    "microbatches",
-    "split_corpus",
-]
+__all__ = ["ByteTokenizer", "SampleDataset", "microbatches"]
 
 Microbatch = dict[str, torch.Tensor]
 
-_CORPUS_FILE = "corpus.txt"
+
+class SampleDataset(Protocol):
+    """Samples by global index: ``{"tokens": [seq] int64, "labels": [seq] int64}``."""
+
+    def __getitem__(self, index: int) -> Microbatch:
+        """Sample `index` (0 or more)."""
 
 
 def _is_int(value: object) -> bool:
@@ -39,17 +36,6 @@ def _check_int(name: str, value: object, minimum: int) -> None:
     assert isinstance(value, int)
     if value < minimum:
         raise ValueError(f"{name} must be {minimum} or more, got {value}")
-
-
-def load_corpus() -> bytes:
-    """The bundled corpus: about 220 KB of plain ASCII English-like text.
-
-    It is read as package data, so it works from an installed wheel as well as a checkout.
-
-    Returns:
-        The corpus's bytes.
-    """
-    return importlib.resources.files("pp_train").joinpath(_CORPUS_FILE).read_bytes()
 
 
 class ByteTokenizer:
@@ -97,133 +83,8 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def corpus_tokens() -> torch.Tensor:
-    """The bundled corpus as a 1-D int64 tensor of byte tokens (see `ByteTokenizer`)."""
-    return torch.frombuffer(bytearray(load_corpus()), dtype=torch.uint8).to(torch.int64)
-
-
-def _check_tokens(tokens: object) -> torch.Tensor:
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
-    if tokens.dim() != 1 or tokens.dtype != torch.int64:
-        raise ValueError(
-            f"tokens must be a 1-D int64 tensor, got shape {tuple(tokens.shape)} and dtype "
-            f"{tokens.dtype}"
-        )
-    return tokens
-
-
-def split_corpus(
-    tokens: torch.Tensor, valid_fraction: float = 0.1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Splits a token stream into a training head and a validation tail.
-
-    Args:
-        tokens: 1-D int64 tokens.
-        valid_fraction: Share of the tokens, rounded down, that goes to validation;
-            ``0 <= valid_fraction < 1``.
-
-    Returns:
-        ``(train, valid)``: views of the first and the last tokens.
-
-    Raises:
-        TypeError: `tokens` is not a tensor or `valid_fraction` not a real number.
-        ValueError: `tokens` is not 1-D int64 or `valid_fraction` is outside ``[0, 1)``.
-    """
-    tokens = _check_tokens(tokens)
-    if not isinstance(valid_fraction, (int, float)) or isinstance(valid_fraction, bool):
-        raise TypeError(f"valid_fraction must be a float, got {valid_fraction!r}")
-    if not 0.0 <= valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must lie in [0, 1), got {valid_fraction}")
-    valid_size = int(tokens.numel() * valid_fraction)
-    cut = tokens.numel() - valid_size
-    return tokens[:cut], tokens[cut:]
-
-
-class GPTDataset:
-    """Windows of ``seq_length + 1`` tokens, reshuffled every epoch.
-
-    The windows start at multiples of ``seq_length`` (consecutive windows share one token: the
-    last label of one is the first input of the next). Sample ``i`` is window
-    ``permutation[i % n]`` of epoch ``i // n``, where ``n`` is `samples_per_epoch` and the
-    permutation comes from a generator seeded with ``seed + epoch``. Every non-negative index
-    is valid: the dataset wraps around into later epochs.
-    """
-
-    def __init__(self, tokens: torch.Tensor, seq_length: int, seed: int) -> None:
-        """Holds the tokens and the window length.
-
-        Args:
-            tokens: 1-D int64 tokens.
-            seq_length: Tokens per sample (the labels are the next `seq_length` tokens).
-            seed: Shuffling seed, 0 or more.
-
-        Raises:
-            TypeError: `tokens` is not a tensor or `seq_length` or `seed` not an int.
-            ValueError: `tokens` is not 1-D int64, `seq_length` is below 1, `seed` is
-                negative, or there are fewer than ``seq_length + 1`` tokens.
-        """
-        self.tokens = _check_tokens(tokens)
-        _check_int("seq_length", seq_length, 1)
-        _check_int("seed", seed, 0)
-        if tokens.numel() < seq_length + 1:
-            raise ValueError(
-                f"the corpus holds {tokens.numel()} tokens, fewer than the seq_length + 1 = "
-                f"{seq_length + 1} one sample needs"
-            )
-        self.seq_length = seq_length
-        self.seed = seed
-        self._epoch = -1
-        self._permutation = torch.empty(0, dtype=torch.int64)
-
-    @property
-    def samples_per_epoch(self) -> int:
-        """Number of distinct windows, visited once per epoch."""
-        return (self.tokens.numel() - 1) // self.seq_length
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        # Samplers read indices in increasing order, so caching the last epoch's
-        # permutation is enough.
-        if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._permutation = torch.randperm(self.samples_per_epoch, generator=generator)
-            self._epoch = epoch
-        return self._permutation
-
-    def window_start(self, index: int) -> int:
-        """Position in `tokens` of the first token of sample `index`.
-
-        Args:
-            index: A sample index, 0 or more.
-
-        Returns:
-            The window's start.
-
-        Raises:
-            IndexError: `index` is negative.
-            TypeError: `index` is not an int.
-        """
-        if not _is_int(index):
-            raise TypeError(f"sample index must be an int, got {type(index).__name__}")
-        if index < 0:
-            raise IndexError(f"sample index must be 0 or more, got {index}")
-        epoch, position = divmod(index, self.samples_per_epoch)
-        return int(self._order(epoch)[position]) * self.seq_length
-
-    def __getitem__(self, index: int) -> Microbatch:
-        """Sample `index`: ``{"tokens": x[:-1], "labels": x[1:]}``, each int64 [seq_length].
-
-        Raises:
-            IndexError: `index` is negative.
-            TypeError: `index` is not an int.
-        """
-        start = self.window_start(index)
-        window = self.tokens[start : start + self.seq_length + 1]
-        return {"tokens": window[:-1].clone(), "labels": window[1:].clone()}
-
-
 def microbatches(
-    dataset: GPTDataset,
+    dataset: SampleDataset,
     *,
     consumed_samples: int,
     micro_batch_size: int,
@@ -272,7 +133,7 @@ def microbatches(
 
 
 def _walk(
-    dataset: GPTDataset, *, start: int, micro_batch_size: int, stride: int
+    dataset: SampleDataset, *, start: int, micro_batch_size: int, stride: int
 ) -> Iterator[Microbatch]:
     while True:
         samples = [dataset[start + i] for i in range(micro_batch_size)]

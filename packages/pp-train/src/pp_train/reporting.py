@@ -547,8 +547,7 @@ class TrainingLogger:
             consumed_samples: Samples consumed by training, this iteration's included.
             global_batch_size: The global batch size of this iteration.
             elapsed_per_iteration: Seconds per iteration over the interval, or None.
-            timers_line: A `Timers.log_string` line (with its header), printed under the
-                log line.
+            timers_line: A `Timers.log_string` line (with header), printed under the line.
             params_norm: The parameter norm, or None.
 
         Returns:

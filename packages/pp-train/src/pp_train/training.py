@@ -47,8 +47,8 @@ from pp_train.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from pp_train.microbatches import NumMicroBatchesCalculator
 from pp_train.norms import calc_params_l2_norm
+from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
 from pp_train.reporting import Timers as LevelledTimers
 from pp_train.reporting import TrainingLogger
 from pp_train.wrappers import unwrap_model
@@ -86,7 +86,14 @@ class ModelProvider(Protocol):
 
 
 class EncoderDecoderModelProvider(Protocol):
-    """Builds an encoder-decoder model's stage, as Megatron calls it for such models."""
+    """Builds an encoder-decoder model's stage, as Megatron calls it for such models.
+
+    `get_model(model_type=ModelType.encoder_and_decoder)` calls it once per rank. With a
+    pipeline, the state's split rank ``s`` is the first decoder stage: ``pre_process`` on
+    stages 0 and ``s``, ``post_process`` on stages ``s - 1`` and the last. The word embedding
+    is copied on stages 0, ``s`` and the last (summed over the embedding group), the position
+    embedding (``model.embedding.position_embeddings``) on stages 0 and ``s`` (its group).
+    """
 
     def __call__(
         self, *, pre_process: bool, post_process: bool, add_encoder: bool, add_decoder: bool
@@ -284,17 +291,11 @@ def get_model(
     after which parameters are broadcast from data-parallel rank 0. Last, the copies of a
     tied word embedding are made equal (see `tied_embedding_sync`).
 
-    An encoder-decoder model (`model_type` ``ModelType.encoder_and_decoder``) is built as
-    Megatron builds one: with a pipeline, the state's split rank is the first decoder stage;
-    the provider is called as ``model_provider(pre_process=, post_process=, add_encoder=,
-    add_decoder=)``, ``pre_process`` on the first encoder and the first decoder stage,
-    ``post_process`` on the last of each. The copies of the word embedding on the first,
-    split and last stage, and of the position embedding on the first and split stage, start
-    equal to the first stage's and have their gradients summed (`finalize_model_grads`).
+    Encoder-decoder models (``ModelType.encoder_and_decoder``): see
+    `EncoderDecoderModelProvider`; their embedding copies start as the first stage's.
 
     Args:
-        model_provider: Builds one chunk: ``model_provider(pre_process=, post_process=,
-            vp_stage=)`` (see above for encoder-decoder models).
+        model_provider: Builds one chunk (`ModelProvider`, `EncoderDecoderModelProvider`).
         state: The parallel state (pipeline rank and size, virtual size, groups).
         fp16: Wrap each chunk in `Float16Module` with float16.
         bf16: Wrap each chunk in `Float16Module` with bfloat16.
@@ -737,10 +738,8 @@ def train_step(
     Zeroes the grad buffers and the optimizer's grads, runs the forward-backward function,
     finalizes the gradients (`finalize_model_grads`), steps the optimizer and, when the step
     was not skipped, the scheduler by ``num_microbatches * micro_batch_size * dp`` samples.
-    The three phases are timed as "forward-backward", "grads-all-reduce" and "optimizer"
-    (timing level 1 with pp-train's `Timers`); with `barrier_with_l1_time` (Megatron's
-    ``--barrier-with-L1-time``) the first and the last start after a barrier and a device
-    synchronisation, so that they time the same interval on every rank.
+    Phases "forward-backward", "grads-all-reduce", "optimizer" are timed at level 1; with
+    `barrier_with_l1_time` the first and last start after a barrier and a device sync.
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over

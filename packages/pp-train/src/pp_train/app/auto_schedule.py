@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from pp_schedules import Choice, Costs, choose_schedule
 from pp_schedules.split_backward import backward_input
-from pp_train.gpt import GPTChunk, GPTConfig
+from pp_train.app.gpt import GPTChunk, GPTConfig
 
 __all__ = ["choose_measured", "warmup_costs"]
 

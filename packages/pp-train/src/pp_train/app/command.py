@@ -37,11 +37,15 @@ from pp_schedules import (
     validate,
 )
 from pp_state import ParallelConfig, ParallelState, Placement
-from pp_train.auto_schedule import choose_measured
+from pp_train.app.auto_schedule import choose_measured
+from pp_train.app.corpus import CorpusDataset, corpus_tokens, split_corpus
+from pp_train.app.gpt import GPTChunk, GPTConfig, chunk_layers
 from pp_train.checkpointing import CheckpointError, LoadedCheckpoint
-from pp_train.data import ByteTokenizer, GPTDataset, corpus_tokens, microbatches, split_corpus
-from pp_train.gpt import GPTChunk, GPTConfig, chunk_layers
-from pp_train.microbatches import NumMicroBatchesCalculator, build_num_microbatches_calculator
+from pp_train.data import ByteTokenizer, microbatches
+from pp_train.num_microbatches_calculator import (
+    NumMicroBatchesCalculator,
+    build_num_microbatches_calculator,
+)
 from pp_train.reporting import TIMING_LOG_OPTIONS, Timers, TrainingLogger, memory_report
 from pp_train.training import (
     TrainingConfig,
@@ -797,17 +801,17 @@ def _progress(
     )
 
 
-def _datasets(args: argparse.Namespace) -> tuple[GPTDataset, GPTDataset]:
+def _datasets(args: argparse.Namespace) -> tuple[CorpusDataset, CorpusDataset]:
     """The bundled corpus's training and validation samples."""
     train_tokens, valid_tokens = split_corpus(corpus_tokens())
     return (
-        GPTDataset(train_tokens, args.seq_length, seed=args.seed),
-        GPTDataset(valid_tokens, args.seq_length, seed=args.seed + 1),
+        CorpusDataset(train_tokens, args.seq_length, seed=args.seed),
+        CorpusDataset(valid_tokens, args.seq_length, seed=args.seed + 1),
     )
 
 
 def _microbatch_iterators(
-    args: argparse.Namespace, state: ParallelState, dataset: GPTDataset, consumed: int
+    args: argparse.Namespace, state: ParallelState, dataset: CorpusDataset, consumed: int
 ) -> Any:
     """This data-parallel rank's microbatches from `consumed` on: one stream per model chunk."""
     vp = state.virtual_pipeline_model_parallel_size or 1
@@ -841,7 +845,7 @@ def _startup_messages(
     state: ParallelState,
     schedule: str,
     placement: Placement,
-    train_data: GPTDataset,
+    train_data: CorpusDataset,
 ) -> list[str]:
     """The line that describes the run; with ``auto``, also the schedule choice and its table."""
     pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size or 1
