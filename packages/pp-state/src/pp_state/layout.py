@@ -386,6 +386,21 @@ def _optimizer_instances(tp_ep_pp: Sequence[Sequence[int]], instances: int) -> l
     ]
 
 
+def _instance_groups(
+    dp_cp: list[list[int]], expert_dp: list[list[int]], tp_ep_pp: list[list[int]], instances: int
+) -> dict[ExpertGroupKind, list[list[int]]]:
+    """The groups of the distributed optimizer's instances.
+
+    Megatron builds no inter-instance group for one instance: that kind is empty then.
+    """
+    return {
+        "intra_dp_cp": _split(dp_cp, instances, strided=False),
+        "intra_expt_dp": _split(expert_dp, instances, strided=False),
+        "inter_dist_opt": _split(expert_dp, instances, strided=True) if instances > 1 else [],
+        "intra_dist_opt": _optimizer_instances(tp_ep_pp, instances),
+    }
+
+
 def _positive_expert_sizes(ep: int, etp: int | None, instances: int, tp: int) -> int:
     _check_positive("expert_model_parallel_size", ep)
     _check_positive("num_distributed_optimizer_instances", instances)
@@ -447,15 +462,9 @@ def expert_rank_layout(
     axes = parse_order(order, sizes, names=_EXPERT_ARGUMENT_OF_AXIS)
     _check_same_pipelines(order, (dense_axes, dense_sizes), (axes, sizes))
     _check_instances(instances, dp * cp, expert_dp)
-    grid = {kind: _orthogonal_groups(axes, sizes, span) for kind, span in _EXPERT_SPANS.items()}
+    layout = {kind: _orthogonal_groups(axes, sizes, span) for kind, span in _EXPERT_SPANS.items()}
     dp_cp = _orthogonal_groups(dense_axes, dense_sizes, _SPANS["dp_cp"])
-    layout: dict[ExpertGroupKind, list[list[int]]] = {
-        "intra_dp_cp": _split(dp_cp, instances, strided=False),
-        **grid,
-        "intra_expt_dp": _split(grid["expt_dp"], instances, strided=False),
-        "inter_dist_opt": _split(grid["expt_dp"], instances, strided=True) if instances > 1 else [],
-        "intra_dist_opt": _optimizer_instances(grid["tp_ep_pp"], instances),
-    }
+    layout.update(_instance_groups(dp_cp, layout["expt_dp"], layout["tp_ep_pp"], instances))
     return {kind: layout[kind] for kind in EXPERT_KINDS}
 
 
