@@ -30,11 +30,15 @@ TEST_TOOLS = ("pytest>=8", "numpy", "tomli>=1.1; python_version < '3.11'")
 TEST_HELPERS = "pp-testing"
 # Optional extras a package's tests exercise (pp-train writes TensorBoard events).
 TEST_EXTRAS = {"pp-train": ("tensorboard>=2.14",)}
+# The oracle pp-state's layouts are checked against, from the package registry. Importing its
+# parallel_state on CPU needs only its declared numpy and packaging; its hierarchical
+# (distributed-optimizer instance) groups need einops, an optional dependency of it.
+MEGATRON_ORACLE = ("megatron-core==0.16.1", "einops~=0.8")
 
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_external_run = True
-nox.options.sessions = ["lint", "tests", "mypy", "layers", "integration"]
+nox.options.sessions = ["lint", "tests", "mypy", "layers", "integration", "megatron_oracle"]
 
 
 def _pip_find_links() -> str:
@@ -159,6 +163,19 @@ def mypy(session: nox.Session, package: str) -> None:
         str(source),
         str(PACKAGES / package / "tests"),
         *benchmarks,
+    )
+
+
+@nox.session
+def megatron_oracle(session: nox.Session) -> None:
+    """pp-state's rank layouts against megatron-core's own, for every factorisation up to 64."""
+    _install(session, ["pp-state", TEST_HELPERS], *TEST_TOOLS, *MEGATRON_ORACLE)
+    # The variable turns the test file's skip (megatron-core absent) into a failure here.
+    session.run(
+        "pytest",
+        str(PACKAGES / "pp-state" / "tests" / "test_megatron_oracle.py"),
+        *session.posargs,
+        env={**TEST_ENV, "PP_STATE_MEGATRON_ORACLE": "1"},
     )
 
 

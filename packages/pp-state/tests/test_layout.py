@@ -342,8 +342,10 @@ def test_group_containing_refuses_a_rank_in_no_group() -> None:
 
 def test_layout_imports_no_torch() -> None:
     code = (
-        "import sys; from pp_state import rank_layout; "
+        "import sys; from pp_state import rank_layout, expert_rank_layout, RankGenerator; "
         "assert rank_layout(8, tensor_model_parallel_size=2)['tp'] == [[0, 1], [2, 3], [4, 5], [6, 7]]; "
+        "assert expert_rank_layout(8, expert_model_parallel_size=2)['ep'][0] == [0, 1]; "
+        "assert RankGenerator(1, 2, 4, 1, 1, 'tp-cp-ep-dp-pp').get_ranks('ep')[0] == [0, 1]; "
         "assert 'torch' not in sys.modules, 'rank_layout pulled in torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

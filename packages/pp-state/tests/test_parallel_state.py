@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from pp_state import (
     ParallelConfig,
     ParallelSizeError,
     ParallelState,
+    expert_rank_layout,
+    rank_layout,
     reset_default_state,
     set_default_state,
 )
@@ -205,6 +208,11 @@ def test_ported_megatron_code_runs_on_the_facade() -> None:
         mpu.is_pipeline_first_stage,
         mpu.get_pipeline_model_parallel_next_rank,
         mpu.get_parallel_state,
+        mpu.get_expert_model_parallel_group,
+        mpu.get_expert_tensor_and_model_parallel_world_size,
+        mpu.get_expert_data_parallel_rank,
+        mpu.get_intra_distributed_optimizer_instance_group,
+        mpu.get_inter_distributed_optimizer_instance_group,
     ],
 )
 def test_a_getter_before_initialisation_says_what_to_call(getter: object) -> None:
@@ -343,3 +351,243 @@ def test_the_default_is_set_once_and_reset_may_keep_the_groups() -> None:
         assert "already set (model parallel is initialized)" in refused
         assert kept_alive
         assert destroyed
+
+
+# ----------------------------------------------------------------------------- expert parallel
+EXPERT_CONFIGS: list[dict[str, Any]] = [
+    # Expert tp = tp (the default); one optimizer instance.
+    {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2},
+    # Expert tp 1 != tp 2, and two distributed-optimizer instances.
+    {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2,
+     "expert_tensor_parallel_size": 1, "num_distributed_optimizer_instances": 2},
+]  # fmt: skip
+
+
+def _expert_getters() -> dict[str, dist.ProcessGroup | None]:
+    groups = {
+        "ep": mpu.get_expert_model_parallel_group(),
+        "expt_tp": mpu.get_expert_tensor_parallel_group(),
+        "tp_ep": mpu.get_expert_tensor_and_model_parallel_group(),
+        "tp_ep_pp": mpu.get_expert_tensor_model_pipeline_parallel_group(),
+        "expt_dp": mpu.get_expert_data_parallel_group(),
+        "intra_expt_dp": mpu.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+        "intra_dp_cp": mpu.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=True
+        ),
+        "intra_dist_opt": mpu.get_intra_distributed_optimizer_instance_group(),
+    }
+    if mpu.get_parallel_state().num_distributed_optimizer_instances > 1:
+        groups["inter_dist_opt"] = mpu.get_inter_distributed_optimizer_instance_group()
+    return groups
+
+
+def _reach(group: dist.ProcessGroup | None) -> tuple[list[int], float]:
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value, group=group)
+    return dist.get_process_group_ranks(group), value.item()
+
+
+def _expert_facts() -> dict[str, object]:
+    state = mpu.get_parallel_state()
+    groups = _expert_getters()
+    seen: dict[str, object] = {
+        "reach": {kind: _reach(group) for kind, group in groups.items()},
+        "same_groups": all(group is state.group(kind) for kind, group in groups.items()),  # type: ignore[arg-type]
+        "sizes": (
+            mpu.get_expert_model_parallel_world_size(),
+            mpu.get_expert_tensor_parallel_world_size(),
+            mpu.get_expert_tensor_and_model_parallel_world_size(),
+            mpu.get_expert_data_parallel_world_size(),
+            mpu.get_expert_data_parallel_world_size(partial_expert_data_parallel=True),
+            mpu.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True),
+        ),
+        "ranks": (
+            mpu.get_expert_model_parallel_rank(),
+            mpu.get_expert_tensor_parallel_rank(),
+            mpu.get_expert_tensor_and_model_parallel_rank(),
+            mpu.get_expert_data_parallel_rank(),
+            mpu.get_expert_data_parallel_rank(partial_expert_data_parallel=True),
+            mpu.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True),
+            mpu.get_expert_model_parallel_src_rank(),
+        ),
+        "native": (
+            state.expert_model_parallel_size, state.expert_tensor_parallel_size,
+            state.expert_data_parallel_size, state.num_distributed_optimizer_instances,
+            state.expert_model_parallel_rank, state.expert_tensor_parallel_rank,
+            state.expert_data_parallel_rank,
+        ),
+        "layout": state.expert_layout,
+    }  # fmt: skip
+    with pytest.warns(DeprecationWarning, match="use get_expert_data_parallel_group"):
+        seen["deprecated"] = mpu.get_data_modulo_expert_parallel_group() is groups["expt_dp"]
+    try:
+        mpu.get_inter_distributed_optimizer_instance_group()
+    except NotInitializedError as error:  # one instance: Megatron asserts, as here
+        seen["no_inter"] = (
+            str(error),
+            mpu.get_inter_distributed_optimizer_instance_group(check_initialized=False),
+        )
+    try:
+        mpu.get_data_parallel_group(partial_data_parallel=True)
+    except AssertionError as error:
+        seen["partial_without_cp"] = (str(error), isinstance(error, ValueError))
+    # Overrides, then back to the groups' answers.
+    mpu.set_expert_model_parallel_world_size(7)
+    mpu.set_expert_model_parallel_rank(5)
+    mpu.set_expert_tensor_parallel_world_size(3)
+    mpu.set_expert_tensor_parallel_rank(2)
+    seen["overridden"] = (
+        mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank(),
+        mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank(),
+    )  # fmt: skip
+    for setter in (mpu.set_expert_model_parallel_world_size, mpu.set_expert_model_parallel_rank,
+                   mpu.set_expert_tensor_parallel_world_size, mpu.set_expert_tensor_parallel_rank):  # fmt: skip
+        setter(None)
+    seen["restored"] = (
+        mpu.get_expert_model_parallel_world_size(),
+        mpu.get_expert_model_parallel_rank(),
+    )
+    dp_cp_ag, expert_ag = mpu.create_all_gather_groups(for_expert_parallelism=True)
+    seen["all_gather"] = (
+        _reach(dp_cp_ag), _reach(expert_ag), dp_cp_ag is not state.group("dp_cp"),
+        mpu.create_all_gather_groups()[1],
+    )  # fmt: skip
+    return seen
+
+
+def _groups_created() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _expert_parallel_on_the_facade() -> dict[str, object]:
+    refused = []
+    before = _groups_created()
+    bad_sizes: list[dict[str, Any]] = [
+        {"expert_model_parallel_size": 3},
+        {"tensor_model_parallel_size": 2, "num_distributed_optimizer_instances": 3},
+    ]
+    for bad in bad_sizes:
+        try:
+            mpu.initialize_model_parallel(**bad)
+        except ParallelSizeError as error:
+            refused.append((str(error), isinstance(error, RuntimeError)))
+    report: dict[str, object] = {
+        "refused": refused,
+        "nothing_created": _groups_created() == before and not mpu.model_parallel_is_initialized(),
+        "configs": [],
+    }
+    for config in EXPERT_CONFIGS:
+        mpu.initialize_model_parallel(distributed_timeout_minutes=0.5, **config)
+        report["configs"].append(_expert_facts())  # type: ignore[attr-defined]
+        mpu.destroy_model_parallel()
+    report["after_destroy"] = (
+        mpu.get_expert_model_parallel_group(check_initialized=False),
+        mpu.get_expert_tensor_parallel_group(check_initialized=False),
+        _groups_created() == before,  # the all-gather copies were destroyed too
+    )
+    try:
+        mpu.get_expert_data_parallel_world_size()
+    except NotInitializedError as error:
+        report["getter_after_destroy"] = str(error)
+    return report
+
+
+DENSE_DP_CP = rank_layout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)["dp_cp"]
+
+
+def test_expert_parallel_groups_on_eight_ranks() -> None:
+    reports = run_distributed(_expert_parallel_on_the_facade, 8, timeout=180)
+    expected_layouts = [expert_rank_layout(8, **config) for config in EXPERT_CONFIGS]
+    # The two layouts, by hand (order tp-cp-ep-dp-pp).
+    first, second = expected_layouts
+    assert first["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert first["expt_dp"] == [[r] for r in range(8)]
+    assert second["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert second["expt_dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert second["inter_dist_opt"] == second["expt_dp"]
+    assert second["intra_dist_opt"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    for rank, report in enumerate(reports):
+        assert report["nothing_created"] is True
+        (ep_error, ep_runtime), (instances_error, _) = report["refused"]
+        assert ep_runtime is True
+        assert "world size 8 is not divisible by expert tensor (1) x expert model (3)" in ep_error
+        assert "num_distributed_optimizer_instances 3 must divide both" in instances_error
+        for expected, seen in zip(expected_layouts, report["configs"], strict=True):
+            assert seen["layout"] == expected
+            mine = {
+                kind: next(g for g in groups if rank in g)
+                for kind, groups in expected.items()
+                if groups
+            }
+            for kind, (ranks, total) in seen["reach"].items():
+                assert ranks == mine[kind], (rank, kind)
+                assert total == float(sum(mine[kind])), (rank, kind)
+            assert seen["same_groups"] is True
+            ep, etp, expert_dp = len(mine["ep"]), len(mine["expt_tp"]), len(mine["expt_dp"])
+            assert seen["sizes"] == (
+                ep,
+                etp,
+                len(mine["tp_ep"]),
+                expert_dp,
+                len(mine["intra_expt_dp"]),
+                len(mine["intra_dp_cp"]),
+            )
+            assert seen["ranks"] == (
+                mine["ep"].index(rank), mine["expt_tp"].index(rank), mine["tp_ep"].index(rank),
+                mine["expt_dp"].index(rank), mine["intra_expt_dp"].index(rank),
+                mine["intra_dp_cp"].index(rank), mine["ep"][0],
+            )  # fmt: skip
+            instances = len(expected["intra_dist_opt"])
+            assert seen["native"] == (
+                ep, etp, expert_dp, instances, mine["ep"].index(rank), mine["expt_tp"].index(rank),
+                mine["expt_dp"].index(rank),
+            )  # fmt: skip
+            assert seen["deprecated"] is True
+            if instances == 1:
+                message, unchecked = seen["no_inter"]
+                assert "exists with num_distributed_optimizer_instances of 2 or more" in message
+                assert unchecked is None
+            assert (
+                "partial_data_parallel=True needs with_context_parallel=True"
+                in seen["partial_without_cp"][0]
+            )
+            assert seen["partial_without_cp"][1] is True
+            assert seen["overridden"] == (7, 5, 3, 2)
+            assert seen["restored"] == (ep, mine["ep"].index(rank))
+            dp_cp_reach, expert_reach, distinct, no_expert = seen["all_gather"]
+            dp_cp = next(g for g in DENSE_DP_CP if rank in g)
+            assert dp_cp_reach == (dp_cp, float(sum(dp_cp)))
+            assert expert_reach == (mine["expt_dp"], float(sum(mine["expt_dp"])))
+            assert distinct is True
+            assert no_expert is None
+        assert report["after_destroy"] == (None, None, True)
+        assert "not initialized" in report["getter_after_destroy"]
+
+
+def test_expert_tensor_parallel_falls_back_to_the_tensor_parallel_override() -> None:
+    # Before initialisation Megatron answers the expert tp size and rank from the tp overrides.
+    mpu.set_tensor_model_parallel_world_size(4)
+    mpu.set_tensor_model_parallel_rank(1)
+    assert mpu.get_expert_tensor_parallel_world_size() == 4
+    assert mpu.get_expert_tensor_parallel_rank() == 1
+    mpu.set_expert_tensor_parallel_world_size(2)
+    assert mpu.get_expert_tensor_parallel_world_size() == 2
+    mpu.set_expert_model_parallel_world_size(8)
+    assert mpu.get_expert_model_parallel_world_size() == 8
+    with pytest.raises(NotInitializedError):
+        mpu.get_expert_model_parallel_rank()
+    with pytest.raises(ValueError, match="expected an int of at least 1, or None; got 0"):
+        mpu.set_expert_model_parallel_world_size(0)
+
+
+def test_create_all_gather_groups_before_initialisation_is_megatrons_runtime_error() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"not initialized: call pp_state.initialize_model_parallel"
+    ):
+        mpu.create_all_gather_groups(for_expert_parallelism=True)
+
+
+def test_rank_generator_is_on_the_facade() -> None:
+    generator = mpu.RankGenerator(tp=2, ep=2, dp=2, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    assert generator.get_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert generator.get_ranks("tp-ep-pp") == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -306,6 +306,15 @@ def test_create_needs_torch_distributed() -> None:
         ({"timeout": datetime.timedelta(0)}, ValueError, "timeout must be positive, got 0:00:00"),
         ({"timeout": 30}, TypeError, "timeout must be a datetime.timedelta, got 30"),
         ({"backend": 1}, TypeError, "backend must be a name such as 'gloo' or 'nccl', or None; got 1"),
+        ({"expert_model_parallel_size": 0}, ValueError, "expert_model_parallel_size must be 1 or more, got 0"),
+        ({"expert_tensor_parallel_size": 0}, ValueError, "expert_tensor_parallel_size must be 1 or more, got 0"),
+        ({"num_distributed_optimizer_instances": -1}, ValueError,
+         "num_distributed_optimizer_instances must be 1 or more, got -1"),
+        ({"expert_model_parallel_size": 2.0}, TypeError, "expert_model_parallel_size must be an int"),
+        ({"expert_model_parallel_size": 2, "order": "tp-cp-dp-pp"}, RuntimeError,
+         r"order 'tp-cp-dp-pp' leaves out 'ep', but expert_model_parallel_size is 2; add 'ep'"),
+        ({"expert_tensor_parallel_size": 2, "order": "dp-pp"}, ValueError,
+         r"order 'dp-pp' leaves out 'tp', but expert_tensor_parallel_size is 2"),
     ],
 )  # fmt: skip
 def test_config_refuses_bad_input_up_front(

@@ -1,11 +1,14 @@
 """pp-state: the process groups of pipeline-parallel training, as explicit objects.
 
-- `rank_layout`: which global ranks form each group (pure, no torch), equal to Megatron's.
+- `rank_layout`: which global ranks form each group (pure, no torch), equal to Megatron's;
+  `expert_rank_layout` the expert and optimizer-instance groups; `RankGenerator` Megatron's
+  class of that name.
 - `ParallelConfig` / `ParallelState`: every group of a job, built once and passed down.
 - `Placement`: which virtual stage each (rank, chunk) holds (looped, V-shape, or a table).
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
 
-Importing the package and calling `rank_layout` does not import torch; the names that need it
+Importing the package and calling `rank_layout`, `expert_rank_layout` or `RankGenerator` does
+not import torch; the names that need it
 load on first use.
 """
 
@@ -18,13 +21,21 @@ from typing import TYPE_CHECKING, Any
 from pp_state.errors import (
     AlreadyInitializedError,
     DistributedNotInitializedError,
+    InvalidArgumentError,
+    ParallelSizeAssertionError,
     ParallelSizeError,
 )
 from pp_state.layout import (
+    ALL_KINDS,
     AXES,
     DEFAULT_ORDER,
+    EXPERT_KINDS,
     KINDS,
+    AnyGroupKind,
+    ExpertGroupKind,
     GroupKind,
+    RankGenerator,
+    expert_rank_layout,
     find_group,
     group_containing,
     rank_layout,
@@ -74,21 +85,29 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ALL_KINDS",
     "AXES",
     "DEFAULT_ORDER",
+    "EXPERT_KINDS",
     "KINDS",
     "PLACEMENTS",
     "AlreadyInitializedError",
+    "AnyGroupKind",
     "DistributedNotInitializedError",
+    "ExpertGroupKind",
     "GroupKind",
+    "InvalidArgumentError",
     "NotInitializedError",
     "ParallelConfig",
+    "ParallelSizeAssertionError",
     "ParallelSizeError",
     "ParallelState",
     "Placement",
+    "RankGenerator",
     "StateDestroyedError",
     "__version__",
     "destroy_model_parallel",
+    "expert_rank_layout",
     "find_group",
     "get_default_state",
     "group_containing",

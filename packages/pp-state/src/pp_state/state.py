@@ -10,10 +10,15 @@ import torch.distributed as dist
 
 from pp_state.errors import DistributedNotInitializedError, ParallelSizeError
 from pp_state.layout import (
+    ALL_KINDS,
     DEFAULT_ORDER,
+    EXPERT_KINDS,
     KINDS,
+    AnyGroupKind,
+    ExpertGroupKind,
     GroupKind,
     check_split_rank,
+    expert_rank_layout,
     find_group,
     group_containing,
     parse_order,
@@ -41,7 +46,10 @@ class StateDestroyedError(RuntimeError):
 class ParallelConfig:
     """How the ranks of a job are split into parallel groups.
 
-    The data-parallel size is what remains: world size // (tp * pp * cp).
+    The data-parallel size is what remains: world size // (tp * pp * cp). Expert layers
+    (mixture of experts) are laid out a second time over the same ranks, as in Megatron:
+    expert tensor parallel x expert model parallel x pipeline, the expert data-parallel size
+    being what remains.
     """
 
     tensor_model_parallel_size: int = 1
@@ -60,8 +68,21 @@ class ParallelConfig:
     pipeline_model_parallel_split_rank: int | None = None
     """Encoder-decoder models: the pipeline stage where the decoder starts (1 .. pp-1)."""
 
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of each mixture-of-experts layer are spread over (ep). Above 1, the
+    order must name "ep"."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Ranks each expert's tensors are split over; None takes the tensor-parallel size."""
+
+    num_distributed_optimizer_instances: int = 1
+    """Replicas of the distributed optimizer: each shards its state over a run of
+    consecutive ranks of the data x context parallel group (and of the expert data-parallel
+    group); it must divide both sizes."""
+
     order: str = DEFAULT_ORDER
-    """Axes from fastest- to slowest-varying rank coordinate, as in Megatron."""
+    """Axes from fastest- to slowest-varying rank coordinate, as in Megatron (whose default
+    this is; with ep 1 it is the layout of "tp-cp-dp-pp")."""
 
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     """How long a collective on these groups may wait before it fails (Megatron's
@@ -75,19 +96,11 @@ class ParallelConfig:
 
         Raises:
             TypeError: A field has the wrong type.
-            ValueError: A size is below 1, the order is invalid, the virtual size comes without
-                a pipeline, or the split rank is outside the pipeline.
+            ValueError: A size is below 1, the order is invalid (or leaves out an axis of
+                size above 1), the virtual size comes without a pipeline, or the split rank is
+                outside the pipeline.
         """
-        sizes = {
-            "tensor_model_parallel_size": self.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-            "context_parallel_size": self.context_parallel_size,
-        }
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be 1 or more, got {value}")
+        self._check_sizes()
         pp = self.pipeline_model_parallel_size
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None:
@@ -105,10 +118,7 @@ class ParallelConfig:
                     f"of 2 or more, got {pp}: the interleaved schedule runs over a pipeline; "
                     "leave the virtual size as None"
                 )
-        parse_order(
-            self.order,
-            {"tp": self.tensor_model_parallel_size, "pp": pp, "cp": self.context_parallel_size},
-        )
+        self._check_order()
         if not isinstance(self.timeout, datetime.timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {self.timeout!r}")
         if self.timeout <= datetime.timedelta(0):
@@ -118,6 +128,35 @@ class ParallelConfig:
                 f"backend must be a name such as 'gloo' or 'nccl', or None; got {self.backend!r}"
             )
         check_split_rank(self.pipeline_model_parallel_split_rank, pp)
+
+    def _check_sizes(self) -> None:
+        sizes = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
+            "num_distributed_optimizer_instances": self.num_distributed_optimizer_instances,
+        }
+        for name, value in sizes.items():
+            if value is None and name == "expert_tensor_parallel_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be 1 or more, got {value}")
+
+    def _check_order(self) -> None:
+        sizes = {
+            "tp": self.tensor_model_parallel_size,
+            "pp": self.pipeline_model_parallel_size,
+            "cp": self.context_parallel_size,
+            "ep": self.expert_model_parallel_size,
+        }
+        parse_order(self.order, sizes)
+        if self.expert_tensor_parallel_size is not None:
+            name = {"tp": "expert_tensor_parallel_size"}
+            parse_order(self.order, {"tp": self.expert_tensor_parallel_size}, names=name)
 
     def layout(self, world_size: int) -> dict[GroupKind, list[list[int]]]:
         """The rank layout of this config on `world_size` ranks (see `rank_layout`)."""
@@ -130,10 +169,23 @@ class ParallelConfig:
             pipeline_model_parallel_split_rank=self.pipeline_model_parallel_split_rank,
         )
 
+    def expert_layout(self, world_size: int) -> dict[ExpertGroupKind, list[list[int]]]:
+        """The expert and optimizer-instance groups on `world_size` ranks (`expert_rank_layout`)."""
+        return expert_rank_layout(
+            world_size,
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
+            order=self.order,
+        )
 
-def _check_kind(kind: str) -> GroupKind:
-    if kind not in KINDS:
-        raise ValueError(f"unknown group kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+
+def _check_kind(kind: str) -> AnyGroupKind:
+    if kind not in ALL_KINDS:
+        raise ValueError(f"unknown group kind {kind!r}; valid kinds: {', '.join(ALL_KINDS)}")
     return kind
 
 
@@ -153,8 +205,8 @@ class ParallelState:
         *,
         rank: int,
         world_size: int,
-        groups: Mapping[GroupKind, dist.ProcessGroup],
-        layout: Mapping[GroupKind, list[list[int]]],
+        groups: Mapping[AnyGroupKind, dist.ProcessGroup],
+        layout: Mapping[AnyGroupKind, list[list[int]]],
         owned: list[dist.ProcessGroup],
     ) -> None:
         """Use `ParallelState.create`; this constructor only stores what it built."""
@@ -163,8 +215,9 @@ class ParallelState:
         self._world_size = world_size
         self._groups = dict(groups)
         self._layout = {kind: [list(g) for g in groups_] for kind, groups_ in layout.items()}
-        # None where this rank is in no group of a kind (middle stages and embeddings).
-        self._mine = {kind: find_group(self._layout[kind], rank) for kind in KINDS}
+        # None where this rank is in no group of a kind (middle stages and embeddings; the
+        # inter-instance kind with one optimizer instance).
+        self._mine = {kind: find_group(self._layout[kind], rank) for kind in ALL_KINDS}
         pipeline_index = self._layout["pp"].index(group_containing(self._layout["pp"], rank))
         self._embedding_ranks = self._layout["embedding"][pipeline_index]
         self._position_embedding_ranks = self._layout["position_embedding"][pipeline_index]
@@ -187,7 +240,8 @@ class ParallelState:
             DistributedNotInitializedError: torch.distributed is not initialised (a
                 RuntimeError and an AssertionError).
             ParallelSizeError: The world size does not fit the config; the message names the
-                numbers (a ValueError and a RuntimeError).
+                numbers (a ValueError and a RuntimeError; an AssertionError too where Megatron
+                asserts). Raised before any group is created.
         """
         config = config or ParallelConfig()
         if not dist.is_available() or not dist.is_initialized():
@@ -196,11 +250,14 @@ class ParallelState:
                 "(torchrun sets up the environment for it) before ParallelState.create"
             )
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        layout = config.layout(world_size)
+        # Every size is checked (both layouts computed) before any group is created.
+        layout: dict[AnyGroupKind, list[list[int]]] = {}
+        layout.update(config.layout(world_size).items())
+        layout.update(config.expert_layout(world_size).items())
         by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         owned: list[dist.ProcessGroup] = []
-        groups: dict[GroupKind, dist.ProcessGroup] = {}
-        for kind in KINDS:
+        groups: dict[AnyGroupKind, dist.ProcessGroup] = {}
+        for kind in ALL_KINDS:
             for ranks in layout[kind]:
                 key = tuple(ranks)
                 if key not in by_ranks:
@@ -309,31 +366,82 @@ class ParallelState:
         """This rank's position in its context-parallel group."""
         return self.group_rank("cp")
 
+    # ----------------------------------------------------------------------------- experts
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """Ranks the experts are spread over (ep)."""
+        return self._config.expert_model_parallel_size
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """Ranks each expert's tensors are split over (the tensor-parallel size by default)."""
+        return self.group_size("expt_tp")
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Size of the expert data-parallel group: world // (expert tp * ep * pp)."""
+        return self.group_size("expt_dp")
+
+    @property
+    def num_distributed_optimizer_instances(self) -> int:
+        """Replicas of the distributed optimizer over the data-parallel ranks."""
+        return self._config.num_distributed_optimizer_instances
+
+    @property
+    def expert_model_parallel_rank(self) -> int:
+        """This rank's position in its expert model-parallel group."""
+        return self.group_rank("ep")
+
+    @property
+    def expert_tensor_parallel_rank(self) -> int:
+        """This rank's position in its expert tensor-parallel group."""
+        return self.group_rank("expt_tp")
+
+    @property
+    def expert_data_parallel_rank(self) -> int:
+        """This rank's position in its expert data-parallel group."""
+        return self.group_rank("expt_dp")
+
     # ----------------------------------------------------------------------------- groups
     @property
     def layout(self) -> dict[GroupKind, list[list[int]]]:
-        """Every group of every kind, as global ranks (a copy; see `rank_layout`)."""
-        return {kind: [list(g) for g in groups] for kind, groups in self._layout.items()}
+        """Every group of every dense kind, as global ranks (a copy; see `rank_layout`)."""
+        return {kind: [list(g) for g in self._layout[kind]] for kind in KINDS}
+
+    @property
+    def expert_layout(self) -> dict[ExpertGroupKind, list[list[int]]]:
+        """Every expert and optimizer-instance group (a copy; see `expert_rank_layout`)."""
+        return {kind: [list(g) for g in self._layout[kind]] for kind in EXPERT_KINDS}
 
     def _member(self, kind: str) -> list[int]:
         self._alive()
         ranks = self._mine[_check_kind(kind)]
         if ranks is None:
+            if kind == "inter_dist_opt":
+                raise ValueError(
+                    "there is no inter_dist_opt group: with num_distributed_optimizer_instances "
+                    f"{self.num_distributed_optimizer_instances} no group spans instances; "
+                    "it exists with 2 or more"
+                )
             raise ValueError(
                 f"rank {self._rank} is in no {kind} group: its pipeline's {kind} ranks are "
                 f"{self.embedding_ranks if kind == 'embedding' else self.position_embedding_ranks}"
             )
         return ranks
 
-    def in_group(self, kind: GroupKind) -> bool:
-        """Whether this rank is in a group of `kind` (always, except the embedding kinds)."""
+    def in_group(self, kind: AnyGroupKind) -> bool:
+        """Whether this rank is in a group of `kind`.
+
+        Always, except the embedding kinds (middle stages) and ``inter_dist_opt`` with one
+        optimizer instance.
+        """
         return self._mine[_check_kind(kind)] is not None
 
-    def group(self, kind: GroupKind) -> dist.ProcessGroup:
-        """This rank's process group of `kind` ("tp", "pp", "dp", "dp_cp", ...).
+    def group(self, kind: AnyGroupKind) -> dist.ProcessGroup:
+        """This rank's process group of `kind` ("tp", "pp", "dp", "dp_cp", "ep", "expt_dp", ...).
 
         Raises:
-            ValueError: `kind` is not one of `KINDS`, or this rank is in no group of it (a
+            ValueError: `kind` is not one of `ALL_KINDS`, or this rank is in no group of it (a
                 middle stage has no embedding group).
             StateDestroyedError: `destroy` was called.
         """
@@ -341,19 +449,46 @@ class ParallelState:
         self._member(kind)
         return self._groups[kind]
 
-    def group_ranks(self, kind: GroupKind) -> list[int]:
+    def group_ranks(self, kind: AnyGroupKind) -> list[int]:
         """Global ranks of this rank's group of `kind`, in group-rank order."""
         return list(self._member(kind))
 
-    def group_rank(self, kind: GroupKind) -> int:
+    def group_rank(self, kind: AnyGroupKind) -> int:
         """This rank's position in its group of `kind`."""
         return self._member(kind).index(self._rank)
 
-    def group_size(self, kind: GroupKind) -> int:
+    def group_size(self, kind: AnyGroupKind) -> int:
         """Number of ranks in this rank's group of `kind`."""
         return len(self._member(kind))
 
-    def src_rank(self, kind: GroupKind) -> int:
+    def copy_groups(
+        self, kind: AnyGroupKind, *, timeout: datetime.timedelta | None = None
+    ) -> dist.ProcessGroup | None:
+        """Create a second process group for every group of `kind`: same ranks, own communicator.
+
+        A collective call: every rank must make it, with the same arguments. A copy lets one
+        kind of traffic (an all-gather) progress beside another (a reduce-scatter) on the same
+        ranks. The copies belong to this state: `destroy` destroys them.
+
+        Args:
+            kind: The groups to copy.
+            timeout: Timeout of the copies; None takes the config's.
+
+        Returns:
+            This rank's copy, or None where this rank is in no group of `kind`.
+        """
+        self._alive()
+        mine = None
+        for ranks in self._layout[_check_kind(kind)]:
+            group = dist.new_group(
+                list(ranks), timeout=timeout or self._config.timeout, backend=self._config.backend
+            )
+            if self._rank in ranks:
+                self._owned.append(group)
+                mine = group
+        return mine
+
+    def src_rank(self, kind: AnyGroupKind) -> int:
         """Global rank of the first member of this rank's group of `kind` (broadcast source)."""
         return self._member(kind)[0]
 
