@@ -384,6 +384,16 @@ class PipelineExecutor:
                 "apart beyond two ranks yet; use the looped placement, or gloo"
             )
 
+    def _prepared_for(
+        self, chunks: list[torch.nn.Module], num_microbatches: int, forward_only: bool
+    ) -> _Prepared:
+        """The validated plan of a call, checked against the chunks' DDP wrappers."""
+        prepared = self._prepared(num_microbatches, forward_only)
+        if not forward_only:
+            steps = prepared.report.steps[self.rank]
+            _check_torch_ddp_order(chunks, [s.compute for s in steps if s.compute])
+        return prepared
+
     def _plan(self, num_microbatches: int, forward_only: bool) -> Plan:
         if self.user_plan is None:
             return plan(
@@ -472,11 +482,7 @@ class PipelineExecutor:
         chunks, iterators = self._check_call(
             model, data_iterator, collect_non_loss_data, forward_only
         )
-        prepared = self._prepared(num_microbatches, forward_only)
-        if not forward_only:
-            _check_torch_ddp_order(
-                chunks, [s.compute for s in prepared.report.steps[self.rank] if s.compute]
-            )
+        prepared = self._prepared_for(chunks, num_microbatches, forward_only)
         run = _Run(
             self,
             _Call(
