@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -71,3 +73,31 @@ def test_schedule_trace_example_refuses_an_unwritable_path_before_starting(
     done = torchrun(EXAMPLES / "schedule_trace.py", 2, "--trace", str(tmp_path / "no" / "t.json"))
     assert done.returncode != 0
     assert "does not exist" in done.stdout + done.stderr
+
+
+def test_pretrain_example_trains_an_mlp_regressor_on_two_stages(torchrun: Torchrun) -> None:
+    done = torchrun(EXAMPLES / "pretrain_mlp.py", 2, "--pipeline-model-parallel-size", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pipeline 2, data parallel 1, 1F1B" in done.stdout
+    losses = [float(x) for x in re.findall(r" mse: (\S+) \|", done.stdout)]
+    assert len(losses) == 3
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_pretrain_example_is_short() -> None:
+    """The user code of the example (no blank lines, comments or docstrings) is under 40 lines."""
+    source = (EXAMPLES / "pretrain_mlp.py").read_text()
+    tree = ast.parse(source)
+    docstrings = {
+        line
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        and ast.get_docstring(node) is not None
+        for line in range(node.body[0].lineno, node.body[0].end_lineno + 1)  # type: ignore[operator]
+    }
+    code = [
+        text
+        for number, text in enumerate(source.splitlines(), start=1)
+        if text.strip() and not text.strip().startswith("#") and number not in docstrings
+    ]
+    assert len(code) < 40, len(code)

@@ -130,7 +130,7 @@ def test_interleaved_on_two_processes(torchrun: Torchrun) -> None:
             2,
             "--num-layers-per-virtual-pipeline-stage 3 does not divide the 4 layers",
         ),
-        (["--fp16", "--bf16"], 1, "not allowed with argument"),
+        (["--fp16", "--bf16"], 1, "set at most one of fp16 and bf16"),
         (
             ["--rampup-batch-size", "4", "2", "100", "--micro-batch-size", "4"],
             1,

@@ -158,7 +158,7 @@ def test_a_deadlocking_plan_error_draws_the_grid(
     [
         (
             ["--pipeline-schedule", "gpipe", "--pipeline-schedule-file", "plan.txt"],
-            "argument --pipeline-schedule-file: not allowed with argument --pipeline-schedule",
+            "--pipeline-schedule gpipe and --pipeline-schedule-file plan.txt exclude each other",
         ),
         (
             ["--pipeline-schedule-file", "no-such-plan.txt"],

@@ -9,6 +9,17 @@ of the library, in `pp_train.app` (``torchrun --nproc-per-node N -m pp_train``).
 
 from importlib.metadata import version as _version
 
+from pp_train.arguments import (
+    CheckpointArgs,
+    LoggingArgs,
+    LRScheduleArgs,
+    ModelArgs,
+    ParallelArgs,
+    PretrainConfig,
+    TrainingArgs,
+    add_pretrain_flags,
+    pretrain_config_from_args,
+)
 from pp_train.checkpointing import (
     CheckpointError,
     LoadedCheckpoint,
@@ -27,6 +38,7 @@ from pp_train.num_microbatches_calculator import (
     RampupBatchsizeNumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
+from pp_train.pretrain import DatasetsProvider, pretrain, train_valid_test_num_samples
 from pp_train.reporting import (
     TIMING_LOG_OPTIONS,
     Timer,
@@ -55,6 +67,7 @@ from pp_train.training import (
     train,
     train_step,
 )
+from pp_train.world import RunLayout, check_world
 from pp_train.wrappers import unwrap_model
 
 __version__ = _version("pp-train")
@@ -62,27 +75,38 @@ __version__ = _version("pp-train")
 __all__ = [
     "TIMING_LOG_OPTIONS",
     "ByteTokenizer",
+    "CheckpointArgs",
     "CheckpointError",
     "ConstantNumMicroBatchesCalculator",
+    "DatasetsProvider",
     "EncoderDecoderModelProvider",
     "ExitReason",
+    "LRScheduleArgs",
     "LoadedCheckpoint",
+    "LoggingArgs",
+    "ModelArgs",
     "ModelProvider",
     "ModelType",
     "NumMicroBatchesCalculator",
+    "ParallelArgs",
+    "PretrainConfig",
     "RampupBatchsizeNumMicroBatchesCalculator",
+    "RunLayout",
     "SampleDataset",
     "TiedEmbeddingSync",
     "Timer",
     "Timers",
     "TimingLogOption",
+    "TrainingArgs",
     "TrainingConfig",
     "TrainingLogger",
     "TrainingProgress",
     "__version__",
+    "add_pretrain_flags",
     "build_forward_backward_func",
     "build_num_microbatches_calculator",
     "calc_params_l2_norm",
+    "check_world",
     "checkpoint_path",
     "evaluate",
     "finalize_model_grads",
@@ -93,6 +117,8 @@ __all__ = [
     "load_checkpoint",
     "memory_report",
     "microbatches",
+    "pretrain",
+    "pretrain_config_from_args",
     "read_tracker",
     "save_checkpoint",
     "schedule_placement",
@@ -101,5 +127,6 @@ __all__ = [
     "tied_embedding_sync",
     "train",
     "train_step",
+    "train_valid_test_num_samples",
     "unwrap_model",
 ]

@@ -1,0 +1,352 @@
+"""A training run's configuration as data: Megatron's flags, one frozen dataclass per group.
+
+The optimizer's group is pp-optim's own `OptimizerConfig` (its fields are Megatron's flag
+names), so its settings are declared once, in the package that uses them.
+
+Each field is one flag of the same name (`pp_train.flags` makes the parser from these
+classes), with its default and the docstring under it as help. Each class checks its own
+values when built; `PretrainConfig` checks those that depend on one another. Checks that need
+the world size are `PretrainConfig.check_world`. All of them run before any process group
+starts. Messages name the flags, since that is how most runs are configured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Literal, get_type_hints
+
+from pp_optim import LRDecayStyle, OptimizerConfig, WSDDecayStyle
+from pp_train.flags import add_config_flags, config_from_args
+from pp_train.reporting import TimingLogOption
+
+__all__ = [
+    "CheckpointArgs",
+    "LRScheduleArgs",
+    "LoggingArgs",
+    "ModelArgs",
+    "ParallelArgs",
+    "PipelineScheduleName",
+    "PretrainConfig",
+    "TrainingArgs",
+    "add_pretrain_flags",
+    "pretrain_config_from_args",
+]
+
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "auto"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_at_least(config: object, names: tuple[str, ...], minimum: int = 1) -> None:
+    """Each named field, unless None, is an int of at least `minimum`."""
+    for name in names:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{_flag(name)} must be an integer {minimum} or more, got {value!r}")
+
+
+def _check_positive_real(config: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+            raise ValueError(f"{_flag(name)} must be a positive finite number, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelArgs:
+    """Parallelism and the pipeline schedule."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; the rest of the world is data parallel."""
+
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per model chunk; fewer than layers / pipeline size gives each rank several chunks
+    (interleaved 1F1B by default)."""
+
+    pipeline_schedule: PipelineScheduleName | None = None
+    """The schedule; by default interleaved_1f1b with virtual stages, 1f1b otherwise
+    (Megatron's choice). zb_h1 and zbv split backwards (zero bubble; zbv needs 2 chunks per
+    rank); auto picks the shortest simulated schedule that holds no more activations than
+    1F1B."""
+
+    pipeline_schedule_file: str | None = None
+    """Run the plan in this text file instead (one line of actions per pipeline rank, e.g.
+    'rank 0: F0 F1 B0 B1'; an optional 'placement: looped|v' line); checked up front."""
+
+    distributed_timeout_minutes: float = 10.0
+    """How long any collective or transfer may wait before it fails."""
+
+    overlap_grad_reduce: bool = False
+    """All-reduce gradient buckets during backward."""
+
+    def __post_init__(self) -> None:
+        """Checks sizes and the timeout; a schedule name and a plan file exclude each other."""
+        _check_at_least(
+            self, ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+        )
+        _check_positive_real(self, ("distributed_timeout_minutes",))
+        if self.pipeline_schedule is not None and self.pipeline_schedule_file is not None:
+            raise ValueError(
+                f"--pipeline-schedule {self.pipeline_schedule} and --pipeline-schedule-file "
+                f"{self.pipeline_schedule_file} exclude each other; give one"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """The model's shape."""
+
+    num_layers: int = 8
+    """Transformer layers."""
+
+    hidden_size: int = 64
+    """Width of the activations between layers (and between pipeline stages)."""
+
+    num_attention_heads: int = 4
+    """Attention heads; they must divide the hidden size."""
+
+    ffn_hidden_size: int | None = None
+    """Width of the MLP (None: 4 x hidden size)."""
+
+    seq_length: int = 64
+    """Tokens per sample."""
+
+    def __post_init__(self) -> None:
+        """Checks the sizes and that the heads divide the hidden size."""
+        names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+        _check_at_least(self, (*names, "seq_length"))
+        if self.hidden_size % self.num_attention_heads:
+            divisors = [d for d in range(1, self.hidden_size + 1) if self.hidden_size % d == 0]
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; use one of {divisors} heads"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingArgs:
+    """Training length, batches, evaluation and early exits."""
+
+    train_iters: int = 200
+    """Iterations to train for."""
+
+    micro_batch_size: int = 4
+    """Samples per microbatch on one data-parallel rank."""
+
+    global_batch_size: int = 32
+    """Samples per iteration over all data-parallel ranks."""
+
+    rampup_batch_size: tuple[int, int, int] | None = dataclasses.field(
+        default=None, metadata={"metavar": ("START", "INCREMENT", "SAMPLES")}
+    )
+    """START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES."""
+
+    eval_interval: int = 100
+    """Evaluate every this many iterations."""
+
+    eval_iters: int = 4
+    """Global batches per evaluation (0: no evaluation)."""
+
+    exit_interval: int | None = None
+    """Save and stop when the iteration is a multiple of this."""
+
+    exit_duration_in_mins: float | None = None
+    """Save and stop after this many minutes."""
+
+    exit_signal_handler: bool = True
+    """On SIGTERM, finish the iteration, save and stop."""
+
+    seed: int = 1234
+    """Seed of the weights, the data order and dropout."""
+
+    def __post_init__(self) -> None:
+        """Checks counts and intervals."""
+        names = ("train_iters", "micro_batch_size", "global_batch_size", "eval_interval")
+        _check_at_least(self, (*names, "exit_interval"))
+        _check_at_least(self, ("eval_iters", "seed"), minimum=0)
+        _check_positive_real(self, ("exit_duration_in_mins",))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LRScheduleArgs:
+    """Learning-rate schedule (the peak rate is the optimizer's --lr)."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+
+    lr_decay_style: LRDecayStyle = "linear"
+    """Shape of the decay."""
+
+    lr_warmup_iters: int = 0
+    """Iterations of linear warm-up."""
+
+    lr_decay_iters: int | None = None
+    """Iterations of decay (None: --train-iters)."""
+
+    lr_wsd_decay_iters: int | None = None
+    """Iterations of the final anneal of a WSD schedule."""
+
+    lr_wsd_decay_style: WSDDecayStyle = "exponential"
+    """Shape of the WSD anneal."""
+
+    use_checkpoint_opt_param_scheduler: bool = dataclasses.field(
+        default=False, metadata={"flag": "--use-checkpoint-opt_param-scheduler"}
+    )
+    """On resume, take the learning-rate schedule from the checkpoint."""
+
+    override_opt_param_scheduler: bool = dataclasses.field(
+        default=False, metadata={"flag": "--override-opt_param-scheduler"}
+    )
+    """On resume, take the learning-rate schedule from these flags."""
+
+    def __post_init__(self) -> None:
+        """Checks lengths and the choices that exclude each other."""
+        _check_at_least(self, ("lr_decay_iters", "lr_wsd_decay_iters"))
+        _check_at_least(self, ("lr_warmup_iters",), minimum=0)
+        if not self.min_lr >= 0.0:
+            raise ValueError(f"--min-lr must be 0 or more, got {self.min_lr}")
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        if self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler:
+            raise ValueError(
+                "use at most one of --use-checkpoint-opt_param-scheduler and "
+                "--override-opt_param-scheduler"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointArgs:
+    """Checkpoints."""
+
+    save: str | None = None
+    """Directory to save checkpoints to."""
+
+    load: str | None = None
+    """Directory to resume from (an empty one starts from scratch)."""
+
+    save_interval: int | None = None
+    """Save every this many iterations (and on an early exit)."""
+
+    finetune: bool = False
+    """Load the weights only and start at iteration 0."""
+
+    no_load_optim: bool = False
+    """Do not load the optimizer state."""
+
+    no_load_rng: bool = False
+    """Do not load the random-number generators' states."""
+
+    def __post_init__(self) -> None:
+        """An interval needs a directory."""
+        _check_at_least(self, ("save_interval",))
+        if self.save_interval is not None and self.save is None:
+            raise ValueError("--save-interval needs --save DIR")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingArgs:
+    """Logging, timers and profiles."""
+
+    log_interval: int = 10
+    """Print the log line every this many iterations."""
+
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here."""
+
+    log_params_norm: bool = False
+    """Report the parameters' L2 norm in the log line and TensorBoard."""
+
+    timing_log_level: Literal[0, 1, 2] = 0
+    """0: iteration time only (no timer waits); 1: also once-per-iteration phases
+    (forward-backward, gradient reduction, optimizer); 2: also each forward, backward and
+    transfer."""
+
+    timing_log_option: TimingLogOption = "minmax"
+    """What the timers line shows of the ranks' times: the max, min and max, or all."""
+
+    barrier_with_l1_time: bool = dataclasses.field(
+        default=True, metadata={"flag": "--barrier-with-L1-time"}
+    )
+    """Level-1 timers start after a barrier and a device synchronisation; off, no timer
+    waits."""
+
+    profile_schedule: str | None = None
+    """Write one training iteration's measured and simulated schedule to this Chrome-trace
+    JSON file and print a summary line."""
+
+    profile_schedule_iteration: int | None = None
+    """The iteration --profile-schedule records (None: the second this run trains)."""
+
+    def __post_init__(self) -> None:
+        """Checks the interval and that a profile iteration comes with a profile file."""
+        _check_at_least(self, ("log_interval", "profile_schedule_iteration"))
+        if self.profile_schedule_iteration is not None and self.profile_schedule is None:
+            raise ValueError("--profile-schedule-iteration needs --profile-schedule PATH")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig:
+    """Everything a training run is configured with, group by group."""
+
+    parallel: ParallelArgs = dataclasses.field(default_factory=ParallelArgs)
+    model: ModelArgs = dataclasses.field(default_factory=ModelArgs)
+    training: TrainingArgs = dataclasses.field(default_factory=TrainingArgs)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleArgs = dataclasses.field(default_factory=LRScheduleArgs)
+    checkpoint: CheckpointArgs = dataclasses.field(default_factory=CheckpointArgs)
+    logging: LoggingArgs = dataclasses.field(default_factory=LoggingArgs)
+
+    def __post_init__(self) -> None:
+        """Checks what one group's value means for another's."""
+        schedule, train_iters = self.lr_schedule, self.training.train_iters
+        if schedule.min_lr > self.optimizer.lr:
+            raise ValueError(f"--min-lr {schedule.min_lr} is above --lr {self.optimizer.lr}")
+        if schedule.lr_warmup_iters >= self.lr_decay_iters:
+            raise ValueError(
+                f"--lr-warmup-iters {schedule.lr_warmup_iters} must be below the decay length "
+                f"{self.lr_decay_iters} (--lr-decay-iters, default --train-iters)"
+            )
+        iteration = self.logging.profile_schedule_iteration
+        if iteration is not None and iteration > train_iters:
+            raise ValueError(
+                f"--profile-schedule-iteration {iteration} is past --train-iters "
+                f"{train_iters}; use 1 .. {train_iters}"
+            )
+
+    @property
+    def groups(self) -> tuple[object, ...]:
+        """The groups, in the order of ``--help``."""
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+    @property
+    def lr_decay_iters(self) -> int:
+        """The decay length in iterations (--lr-decay-iters, default --train-iters)."""
+        return self.lr_schedule.lr_decay_iters or self.training.train_iters
+
+
+def add_pretrain_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds every group's flags to `parser` (one ``--help`` group each); returns it."""
+    hints = get_type_hints(PretrainConfig)
+    add_config_flags(parser, [hints[field.name] for field in dataclasses.fields(PretrainConfig)])
+    return parser
+
+
+def pretrain_config_from_args(args: argparse.Namespace) -> PretrainConfig:
+    """The configuration the parsed flags describe.
+
+    Raises:
+        ValueError: A value, or a combination of values, that is refused (the message names
+            the flags).
+    """
+    hints = get_type_hints(PretrainConfig)
+    groups = {
+        field.name: config_from_args(hints[field.name], args)
+        for field in dataclasses.fields(PretrainConfig)
+    }
+    return PretrainConfig(**groups)

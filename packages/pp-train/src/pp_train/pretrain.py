@@ -1,0 +1,459 @@
+"""`pretrain`: a whole training run from three providers and a configuration, as Megatron's.
+
+Megatron's contracts: ``model_provider(pre_process, post_process, vp_stage)`` builds one
+model chunk (it may also take ``state`` and ``placement`` keywords to learn the parallel state
+and which stage each chunk holds), ``train_valid_test_datasets_provider(num_samples)`` builds
+the three datasets for ``(train, valid, test)`` sample counts (None for one it has not), and
+``forward_step_func(data_iterator, model)`` returns ``(output, loss_func)``. Everything the
+configuration can get wrong is refused before any process group starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import inspect
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pp_optim import DDPConfig, LRScheduleConfig
+from pp_schedules import Choice
+from pp_state import ParallelConfig, ParallelState, Placement
+from pp_train.arguments import PretrainConfig
+from pp_train.checkpointing import LoadedCheckpoint
+from pp_train.data import SampleDataset, microbatches
+from pp_train.reporting import Timers, TrainingLogger, memory_report
+from pp_train.training import (
+    EncoderDecoderModelProvider,
+    ExitReason,
+    ForwardStepFunc,
+    ModelProvider,
+    ModelType,
+    TrainingConfig,
+    TrainingProgress,
+    build_forward_backward_func,
+    evaluate,
+    setup_model_and_optimizer,
+    train,
+)
+from pp_train.world import RunLayout, check_world, microbatch_calculator
+
+__all__ = [
+    "DatasetsProvider",
+    "lr_schedule_config",
+    "pretrain",
+    "train_valid_test_num_samples",
+    "training_config",
+]
+
+DatasetsProvider = Callable[
+    [tuple[int, int, int]],
+    tuple[SampleDataset | None, SampleDataset | None, SampleDataset | None],
+]
+"""``train_valid_test_datasets_provider((train, valid, test) samples) -> (train, valid, test)``."""
+
+ScheduleMeasure = Callable[[Choice, tuple[int, int, int]], Choice]
+"""Chooses again with measured costs: ``(guess, (pp, microbatches, vp)) -> choice``."""
+
+_SCHEDULE_TITLES = {
+    "no_pipelining": "no pipelining",
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "interleaved 1F1B",
+    "zb_h1": "zero-bubble ZB-H1",
+    "zbv": "zero-bubble ZB-V (V placement)",
+}
+
+
+def pretrain(
+    train_valid_test_datasets_provider: DatasetsProvider,
+    model_provider: ModelProvider | EncoderDecoderModelProvider | Callable[..., torch.nn.Module],
+    forward_step_func: ForwardStepFunc,
+    *,
+    config: PretrainConfig,
+    model_type: ModelType = ModelType.encoder_or_decoder,
+    checkpoint_args: Mapping[str, Any] | None = None,
+    measure_schedule: ScheduleMeasure | None = None,
+    model_name: str = "model",
+) -> ExitReason:
+    """Trains a model as `config` says, on the processes torchrun started (or this one).
+
+    Checks `config` against the world first (`check_world`); then starts the process group
+    unless one is running (torchrun's environment; one process without it), builds the
+    parallel state, the chunks, optimizer and scheduler (restored from ``--load``), the
+    datasets and their microbatch streams, runs `train`, and evaluates at the end. The rank
+    holding the last stage in the last data-parallel replica prints.
+
+    Args:
+        train_valid_test_datasets_provider: Builds the datasets (see the module docstring).
+        model_provider: Builds one chunk (see the module docstring); with `model_type`
+            ``encoder_and_decoder``, Megatron's encoder-decoder form.
+        forward_step_func: One microbatch through a chunk.
+        config: The run's configuration.
+        model_type: One stack, or an encoder and a decoder split at a pipeline rank.
+        checkpoint_args: More settings saved in checkpoints and checked on load (e.g. the
+            vocabulary size).
+        measure_schedule: With ``--pipeline-schedule auto``, chooses again with measured
+            costs (the default choice simulates equal costs).
+        model_name: Names the model in the first line printed.
+
+    Returns:
+        Why training stopped (see `train`).
+
+    Raises:
+        ValueError: The configuration does not fit the world (nothing was started).
+        CheckpointError: ``--load`` holds a checkpoint this run cannot load.
+    """
+    layout = check_world(config, _world_size())
+    with _process_group(config) as device:
+        state = ParallelState.create(
+            ParallelConfig(
+                pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+                timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes),
+            )
+        )
+        try:
+            if measured := layout.schedule_choice is not None and measure_schedule is not None:
+                layout = _measured(layout, config, measure_schedule)
+            run = _Run(config, layout, state, device, model_name, measured)
+            model = _with_context(model_provider, state, layout.placement)
+            extra = checkpoint_args or {}
+            return run.train(
+                train_valid_test_datasets_provider, model, forward_step_func,
+                model_type=model_type, checkpoint_args=extra,
+            )  # fmt: skip
+        finally:
+            state.destroy()
+
+
+def _world_size() -> int:
+    """The running group's size, else torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextlib.contextmanager
+def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
+    """This process's device in a running process group: the caller's, or one started here."""
+    if dist.is_initialized():
+        nccl = dist.get_backend() == "nccl"
+        yield torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        return
+    timeout = datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    with tempfile.TemporaryDirectory() as scratch:
+        # Without torchrun this is a one-process job: rendezvous through a file, no port.
+        single: dict[str, Any] = (
+            {} if "RANK" in os.environ
+            else {"init_method": f"file://{scratch}/rendezvous", "rank": 0, "world_size": 1}
+        )  # fmt: skip
+        if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", timeout=timeout, **single)
+            device = torch.device("cuda", local_rank)
+        else:
+            # Ranks on one machine share its cores; more threads per rank only contend.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+            dist.init_process_group("gloo", timeout=timeout, **single)
+            device = torch.device("cpu")
+        try:
+            yield device
+        finally:
+            dist.destroy_process_group()
+
+
+def _measured(layout: RunLayout, config: PretrainConfig, measure: ScheduleMeasure) -> RunLayout:
+    assert layout.schedule_choice is not None
+    pp = config.parallel.pipeline_model_parallel_size
+    sizes = (pp, max(layout.microbatch_counts), layout.virtual_pipeline_model_parallel_size or 1)
+    choice = measure(layout.schedule_choice, sizes)
+    return dataclasses.replace(layout, schedule=choice.chosen.name, schedule_choice=choice)
+
+
+def _with_context(
+    provider: Callable[..., torch.nn.Module], state: ParallelState, placement: Placement
+) -> Callable[..., torch.nn.Module]:
+    """The provider, handed ``state`` and ``placement`` too when it takes them."""
+    accepted = inspect.signature(provider).parameters
+    extra = {
+        name: value
+        for name, value in (("state", state), ("placement", placement))
+        if name in accepted
+    }
+
+    def build(**where: Any) -> torch.nn.Module:
+        return provider(**where, **extra)
+
+    return build
+
+
+def lr_schedule_config(config: PretrainConfig) -> LRScheduleConfig:
+    """The learning-rate schedule in samples, as Megatron's steps it: iterations x global batch."""
+    schedule, gbs = config.lr_schedule, config.training.global_batch_size
+    wsd = schedule.lr_wsd_decay_iters
+    return LRScheduleConfig(
+        max_lr=config.optimizer.lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.lr_warmup_iters * gbs,
+        lr_decay_steps=config.lr_decay_iters * gbs,
+        lr_decay_style=schedule.lr_decay_style,
+        wsd_decay_steps=None if wsd is None else wsd * gbs,
+        lr_wsd_decay_style=schedule.lr_wsd_decay_style,
+        start_wd=config.optimizer.weight_decay,
+        end_wd=config.optimizer.weight_decay,
+        use_checkpoint_opt_param_scheduler=schedule.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=schedule.override_opt_param_scheduler,
+    )
+
+
+def training_config(config: PretrainConfig) -> TrainingConfig:
+    """The loop's settings from the run's flags."""
+    training, logging, checkpoint = config.training, config.logging, config.checkpoint
+    return TrainingConfig(
+        train_iters=training.train_iters,
+        micro_batch_size=training.micro_batch_size,
+        seq_length=config.model.seq_length,
+        eval_interval=training.eval_interval,
+        eval_iters=training.eval_iters,
+        log_interval=logging.log_interval,
+        save=checkpoint.save,
+        save_interval=checkpoint.save_interval,
+        exit_interval=training.exit_interval,
+        exit_duration_in_mins=training.exit_duration_in_mins,
+        exit_signal_handler=training.exit_signal_handler,
+        profile_schedule_path=logging.profile_schedule,
+        profile_schedule_iteration=logging.profile_schedule_iteration,
+        log_params_norm=logging.log_params_norm,
+        barrier_with_l1_time=logging.barrier_with_l1_time,
+    )
+
+
+def train_valid_test_num_samples(config: PretrainConfig) -> tuple[int, int, int]:
+    """The samples each dataset must hold, as Megatron counts them.
+
+    Training: iterations x global batch; validation: every evaluation during training and the
+    final one; test: one evaluation.
+    """
+    training = config.training
+    gbs, eval_iters = training.global_batch_size, training.eval_iters
+    evaluations = training.train_iters // training.eval_interval + 1
+    return training.train_iters * gbs, evaluations * eval_iters * gbs, eval_iters * gbs
+
+
+@dataclasses.dataclass
+class _Run:
+    """One `pretrain` run inside its process group: builds, trains, evaluates, reports."""
+
+    config: PretrainConfig
+    layout: RunLayout
+    state: ParallelState
+    device: torch.device
+    model_name: str
+    measured: bool
+    """Whether ``auto`` chose with measured costs."""
+
+    def __post_init__(self) -> None:
+        # Megatron logs from the last rank: the last stage (the losses) of the last replica.
+        state = self.state
+        self.is_logging_rank = self.layout.placement.holds_last(
+            state.pipeline_model_parallel_rank
+        ) and (state.group_rank("dp_cp") == state.group_size("dp_cp") - 1)
+
+    def say(self, text: str) -> None:
+        if self.is_logging_rank:
+            print(text, flush=True)
+
+    def train(
+        self,
+        datasets_provider: DatasetsProvider,
+        model_provider: Callable[..., torch.nn.Module],
+        forward_step_func: ForwardStepFunc,
+        *,
+        model_type: ModelType,
+        checkpoint_args: Mapping[str, Any],
+    ) -> ExitReason:
+        config, state, layout = self.config, self.state, self.layout
+        saved_args = self._checkpoint_args(checkpoint_args)
+        model, optimizer, scheduler, loaded = setup_model_and_optimizer(
+            model_provider,
+            state,
+            optimizer_config=config.optimizer,
+            lr_schedule=lr_schedule_config(config),
+            ddp_config=DDPConfig(overlap_grad_reduce=config.parallel.overlap_grad_reduce),
+            device=self.device,
+            load=config.checkpoint.load,
+            checkpoint_args=saved_args,
+            finetune=config.checkpoint.finetune,
+            no_load_optim=config.checkpoint.no_load_optim,
+            no_load_rng=config.checkpoint.no_load_rng,
+            placement=layout.placement,
+            model_type=model_type,
+        )
+        progress = self._progress(loaded)
+        train_ds, valid_ds, _ = datasets_provider(train_valid_test_num_samples(config))
+        timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
+        forward_backward = build_forward_backward_func(
+            state, model, optimizer, hidden_size=config.model.hidden_size, device=self.device,
+            timers=timers, schedule=layout.schedule, plan=layout.plan,
+            placement=layout.placement,
+        )  # fmt: skip
+        calculator = microbatch_calculator(config, state.group_size("dp_cp"))
+        logger, writer = self._logger()
+        for message in self._startup(forward_backward.schedule, train_ds):
+            self.say(message)
+        try:
+            reason = train(
+                forward_step_func, model, optimizer, scheduler,
+                self._streams(train_ds, progress.consumed_train_samples),
+                self._streams(valid_ds, progress.consumed_valid_samples),
+                state=state, config=training_config(config),
+                forward_backward_func=forward_backward, calculator=calculator,
+                progress=progress, logger=logger, timers=timers,
+                checkpoint_args=saved_args, print_fn=self.say,
+            )  # fmt: skip
+            if reason == "train_iters" and config.training.eval_iters > 0 and valid_ds is not None:
+                valid = self._streams(valid_ds, progress.consumed_valid_samples)
+                count = calculator.get()
+                self._final_validation(forward_step_func, model, forward_backward, valid, count)
+            self.say(memory_report())
+        finally:
+            if writer is not None:
+                writer.close()
+            if forward_backward.communicator is not None:
+                forward_backward.communicator.destroy()
+        return reason
+
+    def _checkpoint_args(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """The flags and derived sizes saved in checkpoints (the strict ones are compared)."""
+        saved: dict[str, Any] = {}
+        for group in self.config.groups:
+            for key, value in dataclasses.asdict(group).items():  # type: ignore[call-overload]
+                saved[key] = list(value) if isinstance(value, tuple) else value
+        layout = self.layout
+        saved.update(
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+            data_parallel_size=layout.data_parallel_size,
+            tensor_model_parallel_size=1,
+            lr_decay_iters=self.config.lr_decay_iters,
+        )
+        saved.update(extra)
+        return saved
+
+    def _progress(self, loaded: LoadedCheckpoint | None) -> TrainingProgress:
+        """Where training starts: the loaded checkpoint's counters, else zero; says which."""
+        load = self.config.checkpoint.load
+        if loaded is None:
+            if load is not None:
+                self.say(f"no checkpoint in {load}: starting from scratch")
+            return TrainingProgress()
+        self.say(
+            f"loaded checkpoint from {load} at iteration {loaded.iteration} "
+            f"({loaded.consumed_train_samples} samples consumed)"
+        )
+        return TrainingProgress(
+            iteration=loaded.iteration,
+            consumed_train_samples=loaded.consumed_train_samples,
+            consumed_valid_samples=loaded.consumed_valid_samples,
+        )
+
+    def _streams(self, dataset: SampleDataset | None, consumed: int) -> Any:
+        """This data-parallel rank's microbatches from `consumed` on: one stream per chunk."""
+        if dataset is None:
+            return None
+        state = self.state
+        vp = state.virtual_pipeline_model_parallel_size or 1
+        streams = [
+            microbatches(
+                dataset,
+                consumed_samples=consumed,
+                micro_batch_size=self.config.training.micro_batch_size,
+                data_parallel_rank=state.group_rank("dp_cp"),
+                data_parallel_size=state.group_size("dp_cp"),
+            )
+            for _ in range(vp)
+        ]
+        return streams if vp > 1 else streams[0]
+
+    def _logger(self) -> tuple[TrainingLogger, Any]:
+        """The training log and the TensorBoard writer it writes to (None without one)."""
+        directory = self.config.logging.tensorboard_dir
+        writer = None
+        if directory is not None and self.is_logging_rank:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:  # pragma: no cover - depends on the environment
+                raise SystemExit(
+                    "--tensorboard-dir needs the tensorboard package: "
+                    "pip install 'pp-train[tensorboard]'"
+                ) from error
+            writer = SummaryWriter(log_dir=directory, max_queue=1000)
+        logger = TrainingLogger(
+            train_iters=self.config.training.train_iters,
+            log_interval=self.config.logging.log_interval,
+            writer=writer,
+            is_logging_rank=self.is_logging_rank,
+        )
+        return logger, writer
+
+    def _startup(self, schedule: str, train_ds: SampleDataset | None) -> list[str]:
+        """The line that describes the run; with ``auto``, also the schedule choice."""
+        state, layout = self.state, self.layout
+        pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size
+        path = self.config.parallel.pipeline_schedule_file
+        title = (
+            f"plan {path} ({layout.placement} placement)"
+            if path is not None
+            else _SCHEDULE_TITLES.get(schedule, schedule)
+        )
+        epoch = getattr(train_ds, "samples_per_epoch", None)
+        if epoch is None and hasattr(train_ds, "__len__"):
+            epoch = len(train_ds)  # type: ignore[arg-type]  # a sized dataset
+        line = (
+            f"pp-train: {self.model_name} on {dist.get_world_size()} processes "
+            f"({dist.get_backend()}): pipeline {pp}{f' x {vp} virtual stages' if vp else ''}, "
+            f"data parallel {state.group_size('dp_cp')}, {title}"
+            + ("" if epoch is None else f"; {epoch} training samples per epoch")
+        )
+        choice = layout.schedule_choice
+        if choice is None:
+            return [line]
+        costs = choice.costs
+        text = "-" if costs is None else (
+            f"F {costs.forward:.2f}, I {costs.of('I'):.2f}, W {costs.of('W'):.2f}"
+        )  # fmt: skip
+        how = " with step costs measured in a warm-up" if self.measured else ""
+        return [line, f"pipeline schedule chosen by simulation{how} (ms per chunk: {text}):\n"
+                + choice.table()]  # fmt: skip
+
+    def _final_validation(
+        self,
+        forward_step_func: ForwardStepFunc,
+        model: Sequence[torch.nn.Module],
+        forward_backward: Any,
+        valid: Any,
+        num_microbatches: int,
+    ) -> None:
+        """Evaluates the trained model and says each loss, as Megatron does at the end."""
+        config = self.config
+        losses = evaluate(
+            forward_step_func,
+            valid,
+            model,
+            forward_backward_func=forward_backward,
+            state=self.state,
+            eval_iters=config.training.eval_iters,
+            num_microbatches=num_microbatches,
+            micro_batch_size=config.training.micro_batch_size,
+            seq_length=config.model.seq_length,
+        )
+        for key, value in losses.items():
+            self.say(f"validation at the end of training | {key}: {value:.6E}")
