@@ -19,7 +19,16 @@ from pp_train.checkpointing import (
     save_checkpoint,
     set_rng_state,
 )
-from pp_train.data import ByteTokenizer, SampleDataset, microbatches
+from pp_train.data import (
+    ByteTokenizer,
+    DataConfig,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    SampleDataset,
+    build_tokenizer,
+    build_train_valid_test_datasets,
+    microbatches,
+)
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator,
@@ -64,8 +73,11 @@ __all__ = [
     "ByteTokenizer",
     "CheckpointError",
     "ConstantNumMicroBatchesCalculator",
+    "DataConfig",
     "EncoderDecoderModelProvider",
     "ExitReason",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
     "LoadedCheckpoint",
     "ModelProvider",
     "ModelType",
@@ -82,6 +94,8 @@ __all__ = [
     "__version__",
     "build_forward_backward_func",
     "build_num_microbatches_calculator",
+    "build_tokenizer",
+    "build_train_valid_test_datasets",
     "calc_params_l2_norm",
     "checkpoint_path",
     "evaluate",
