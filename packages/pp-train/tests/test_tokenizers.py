@@ -87,6 +87,10 @@ def _word_level(directory: Path, eos: str | None) -> Path:
     tokenizer = tokenizers.Tokenizer(model)
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(["</s>", "<end>"])
+    # A template that would prepend </s>: megatron-core's tokenize adds no special tokens.
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="</s> $A", special_tokens=[("</s>", 3)]
+    )
     directory.mkdir()
     tokenizer.save(str(directory / "tokenizer.json"))
     if eos is not None:

@@ -215,8 +215,8 @@ class HuggingFaceTokenizer:
 
     EOD is the ``eos_token`` of a ``tokenizer_config.json`` beside the file, else the first
     of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>``, ``<|eot_id|>``, ``[SEP]``
-    in the vocabulary. ``tokenize`` adds the tokenizer's own special tokens (its
-    post-processor), as Megatron's ``HuggingFaceTokenizer`` does.
+    in the vocabulary. ``tokenize`` adds no special tokens (no post-processor template), as
+    megatron-core's ``HuggingFaceTokenizer`` by default.
 
     Args:
         tokenizer_model: A ``tokenizer.json`` file or a directory holding one.
@@ -261,8 +261,8 @@ class HuggingFaceTokenizer:
         )
 
     def tokenize(self, text: str) -> list[int]:
-        """The ids of `text`, with the tokenizer's special tokens."""
-        return list(self._tokenizer.encode(text).ids)
+        """The ids of `text`, without added special tokens."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def detokenize(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens kept."""
