@@ -28,8 +28,9 @@ PACKAGES = ROOT / "packages"
 TORCH = "torch==2.13.0"
 TEST_TOOLS = ("pytest>=8", "numpy", "tomli>=1.1; python_version < '3.11'")
 TEST_HELPERS = "pp-testing"
-# Optional extras a package's tests exercise (pp-train writes TensorBoard events).
-TEST_EXTRAS = {"pp-train": ("tensorboard>=2.14",)}
+# Optional extras a package's tests exercise (pp-train writes TensorBoard events and reads
+# Hugging Face tokenizer files).
+TEST_EXTRAS = {"pp-train": ("tensorboard>=2.14", "tokenizers>=0.13")}
 # The oracle pp-state's layouts are checked against, from the package registry. Importing its
 # parallel_state on CPU needs only its declared numpy and packaging; its hierarchical
 # (distributed-optimizer instance) groups need einops, an optional dependency of it.
@@ -38,7 +39,15 @@ MEGATRON_ORACLE = ("megatron-core==0.16.1", "einops~=0.8")
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_external_run = True
-nox.options.sessions = ["lint", "tests", "mypy", "layers", "integration", "megatron_oracle"]
+nox.options.sessions = [
+    "lint",
+    "tests",
+    "mypy",
+    "layers",
+    "integration",
+    "megatron_oracle",
+    "megatron_data_oracle",
+]
 
 
 def _pip_find_links() -> str:
@@ -166,17 +175,28 @@ def mypy(session: nox.Session, package: str) -> None:
     )
 
 
-@nox.session
-def megatron_oracle(session: nox.Session) -> None:
-    """pp-state's rank layouts against megatron-core's own, for every factorisation up to 64."""
-    _install(session, ["pp-state", TEST_HELPERS], *TEST_TOOLS, *MEGATRON_ORACLE)
+def _oracle(session: nox.Session, package: str, test_file: str, variable: str) -> None:
+    """Run `package`'s test file against megatron-core from the package registry."""
+    _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *MEGATRON_ORACLE)
     # The variable turns the test file's skip (megatron-core absent) into a failure here.
     session.run(
         "pytest",
-        str(PACKAGES / "pp-state" / "tests" / "test_megatron_oracle.py"),
+        str(PACKAGES / package / "tests" / test_file),
         *session.posargs,
-        env={**TEST_ENV, "PP_STATE_MEGATRON_ORACLE": "1"},
+        env={**TEST_ENV, variable: "1"},
     )
+
+
+@nox.session
+def megatron_oracle(session: nox.Session) -> None:
+    """pp-state's rank layouts against megatron-core's own, for every factorisation up to 64."""
+    _oracle(session, "pp-state", "test_megatron_oracle.py", "PP_STATE_MEGATRON_ORACLE")
+
+
+@nox.session
+def megatron_data_oracle(session: nox.Session) -> None:
+    """pp-train's indexed files and GPT samples against megatron-core's, token for token."""
+    _oracle(session, "pp-train", "test_megatron_data_oracle.py", "PP_TRAIN_MEGATRON_ORACLE")
 
 
 @nox.session
@@ -234,6 +254,18 @@ def bench(session: nox.Session) -> None:
             *session.posargs,
             env=TEST_ENV,
         )
+
+
+@nox.session
+def bench_data(session: nox.Session) -> None:
+    """Preprocessing MB/s (1 and 2 workers) and GPT samples/s against megatron-core's."""
+    _install(session, ["pp-train"], *MEGATRON_ORACLE)
+    session.run(
+        "python",
+        str(PACKAGES / "pp-train" / "benchmarks" / "data_bench.py"),
+        *session.posargs,
+        env=TEST_ENV,
+    )
 
 
 @nox.session

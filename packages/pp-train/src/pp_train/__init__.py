@@ -30,7 +30,16 @@ from pp_train.checkpointing import (
     save_checkpoint,
     set_rng_state,
 )
-from pp_train.data import ByteTokenizer, SampleDataset, microbatches
+from pp_train.data import (
+    ByteTokenizer,
+    DataConfig,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    SampleDataset,
+    build_tokenizer,
+    build_train_valid_test_datasets,
+    microbatches,
+)
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator,
@@ -78,9 +87,12 @@ __all__ = [
     "CheckpointArgs",
     "CheckpointError",
     "ConstantNumMicroBatchesCalculator",
+    "DataConfig",
     "DatasetsProvider",
     "EncoderDecoderModelProvider",
     "ExitReason",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
     "LRScheduleArgs",
     "LoadedCheckpoint",
     "LoggingArgs",
@@ -105,6 +117,8 @@ __all__ = [
     "add_pretrain_flags",
     "build_forward_backward_func",
     "build_num_microbatches_calculator",
+    "build_tokenizer",
+    "build_train_valid_test_datasets",
     "calc_params_l2_norm",
     "check_world",
     "checkpoint_path",

@@ -1,4 +1,4 @@
-"""Data pieces any model can use: a byte tokenizer and Megatron's pretraining sample order.
+"""Megatron's pretraining sample order over any dataset of samples.
 
 `microbatches` walks global sample indices from a count of consumed samples the way
 Megatron's pretraining sampler does, so the data a run sees depends only on that count: a
@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["ByteTokenizer", "SampleDataset", "microbatches"]
+__all__ = ["Microbatch", "SampleDataset", "microbatches"]
 
 Microbatch = dict[str, torch.Tensor]
 
@@ -36,51 +36,6 @@ def _check_int(name: str, value: object, minimum: int) -> None:
     assert isinstance(value, int)
     if value < minimum:
         raise ValueError(f"{name} must be {minimum} or more, got {value}")
-
-
-class ByteTokenizer:
-    """Tokens are the bytes of the UTF-8 text: a vocabulary of 256 and nothing to learn."""
-
-    vocab_size: int = 256
-    """Number of distinct tokens."""
-
-    def encode(self, text: str | bytes) -> list[int]:
-        """Token ids of `text`.
-
-        Args:
-            text: A string (encoded as UTF-8) or raw bytes.
-
-        Returns:
-            One id in ``0 .. 255`` per byte.
-
-        Raises:
-            TypeError: `text` is neither str nor bytes.
-        """
-        if isinstance(text, str):
-            return list(text.encode("utf-8"))
-        if isinstance(text, (bytes, bytearray)):
-            return list(text)
-        raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
-
-    def decode(self, ids: list[int]) -> str:
-        """The text of `ids`; byte sequences that are not valid UTF-8 become U+FFFD.
-
-        Args:
-            ids: Token ids.
-
-        Returns:
-            The decoded text.
-
-        Raises:
-            ValueError: An id is outside ``0 .. 255``.
-        """
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token ids must lie in 0 .. {self.vocab_size - 1}; got {bad[:5]}"
-                f"{' ...' if len(bad) > 5 else ''}"
-            )
-        return bytes(ids).decode("utf-8", errors="replace")
 
 
 def microbatches(

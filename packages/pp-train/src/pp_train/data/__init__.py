@@ -1,0 +1,68 @@
+"""Data for training: Megatron's indexed datasets, its GPT samples, tokenizers and sampler order.
+
+- `microbatches` walks samples in Megatron's pretraining sampler order over any
+  `SampleDataset` (``dataset[i] -> {"tokens", "labels"}``).
+- `IndexedDataset` / `IndexedDatasetBuilder` read and write Megatron's ``P.bin`` / ``P.idx``
+  files (``python -m pp_train.preprocess`` writes them from JSON lines).
+- `build_train_valid_test_datasets(DataConfig(...), ...)` gives the train, valid and test
+  samples megatron-core's ``GPTDataset`` (and ``BlendedDataset``) yield, token for token.
+- `build_tokenizer` makes the tokenizers named by Megatron's ``--tokenizer-type``;
+  `ByteTokenizer` is the bundled corpus's byte tokenizer.
+- ``python -m pp_train.data show`` prints the samples a run would see.
+"""
+
+from pp_train.data.blended_dataset import BlendedDataset, build_blending_indices
+from pp_train.data.builder import (
+    SPLIT_NAMES,
+    TokenDataset,
+    build_train_valid_test_datasets,
+    check_data,
+    split_matrix,
+    split_sequences,
+)
+from pp_train.data.config import DataConfig, parse_data_path, parse_split
+from pp_train.data.gpt_dataset import GPTDataset, build_gpt_indices
+from pp_train.data.indexed import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
+from pp_train.data.sampler import Microbatch, SampleDataset, microbatches
+
+# The bundled application (pp_train.app.corpus) reuses these checks; explicit re-exports.
+from pp_train.data.sampler import _check_int as _check_int
+from pp_train.data.sampler import _is_int as _is_int
+from pp_train.data.tokenizer import (
+    TOKENIZER_TYPES,
+    ByteTokenizer,
+    EodByteTokenizer,
+    HuggingFaceTokenizer,
+    NullTokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
+
+__all__ = [
+    "SPLIT_NAMES",
+    "TOKENIZER_TYPES",
+    "BlendedDataset",
+    "ByteTokenizer",
+    "DataConfig",
+    "EodByteTokenizer",
+    "GPTDataset",
+    "HuggingFaceTokenizer",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "Microbatch",
+    "NullTokenizer",
+    "SampleDataset",
+    "TokenDataset",
+    "Tokenizer",
+    "build_blending_indices",
+    "build_gpt_indices",
+    "build_tokenizer",
+    "build_train_valid_test_datasets",
+    "check_data",
+    "microbatches",
+    "optimal_dtype",
+    "parse_data_path",
+    "parse_split",
+    "split_matrix",
+    "split_sequences",
+]

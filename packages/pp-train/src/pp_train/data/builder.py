@@ -1,0 +1,221 @@
+"""Train, valid and test datasets from a `DataConfig`, as Megatron's dataset builder makes them.
+
+Each prefix's sequences are cut by ``split`` into three contiguous ranges (fraction bounds
+times the number of sequences, rounded half to even). One prefix without a weight gives a
+`GPTDataset` per split with the requested number of samples. Several prefixes, or any weight,
+give a `BlendedDataset` per split: with weights, each dataset is built for its share of the
+samples (rounded up) plus ``mid_level_dataset_surplus`` and the blend holds the sum of the
+shares; without, each dataset gives one epoch, weighs its number of samples, and the blend
+holds the requested count (at most all of them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy
+import numpy.typing as npt
+
+from pp_train.data.blended_dataset import BlendedDataset
+from pp_train.data.config import DataConfig, normalize, parse_split
+from pp_train.data.gpt_dataset import GPTDataset
+from pp_train.data.indexed import IndexedDataset
+
+__all__ = [
+    "SPLIT_NAMES",
+    "TokenDataset",
+    "build_train_valid_test_datasets",
+    "check_data",
+    "split_matrix",
+    "split_sequences",
+]
+
+SPLIT_NAMES = ("train", "valid", "test")
+"""The three splits, in `split`'s order."""
+
+TokenDataset = GPTDataset | BlendedDataset
+"""A split's dataset: ``dataset[i]`` is ``{"tokens", "labels"}``, ``dataset.window(i)`` the
+``seq_length + 1`` tokens, ``len(dataset)`` the number of samples."""
+
+Splits = tuple[TokenDataset | None, TokenDataset | None, TokenDataset | None]
+
+
+def split_matrix(fractions: list[float]) -> list[tuple[float, float] | None]:
+    """Each split's ``(start, end)`` fraction bounds, or None for an empty share."""
+    bounds = [0.0]
+    for fraction in fractions:
+        bounds.append(bounds[-1] + fraction)
+    return [(a, b) if b > a else None for a, b in itertools.pairwise(bounds)]
+
+
+def split_sequences(bounds: tuple[float, float], count: int) -> npt.NDArray[numpy.int32]:
+    """The sequence ids between fraction `bounds` of `count` sequences."""
+    start, end = (round(bound * float(count)) for bound in bounds)
+    return numpy.arange(start, end, dtype=numpy.int32)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_arguments(seq_length: int, seed: int, counts: tuple[int, int, int]) -> None:
+    _check_int("seq_length", seq_length, 1)
+    _check_int("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"seed must be below 2**32 (numpy's RandomState), got {seed}")
+    if not isinstance(counts, tuple) or len(counts) != 3:
+        raise ValueError(f"train_valid_test_num_samples must be 3 ints, got {counts!r}")
+    for name, count in zip(SPLIT_NAMES, counts, strict=True):
+        _check_int(f"{name} samples", count, 0)
+
+
+def check_data(
+    config: DataConfig,
+    *,
+    seq_length: int,
+    seed: int,
+    train_valid_test_num_samples: tuple[int, int, int],
+) -> list[IndexedDataset]:
+    """Everything `build_train_valid_test_datasets` can check without building indices.
+
+    Opens every prefix (both files there, header, version, token type, sizes) and checks
+    that each split with a share holds tokens in every dataset. Quick: call it before any
+    process group starts.
+
+    Returns:
+        The opened datasets, in `config.data_path`'s order.
+
+    Raises:
+        ValueError: A bad argument or file; the message names the value or file.
+    """
+    _check_arguments(seq_length, seed, train_valid_test_num_samples)
+    blend = config.blend
+    if blend is None:
+        raise ValueError("data_path is None: name a dataset prefix (--data-path)")
+    matrix = split_matrix(parse_split(config.split))
+    opened = [IndexedDataset(prefix) for prefix in blend[0]]
+    for indexed in opened:
+        for name, bounds in zip(SPLIT_NAMES, matrix, strict=True):
+            if bounds is None:
+                continue
+            ids = split_sequences(bounds, len(indexed))
+            if int(indexed.sequence_lengths[ids].sum(dtype=numpy.int64)) == 0:
+                raise ValueError(
+                    f"{indexed.path_prefix}: the {name} split ({bounds[1] - bounds[0]:.2%} of "
+                    f"{len(indexed)} sequences: {ids.size}) holds no tokens; give {name} a "
+                    f"larger share in split {config.split!r}, or 0, or use more documents"
+                )
+    return opened
+
+
+def _cache_dir(config: DataConfig, indexed: IndexedDataset) -> Path:
+    if config.data_cache_path is not None:
+        return Path(config.data_cache_path)
+    return Path(indexed.path_prefix) / "cache" / "GPTDataset_indices"
+
+
+def _gpt_splits(
+    indexed: IndexedDataset,
+    config: DataConfig,
+    counts: list[int | None],
+    *,
+    seq_length: int,
+    seed: int,
+) -> list[GPTDataset | None]:
+    matrix = split_matrix(parse_split(config.split))
+    return [
+        None
+        if bounds is None
+        else GPTDataset(
+            indexed,
+            split_sequences(bounds, len(indexed)),
+            num_samples=count,
+            seq_length=seq_length,
+            seed=seed,
+            split_name=name,
+            cache_dir=_cache_dir(config, indexed),
+        )
+        for name, bounds, count in zip(SPLIT_NAMES, matrix, counts, strict=True)
+    ]
+
+
+def build_train_valid_test_datasets(
+    config: DataConfig,
+    *,
+    seq_length: int,
+    seed: int,
+    train_valid_test_num_samples: tuple[int, int, int],
+) -> Splits:
+    """The train, valid and test datasets megatron-core's builder makes for the same numbers.
+
+    Their samples equal megatron-core's ``GPTDataset`` / ``BlendedDataset`` samples token for
+    token (``tokens`` and ``labels`` from each ``seq_length + 1`` window). The indices are
+    cached (see `DataConfig.data_cache_path`); every process builds or reads them itself and
+    cache files are written atomically, so concurrent builders are safe, but with many ranks
+    it is cheaper to let one rank build first.
+
+    Args:
+        config: The data.
+        seq_length: Tokens per sample.
+        seed: Megatron's ``--seed``.
+        train_valid_test_num_samples: Samples wanted per split (each may get more).
+
+    Returns:
+        The three datasets; None for a split whose share in ``config.split`` is 0.
+
+    Raises:
+        ValueError: A bad argument, file or split (see `check_data`), or a blend that needs
+            more samples of a dataset than it has.
+    """
+    opened = check_data(
+        config,
+        seq_length=seq_length,
+        seed=seed,
+        train_valid_test_num_samples=train_valid_test_num_samples,
+    )
+    prefixes, weights = config.blend or ([], None)
+    sizes = list(train_valid_test_num_samples)
+    if len(prefixes) == 1 and weights is None:
+        single = _gpt_splits(opened[0], config, list(sizes), seq_length=seq_length, seed=seed)
+        return single[0], single[1], single[2]
+    surplus = 1 + config.mid_level_dataset_surplus
+    shares = [[math.ceil(size * w) for size in sizes] for w in normalize(weights or [1.0])]
+    counts: list[list[int | None]] = [[None] * 3 for _ in prefixes]
+    if weights is not None:
+        counts = [[math.ceil(share * surplus) for share in row] for row in shares]
+    mids = [
+        _gpt_splits(indexed, config, row, seq_length=seq_length, seed=seed)
+        for indexed, row in zip(opened, counts, strict=True)
+    ]
+    blends: list[TokenDataset | None] = []
+    for i in range(3):
+        parts = [splits[i] for splits in mids]
+        blends.append(_blend(parts, weights, [row[i] for row in shares], sizes[i], config))
+    return blends[0], blends[1], blends[2]
+
+
+def _blend(
+    parts: list[GPTDataset | None],
+    weights: list[float] | None,
+    shares: list[int],
+    size: int,
+    config: DataConfig,
+) -> BlendedDataset | None:
+    datasets = [part for part in parts if part is not None]
+    if not datasets:
+        return None
+    cache = None if config.data_cache_path is None else Path(config.data_cache_path)
+    if weights is not None:
+        total = sum(shares)
+        return BlendedDataset(datasets, normalize(weights), total, cache_dir=cache)
+    lengths = [len(d) for d in datasets]
+    for dataset, length in zip(datasets, lengths, strict=True):
+        if length == 0:
+            raise ValueError(
+                f"{dataset.indexed.path_prefix}: the {dataset.split_name} split gives no "
+                "samples, so it cannot be weighed by its size; give weights in data_path"
+            )
+    return BlendedDataset(datasets, lengths, min(size, sum(lengths)), cache_dir=cache)
