@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from pp_testing import run_distributed
-from pp_train.app import build_parser, main, validate_args
+from pp_train.app import build_parser, load_corpus, main, validate_args
 from pp_train.app.command import run
+from pp_train.preprocess import main as preprocess
 
 TINY = [
     "--num-layers",
@@ -380,3 +381,44 @@ def test_params_norm_and_timing_flags() -> None:
     norms = _params_norms(detailed)
     assert len(norms) == 3
     assert norms == pytest.approx(_params_norms(one_stage), rel=1e-5)
+
+
+def test_preprocess_then_train_on_the_data(tmp_path: Path) -> None:
+    """JSON lines -> Megatron's .bin/.idx -> the command with --data-path: the loss falls."""
+    lines = [line for line in load_corpus().decode().splitlines() if line.strip()]
+    documents = tmp_path / "docs.jsonl"
+    documents.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:600]))
+    prefix = str(tmp_path / "corpus")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert preprocess([
+            "--input", str(documents), "--output-prefix", prefix, "--json-keys", "text",
+            "--append-eod",
+        ]) == 0  # fmt: skip
+    flags = [
+        *PP2, "--data-path", f"{prefix}_text_document", "--split", "90,10,0",
+        "--train-iters", "12", "--log-interval", "4", "--lr", "1e-2", "--min-lr", "1e-3",
+    ]  # fmt: skip
+    printed = _train(flags)
+    losses = _losses(printed)
+    assert len(losses) == 3
+    assert losses[-1] < losses[0]
+    assert "validation at the end of training | lm loss:" in printed
+    # The GPT's vocabulary is the tokenizer's: 256 bytes and EOD.
+    assert "training samples per epoch" in printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data-path", "no/such/prefix"], "no/such/prefix"),
+        (["--split", "1,2,3,4"], "split '1,2,3,4' must be 1 to 3 non-negative numbers"),
+        (["--tokenizer-type", "Word"], "tokenizer_type 'Word' is unknown"),
+    ],
+)
+def test_bad_data_flags_are_refused_before_any_process_group(
+    flags: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert message in _refused([*PP2, *flags], monkeypatch, capsys)

@@ -1,7 +1,8 @@
 """A training run's configuration as data: Megatron's flags, one frozen dataclass per group.
 
-The optimizer's group is pp-optim's own `OptimizerConfig` (its fields are Megatron's flag
-names), so its settings are declared once, in the package that uses them.
+The optimizer's group is pp-optim's own `OptimizerConfig` and the data's is
+`pp_train.data.DataConfig` (their fields are Megatron's flag names), so each setting is
+declared once, where it is used.
 
 Each field is one flag of the same name (`pp_train.flags` makes the parser from these
 classes), with its default and the docstring under it as help. Each class checks its own
@@ -18,6 +19,7 @@ import math
 from typing import Literal, get_type_hints
 
 from pp_optim import LRDecayStyle, OptimizerConfig, WSDDecayStyle
+from pp_train.data.config import DataConfig
 from pp_train.flags import add_config_flags, config_from_args
 from pp_train.reporting import TimingLogOption
 
@@ -299,6 +301,7 @@ class PretrainConfig:
     training: TrainingArgs = dataclasses.field(default_factory=TrainingArgs)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleArgs = dataclasses.field(default_factory=LRScheduleArgs)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointArgs = dataclasses.field(default_factory=CheckpointArgs)
     logging: LoggingArgs = dataclasses.field(default_factory=LoggingArgs)
 
@@ -323,6 +326,18 @@ class PretrainConfig:
     def groups(self) -> tuple[object, ...]:
         """The groups, in the order of ``--help``."""
         return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+    @property
+    def train_valid_test_num_samples(self) -> tuple[int, int, int]:
+        """The samples each dataset must hold, as Megatron counts them.
+
+        Training: iterations x global batch; validation: every evaluation during training and
+        the final one; test: one evaluation.
+        """
+        training = self.training
+        gbs, eval_iters = training.global_batch_size, training.eval_iters
+        evaluations = training.train_iters // training.eval_interval + 1
+        return training.train_iters * gbs, evaluations * eval_iters * gbs, eval_iters * gbs
 
     @property
     def lr_decay_iters(self) -> int:

@@ -238,15 +238,8 @@ def training_config(config: PretrainConfig) -> TrainingConfig:
 
 
 def train_valid_test_num_samples(config: PretrainConfig) -> tuple[int, int, int]:
-    """The samples each dataset must hold, as Megatron counts them.
-
-    Training: iterations x global batch; validation: every evaluation during training and the
-    final one; test: one evaluation.
-    """
-    training = config.training
-    gbs, eval_iters = training.global_batch_size, training.eval_iters
-    evaluations = training.train_iters // training.eval_interval + 1
-    return training.train_iters * gbs, evaluations * eval_iters * gbs, eval_iters * gbs
+    """The samples each dataset must hold (`PretrainConfig.train_valid_test_num_samples`)."""
+    return config.train_valid_test_num_samples
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ from pp_schedules import (
 )
 from pp_state import Placement
 from pp_train.arguments import PretrainConfig
+from pp_train.data import check_data
 from pp_train.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
@@ -63,7 +64,7 @@ def _divisors(number: int) -> list[int]:
 
 
 def check_world(config: PretrainConfig, world_size: int) -> RunLayout:
-    """The run's layout on `world_size` processes.
+    """The run's layout on `world_size` processes; with ``--data-path``, the data checked too.
 
     Raises:
         ValueError: The sizes do not fit the world, the batches do not divide, the schedule
@@ -88,6 +89,13 @@ def check_world(config: PretrainConfig, world_size: int) -> RunLayout:
             check_trace_path(config.logging.profile_schedule)
         except ValueError as error:
             raise ValueError(f"--profile-schedule: {error}") from error
+    if config.data.data_path is not None:
+        check_data(
+            config.data,
+            seq_length=config.model.seq_length,
+            seed=config.training.seed,
+            train_valid_test_num_samples=config.train_valid_test_num_samples,
+        )
     return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice)
 
 

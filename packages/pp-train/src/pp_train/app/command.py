@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -23,7 +23,7 @@ from pp_train.app.corpus import CorpusDataset, corpus_tokens, split_corpus
 from pp_train.app.gpt import GPTChunk, GPTConfig, chunk_layers
 from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_config_from_args
 from pp_train.checkpointing import CheckpointError
-from pp_train.data import ByteTokenizer
+from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test_datasets
 from pp_train.pretrain import pretrain
 from pp_train.world import check_world
 from pp_train.wrappers import unwrap_model
@@ -98,13 +98,18 @@ def gpt_forward_step(
 
 
 def _gpt_config(config: PretrainConfig) -> GPTConfig:
-    model = config.model
+    """The GPT's shape; its vocabulary is the tokenizer's (the corpus's bytes without data)."""
+    model, data = config.model, config.data
+    vocab = ByteTokenizer.vocab_size
+    if data.data_path is not None:
+        tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
+        vocab = tokenizer.vocab_size
     return GPTConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         seq_length=model.seq_length,
-        vocab_size=ByteTokenizer.vocab_size,
+        vocab_size=vocab,
         ffn_hidden_size=model.ffn_hidden_size,
     )
 
@@ -126,9 +131,12 @@ def run(args: argparse.Namespace) -> str:
             gpt, layers=layers, pre_process=pre_process, post_process=post_process, seed=seed
         )
 
-    def datasets_provider(
-        num_samples: tuple[int, int, int],
-    ) -> tuple[CorpusDataset, CorpusDataset, None]:
+    def datasets_provider(num_samples: tuple[int, int, int]) -> Any:
+        if config.data.data_path is not None:  # Megatron's indexed data (--data-path)
+            return build_train_valid_test_datasets(
+                config.data, seq_length=gpt.seq_length, seed=seed,
+                train_valid_test_num_samples=num_samples,
+            )  # fmt: skip
         train_tokens, valid_tokens = split_corpus(corpus_tokens())
         return (
             CorpusDataset(train_tokens, gpt.seq_length, seed=seed),
