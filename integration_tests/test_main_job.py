@@ -166,3 +166,22 @@ def test_a_corrupt_checkpoint_is_refused_with_one_clear_line(
     assert done.returncode != 0
     assert "pp-train: error:" in done.stderr
     assert "mp_rank_00_001" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        ["--distributed-timeout-minutes", "0"],
+    ],
+    ids=["layers", "timeout"],
+)
+def test_a_flag_error_under_torchrun_is_one_line_whichever_rank_exits_first(
+    torchrun: Torchrun, flags: list[str]
+) -> None:
+    done = torchrun("-m pp_train", 4, *flags)
+    errors = [
+        line for line in (done.stdout + done.stderr).splitlines() if "pp-train: error:" in line
+    ]
+    assert len(errors) == 1, done.stdout + done.stderr
+    assert done.returncode != 0

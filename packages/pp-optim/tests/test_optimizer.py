@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import io
 import math
+import re
 from typing import Any, cast
 
 import pytest
@@ -19,6 +20,7 @@ from pp_optim import (
     Float16Module,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
+    NonFiniteGradError,
     OptimizerConfig,
     fp32_to_float16,
     get_megatron_optimizer,
@@ -453,7 +455,8 @@ def test_a_step_above_the_threshold_changes_nothing_and_is_counted(
     backward(0)
     ok, norm, _ = optimizer.step()  # Adam now has state to protect
     assert ok
-    assert (norm is None) == (clip_grad == 0.0)  # no threshold yet: a norm only to clip
+    # No threshold yet: a norm to clip, or without a scaler to check it is finite.
+    assert (norm is None) == (clip_grad == 0.0 and dtype == torch.float16)
     backward(1)
     grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
     expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
@@ -514,3 +517,78 @@ def test_the_norm_compared_is_the_whole_model_norm_over_the_group() -> None:
     for ok, norm, moved in run_distributed(_norm_of_the_whole_model, 2, 3.0):
         assert (ok, moved) == (True, 4.0)
         assert norm == pytest.approx(math.sqrt(8))
+
+
+# --- non-finite gradients without a scaler: refused, never applied ----------------------------
+
+
+def _nan_on_rank_one(check: bool, dtype: torch.dtype) -> tuple[str, bool]:
+    """fp32 or bf16 without a scaler; rank 1's gradients hold NaN. Returns (error, unchanged)."""
+    rank = dist.get_rank()
+    model = _mlp(dtype)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="sgd", lr=0.1, clip_grad=0.0, bf16=dtype == torch.bfloat16,
+            check_for_nan_in_loss_and_grad=check,
+        ),
+        [model], grad_stats_group=dist.group.WORLD,  # two pipeline stages: no duplicates
+    )  # fmt: skip
+    before = [p.detach().clone() for p in model.parameters()]
+    model(_batch(rank).to(dtype)).float().sum().backward()
+    if rank == 1:
+        grad = next(iter(model.parameters())).grad
+        assert grad is not None
+        grad[0, 0] = math.nan
+    error = ""
+    if check:
+        with pytest.raises(NonFiniteGradError) as refused:
+            optimizer.step()
+        assert math.isnan(refused.value.grad_norm)
+        assert refused.value.ranks == [1]
+        error = str(refused.value)
+    else:
+        optimizer.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return error, unchanged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nan_gradients_are_refused_on_every_rank_before_anything_is_applied(
+    dtype: torch.dtype,
+) -> None:
+    for error, unchanged in run_distributed(_nan_on_rank_one, 2, True, dtype):
+        assert error == (
+            "the gradient norm is nan (non-finite gradients on rank(s) [1]); the optimizer "
+            "step was refused and nothing was applied"
+        )
+        assert unchanged
+
+
+def test_without_the_check_nan_gradients_are_applied_as_before() -> None:
+    results = run_distributed(_nan_on_rank_one, 2, False, torch.float32)
+    assert all(error == "" and not unchanged for error, unchanged in results)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {"initial_loss_scale": math.inf},
+            "initial_loss_scale must be a finite number > 0, got inf",
+        ),
+        ({"initial_loss_scale": 0.0}, "initial_loss_scale must be a finite number > 0, got 0.0"),
+        ({"loss_scale": -2.0}, "loss_scale must be a finite number > 0, got -2.0"),
+        ({"min_loss_scale": math.nan}, "min_loss_scale must be a finite number > 0, got nan"),
+        (
+            {"initial_loss_scale": 2.0, "min_loss_scale": 4.0},
+            "min_loss_scale 4.0 is above initial_loss_scale 2.0",
+        ),
+        ({"hysteresis": 0}, "hysteresis must be an integer 1 or more, got 0"),
+        ({"loss_scale_window": 0}, "loss_scale_window must be an integer 1 or more, got 0"),
+    ],
+)
+def test_loss_scale_settings_must_be_finite_positive_and_consistent(
+    settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OptimizerConfig(fp16=True, **settings)

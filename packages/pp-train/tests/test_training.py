@@ -25,6 +25,7 @@ from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
     CheckpointError,
+    NonFiniteError,
     TrainingConfig,
     TrainingLogger,
     TrainingProgress,
@@ -348,6 +349,26 @@ def test_an_injected_overflow_is_skipped_and_counted() -> None:
     assert result["lrs"][2] != result["lrs"][1]  # and moves again after
     assert "loss scale: 512.0" in result["lines"][2]  # backed off from 1024
     assert all(math.isfinite(p.abs().max().item()) for p in result["params"])
+
+
+def _stopped_by_nan(run: Run) -> str:
+    with pytest.raises(NonFiniteError) as stopped:
+        _train(run)
+    return str(stopped.value)
+
+
+def test_a_nan_loss_in_fp32_stops_training_on_every_rank_before_the_step(tmp_path: Path) -> None:
+    """fp32 has no scaler to skip with: the NaN would destroy the model, so training stops."""
+    run = Run(pp=2, iters=4, overflow_at=2, save=str(tmp_path), save_interval=1)
+    messages = run_distributed(_stopped_by_nan, 2, run)
+    # Rank 0's output is inf, so the last stage (rank 1) computes a non-finite loss.
+    for message in messages:
+        assert message.startswith("iteration 2: non-finite loss on rank(s) [1]; the gradient norm")
+        assert "nothing was applied" in message
+        assert "--no-check-for-nan-in-loss-and-grad" in message
+    # The checkpoint of iteration 1 is the last one, as it was.
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (tmp_path / "iter_0000002").exists()
 
 
 def test_exit_interval_saves_and_stops(tmp_path: Path) -> None:

@@ -105,6 +105,12 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = False
     """Count zero gradient elements each step (costs one pass over the gradients)."""
 
+    check_for_nan_in_loss_and_grad: bool = True
+    """Without a loss scaler (fp32, bf16), a step whose gradient norm is NaN or inf raises
+    `NonFiniteGradError` before anything is applied (a non-finite loss makes the gradients
+    non-finite too); with a scaler such a step is skipped and counted instead. Costs the
+    gradient norm when clipping is off."""
+
     def __post_init__(self) -> None:
         """Checks the values.
 
@@ -131,10 +137,39 @@ class OptimizerConfig:
                 problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.adam_eps > 0.0:
             problems.append(f"adam_eps must be > 0, got {self.adam_eps}")
-        if self.loss_scale is not None and not self.loss_scale > 0.0:
-            problems.append(f"loss_scale must be > 0 or None, got {self.loss_scale}")
+        problems.extend(self._loss_scale_problems())
         if problems:
             raise ValueError("invalid OptimizerConfig: " + "; ".join(problems))
+
+    def _loss_scale_problems(self) -> list[str]:
+        problems = []
+        for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                problems.append(f"{name} must be a finite number > 0, got {value}")
+        if self.min_loss_scale > self.initial_loss_scale:
+            problems.append(
+                f"min_loss_scale {self.min_loss_scale} is above initial_loss_scale "
+                f"{self.initial_loss_scale}; the dynamic scale starts at the initial one"
+            )
+        for name in ("loss_scale_window", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be an integer 1 or more, got {value!r}")
+        return problems
+
+
+class NonFiniteGradError(FloatingPointError):
+    """The gradient norm is NaN or inf: the step was refused before anything was applied."""
+
+    def __init__(self, grad_norm: float, ranks: list[int]) -> None:
+        """Names the norm and the ranks (global) whose own gradients hold NaN or inf."""
+        self.grad_norm = grad_norm
+        self.ranks = ranks
+        super().__init__(
+            f"the gradient norm is {grad_norm} (non-finite gradients on rank(s) {ranks}); the "
+            "optimizer step was refused and nothing was applied"
+        )
 
 
 class MegatronOptimizer(abc.ABC):
@@ -249,12 +284,28 @@ class MegatronOptimizer(abc.ABC):
         return get_grad_norm(grads, group=self.grad_stats_group)
 
     def _norm_and_clip(self) -> float | None:
-        """Clips if asked (returning the norm before), else the norm if a skip needs it."""
+        """Clips if asked (returning the norm before), else the norm if a check needs it."""
         if self.config.clip_grad:
             return self.clip_grad_norm(self.config.clip_grad)
-        if math.isfinite(self.config.grad_norm_skip_threshold):
+        if math.isfinite(self.config.grad_norm_skip_threshold) or self._checks_nan():
             return self.get_grad_norm()
         return None
+
+    def _checks_nan(self) -> bool:
+        return self.config.check_for_nan_in_loss_and_grad and self.grad_scaler is None
+
+    def _non_finite_ranks(self) -> list[int]:
+        """The global ranks of the group whose own main gradients hold NaN or inf."""
+        grads = [g for g in (p.grad for p in self.main_params()) if g is not None]
+        device = collective_device(grads, self.grad_stats_group)
+        bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        flag = torch.tensor([1 if bad else 0], dtype=torch.int32, device=device)
+        if self.grad_stats_group is None or not dist.is_initialized():
+            return [dist.get_rank() if dist.is_initialized() else 0] if bad else []
+        flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(self.grad_stats_group))]
+        dist.all_gather(flags, flag, group=self.grad_stats_group)
+        ranks = dist.get_process_group_ranks(self.grad_stats_group)
+        return [rank for rank, f in zip(ranks, flags, strict=True) if int(f.item())]
 
     def count_zeros(self) -> int:
         """Zero elements of the main gradients over the group, duplicates counted once."""
@@ -273,7 +324,11 @@ class MegatronOptimizer(abc.ABC):
         zeros, skips the update if the norm exceeds ``config.grad_norm_skip_threshold``, runs
         the inner optimizer and copies the main parameters back to the model. A skipped step
         leaves parameters and optimizer state as they were (the gradients stay until
-        `zero_grad`) and adds one to `num_skipped_steps`.
+        `zero_grad`) and adds one to `num_skipped_steps`. Without a scaler and with
+        ``config.check_for_nan_in_loss_and_grad``, a NaN or inf norm raises instead.
+
+        Raises:
+            NonFiniteGradError: The norm is NaN or inf (no scaler, check on); nothing applied.
 
         Returns:
             ``(update_successful, grad_norm, num_zeros_in_grad)``: the norm is None on
@@ -289,6 +344,9 @@ class MegatronOptimizer(abc.ABC):
                 self.num_skipped_steps += 1
                 return False, None, None
         grad_norm = self._norm_and_clip()
+        if grad_norm is not None and not math.isfinite(grad_norm) and self._checks_nan():
+            # Every rank of the group sees the same norm, so all of them refuse together.
+            raise NonFiniteGradError(grad_norm, self._non_finite_ranks())
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         if grad_norm is not None and grad_norm > self.config.grad_norm_skip_threshold:
             self.num_skipped_steps += 1

@@ -140,10 +140,19 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _progress_line(text: str) -> None:
+    """Rank 0 says what it is doing while the ranks start (before any log line)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"pp-train: {text}", flush=True)
+
+
 @contextlib.contextmanager
 def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
     """This process's device in a running process group: the caller's, or one started here."""
+    _progress_line(f"configuration checked; joining the process group of {_world_size()} ...")
     if dist.is_initialized():
+        _progress_line(f"process group ready ({dist.get_backend()}); building the model ...")
         nccl = dist.get_backend() == "nccl"
         yield torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         return
@@ -165,6 +174,7 @@ def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
             dist.init_process_group("gloo", timeout=timeout, **single)
             device = torch.device("cpu")
+        _progress_line(f"process group ready ({dist.get_backend()}); building the model ...")
         try:
             yield device
         finally:
@@ -292,6 +302,7 @@ class _Run:
             model_type=model_type,
         )
         progress = self._progress(loaded)
+        _progress_line("model and optimizer ready; building the datasets ...")
         train_ds, valid_ds, _ = datasets_provider(train_valid_test_num_samples(config))
         timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
         forward_backward = build_forward_backward_func(

@@ -26,6 +26,7 @@ from pp_optim import (
     Float16Module,
     LRScheduleConfig,
     MegatronOptimizer,
+    NonFiniteGradError,
     OptimizerConfig,
     OptimizerParamScheduler,
     all_reduce_grads,
@@ -59,6 +60,7 @@ __all__ = [
     "ForwardBackwardFunc",
     "ModelProvider",
     "ModelType",
+    "NonFiniteError",
     "TiedEmbeddingSync",
     "TrainingConfig",
     "TrainingProgress",
@@ -732,23 +734,24 @@ def train_step(
     decoder_seq_length: int | None = None,
     timers: Timers | None = None,
     barrier_with_l1_time: bool = True,
+    iteration: int | None = None,
 ) -> tuple[dict[str, float], int, float | None, int | None]:
     """One iteration, as Megatron's ``train_step``.
 
-    Zeroes the grad buffers and the optimizer's grads, runs the forward-backward function,
-    finalizes the gradients (`finalize_model_grads`), steps the optimizer and, when the step
-    was not skipped, the scheduler by ``num_microbatches * micro_batch_size * dp`` samples.
-    Phases "forward-backward", "grads-all-reduce", "optimizer" are timed at level 1; with
-    `barrier_with_l1_time` the first and last start after a barrier and a device sync.
+    Zeroes the grads, runs the forward-backward function, `finalize_model_grads`, steps the
+    optimizer and, unless it skipped, the scheduler by ``microbatches * mbs * dp`` samples.
+    Phases "forward-backward", "grads-all-reduce", "optimizer" are timed at level 1 (after a
+    barrier and a device sync with `barrier_with_l1_time`).
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
-        microbatches and data-parallel ranks (on the rank holding the last pipeline stage;
-        empty elsewhere).
+        microbatches and data-parallel ranks (on the rank holding the last stage; else empty).
+
+    Raises:
+        NonFiniteError: A NaN or inf gradient norm without a loss scaler; nothing applied.
     """
     timers = timers or NullTimers()
-    for chunk in model:
-        zero = getattr(chunk, "zero_grad_buffer", None)
+    for zero in (getattr(chunk, "zero_grad_buffer", None) for chunk in model):
         if callable(zero):
             zero()
     optimizer.zero_grad()
@@ -768,15 +771,56 @@ def train_step(
     _phase(timers, "grads-all-reduce").start()
     finalize_model_grads(model, state, placement=placement)
     _phase(timers, "grads-all-reduce").stop()
-    _phase(timers, "optimizer").start(**_barrier(timers, barrier_with_l1_time))
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    _phase(timers, "optimizer").stop()
+    step = _optimizer_step(optimizer, timers, barrier_with_l1_time, losses, iteration)
+    update_successful, grad_norm, num_zeros_in_grad = step
     if update_successful:
         scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp_cp"))
     skipped_iter = 0 if update_successful else 1
     holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
     loss_dict = _average_losses(losses, state) if holds_loss else {}
     return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _optimizer_step(
+    optimizer: MegatronOptimizer,
+    timers: Timers,
+    barrier: bool,
+    losses: list[Any],
+    iteration: int | None,
+) -> tuple[bool, float | None, int | None]:
+    """The optimizer's step, timed; a non-finite norm becomes one `NonFiniteError`."""
+    _phase(timers, "optimizer").start(**_barrier(timers, barrier))
+    try:
+        result = optimizer.step()
+    except NonFiniteGradError as error:
+        raise _non_finite(error, losses, iteration) from error
+    _phase(timers, "optimizer").stop()
+    return result
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf loss or gradient norm stopped training before the step was applied."""
+
+
+def _non_finite(
+    error: NonFiniteGradError, losses: list[Any], iteration: int | None
+) -> NonFiniteError:
+    """The error every rank raises, naming the ranks whose loss was not finite (a collective)."""
+    bad_loss = any(
+        not math.isfinite(float(torch.as_tensor(v).float().reshape(-1)[0]))
+        for item in losses
+        for v in (item.values() if isinstance(item, dict) else [item])
+    )
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=collective_device())
+    flags[dist.get_rank()] = int(bad_loss)
+    dist.all_reduce(flags)
+    loss_ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    where = "" if iteration is None else f"iteration {iteration}: "
+    loss = f"non-finite loss on rank(s) {loss_ranks}; " if loss_ranks else ""
+    return NonFiniteError(
+        f"{where}{loss}{error}; training stopped, the last checkpoint is as it was "
+        "(--no-check-for-nan-in-loss-and-grad turns this check off)"
+    )
 
 
 def _phase(timers: Timers, name: str) -> Any:
@@ -899,6 +943,7 @@ class _LoopParts:
             decoder_seq_length=self.config.decoder_seq_length,
             timers=timers,
             barrier_with_l1_time=self.config.barrier_with_l1_time,
+            iteration=self.progress.iteration + 1,
         )
 
     def save_on_interval(self) -> None:

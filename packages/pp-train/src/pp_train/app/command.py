@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -25,10 +26,16 @@ from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_conf
 from pp_train.checkpointing import CheckpointError
 from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test_datasets
 from pp_train.pretrain import pretrain
+from pp_train.training import NonFiniteError
 from pp_train.world import check_world
 from pp_train.wrappers import unwrap_model
 
 __all__ = ["build_parser", "gpt_forward_step", "main", "run", "validate_args"]
+
+
+# How long the other ranks wait before leaving on a flag error, so that rank 0 prints it and
+# exits first: torchrun tears every rank down as soon as the first one exits.
+_ERROR_GRACE_SECONDS = 3.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
         if os.environ.get("RANK", "0") == "0":
             self.print_usage(sys.stderr)
             self.exit(2, f"{self.prog}: error: {message}\n")
+        time.sleep(_ERROR_GRACE_SECONDS)
         sys.exit(2)
 
 
@@ -162,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate_args(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
     try:
         run(args)
-    except CheckpointError as error:
+    except (CheckpointError, NonFiniteError) as error:
         # Every rank refuses together; one clear line instead of a traceback per rank.
         if os.environ.get("RANK", "0") == "0":
             print(f"pp-train: error: {error}", file=sys.stderr, flush=True)
