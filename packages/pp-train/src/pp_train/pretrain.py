@@ -215,6 +215,15 @@ def lr_schedule_config(config: PretrainConfig) -> LRScheduleConfig:
     )
 
 
+def _load_format(config: PretrainConfig) -> dict[str, Any]:
+    """The checkpoint format keywords of `setup_model_and_optimizer`."""
+    checkpoint = config.checkpoint
+    return {
+        "ckpt_format": checkpoint.ckpt_format,
+        "auto_detect_ckpt_format": checkpoint.auto_detect_ckpt_format,
+    }
+
+
 def training_config(config: PretrainConfig) -> TrainingConfig:
     """The loop's settings from the run's flags."""
     training, logging, checkpoint = config.training, config.logging, config.checkpoint
@@ -227,6 +236,8 @@ def training_config(config: PretrainConfig) -> TrainingConfig:
         log_interval=logging.log_interval,
         save=checkpoint.save,
         save_interval=checkpoint.save_interval,
+        ckpt_format=checkpoint.ckpt_format,
+        async_save=checkpoint.async_save,
         exit_interval=training.exit_interval,
         exit_duration_in_mins=training.exit_duration_in_mins,
         exit_signal_handler=training.exit_signal_handler,
@@ -295,6 +306,7 @@ class _Run:
             finetune=config.checkpoint.finetune,
             no_load_optim=config.checkpoint.no_load_optim,
             no_load_rng=config.checkpoint.no_load_rng,
+            **_load_format(config),
             placement=layout.placement,
             model_type=model_type,
         )
@@ -359,6 +371,8 @@ class _Run:
             f"loaded checkpoint from {load} at iteration {loaded.iteration} "
             f"({loaded.consumed_train_samples} samples consumed)"
         )
+        for note in loaded.notes:
+            self.say(note)
         return TrainingProgress(
             iteration=loaded.iteration,
             consumed_train_samples=loaded.consumed_train_samples,
