@@ -3,8 +3,7 @@
 `save_checkpoint` / `load_checkpoint` take the format (``ckpt_format=``); ``torch_dist``
 checkpoints (torch.distributed.checkpoint directories with layout-independent keys) reshard
 on load and can be written in the background (`AsyncCheckpointSaver`). Model chunks name
-their state by global keys through `ShardedStateKeys`. ``python -m pp_train.checkpoint
-convert`` converts between the formats.
+their state by global keys through `ShardedStateKeys`.
 """
 
 from __future__ import annotations
