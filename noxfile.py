@@ -269,6 +269,21 @@ def bench_data(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_checkpoint(session: nox.Session) -> None:
+    """Step time during an asynchronous torch_dist save beside a blocking save's stall."""
+    _install(session, LIBRARIES, "numpy")
+    session.run(
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(PACKAGES / "pp-train" / "benchmarks" / "async_save.py"),
+        *session.posargs,
+        env=TEST_ENV,
+    )
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: the bundled GPT on 4 CPU processes under torchrun, stopped and resumed."""
     _install(session, LIBRARIES, "tensorboard>=2.14")

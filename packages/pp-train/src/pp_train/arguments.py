@@ -244,11 +244,26 @@ class CheckpointArgs:
     no_load_rng: bool = False
     """Do not load the random-number generators' states."""
 
+    ckpt_format: Literal["torch", "torch_dist"] = "torch"
+    """Format of saved checkpoints: torch (one file per pipeline stage; resumes only at the
+    same layout) or torch_dist (torch.distributed.checkpoint; resumes at any pipeline,
+    virtual and data-parallel size)."""
+
+    auto_detect_ckpt_format: bool = False
+    """Load a checkpoint in whichever format it is (otherwise it must be --ckpt-format)."""
+
+    async_save: bool = False
+    """Write torch_dist checkpoints in the background while training goes on."""
+
     def __post_init__(self) -> None:
-        """An interval needs a directory."""
+        """An interval needs a directory; an asynchronous save needs torch_dist."""
         _check_at_least(self, ("save_interval",))
         if self.save_interval is not None and self.save is None:
             raise ValueError("--save-interval needs --save DIR")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ValueError(
+                f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {self.ckpt_format}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

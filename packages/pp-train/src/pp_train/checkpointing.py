@@ -95,6 +95,9 @@ class LoadedCheckpoint:
     args: dict[str, Any]
     """The configuration the checkpoint was saved with."""
 
+    notes: tuple[str, ...] = ()
+    """What the load left as it was, and why (e.g. RNG states saved at another layout)."""
+
     def __post_init__(self) -> None:
         """Checks the counts and the args.
 

@@ -225,6 +225,15 @@ def lr_schedule_config(config: PretrainConfig) -> LRScheduleConfig:
     )
 
 
+def _load_format(config: PretrainConfig) -> dict[str, Any]:
+    """The checkpoint format keywords of `setup_model_and_optimizer`."""
+    checkpoint = config.checkpoint
+    return {
+        "ckpt_format": checkpoint.ckpt_format,
+        "auto_detect_ckpt_format": checkpoint.auto_detect_ckpt_format,
+    }
+
+
 def training_config(config: PretrainConfig) -> TrainingConfig:
     """The loop's settings from the run's flags."""
     training, logging, checkpoint = config.training, config.logging, config.checkpoint
@@ -237,6 +246,8 @@ def training_config(config: PretrainConfig) -> TrainingConfig:
         log_interval=logging.log_interval,
         save=checkpoint.save,
         save_interval=checkpoint.save_interval,
+        ckpt_format=checkpoint.ckpt_format,
+        async_save=checkpoint.async_save,
         exit_interval=training.exit_interval,
         exit_duration_in_mins=training.exit_duration_in_mins,
         exit_signal_handler=training.exit_signal_handler,
@@ -286,21 +297,7 @@ class _Run:
     ) -> ExitReason:
         config, state, layout = self.config, self.state, self.layout
         saved_args = self._checkpoint_args(checkpoint_args)
-        model, optimizer, scheduler, loaded = setup_model_and_optimizer(
-            model_provider,
-            state,
-            optimizer_config=config.optimizer,
-            lr_schedule=lr_schedule_config(config),
-            ddp_config=DDPConfig(overlap_grad_reduce=config.parallel.overlap_grad_reduce),
-            device=self.device,
-            load=config.checkpoint.load,
-            checkpoint_args=saved_args,
-            finetune=config.checkpoint.finetune,
-            no_load_optim=config.checkpoint.no_load_optim,
-            no_load_rng=config.checkpoint.no_load_rng,
-            placement=layout.placement,
-            model_type=model_type,
-        )
+        model, optimizer, scheduler, loaded = self._setup(model_provider, model_type, saved_args)
         progress = self._progress(loaded)
         _progress_line("model and optimizer ready; building the datasets ...")
         train_ds, valid_ds, _ = datasets_provider(train_valid_test_num_samples(config))
@@ -336,6 +333,31 @@ class _Run:
                 forward_backward.communicator.destroy()
         return reason
 
+    def _setup(
+        self,
+        model_provider: Callable[..., torch.nn.Module],
+        model_type: ModelType,
+        saved_args: dict[str, Any],
+    ) -> Any:
+        """The chunks, optimizer, scheduler and what was loaded from ``--load``."""
+        config = self.config
+        return setup_model_and_optimizer(
+            model_provider,
+            self.state,
+            optimizer_config=config.optimizer,
+            lr_schedule=lr_schedule_config(config),
+            ddp_config=DDPConfig(overlap_grad_reduce=config.parallel.overlap_grad_reduce),
+            device=self.device,
+            load=config.checkpoint.load,
+            checkpoint_args=saved_args,
+            finetune=config.checkpoint.finetune,
+            no_load_optim=config.checkpoint.no_load_optim,
+            no_load_rng=config.checkpoint.no_load_rng,
+            **_load_format(config),
+            placement=self.layout.placement,
+            model_type=model_type,
+        )
+
     def _checkpoint_args(self, extra: Mapping[str, Any]) -> dict[str, Any]:
         """The flags and derived sizes saved in checkpoints (the strict ones are compared)."""
         saved: dict[str, Any] = {}
@@ -363,6 +385,8 @@ class _Run:
             f"loaded checkpoint from {load} at iteration {loaded.iteration} "
             f"({loaded.consumed_train_samples} samples consumed)"
         )
+        for note in loaded.notes:
+            self.say(note)
         return TrainingProgress(
             iteration=loaded.iteration,
             consumed_train_samples=loaded.consumed_train_samples,

@@ -42,12 +42,14 @@ from pp_schedules import (
     write_schedule_trace,
 )
 from pp_state import ParallelState, Placement
-from pp_train.checkpointing import (
-    LoadedCheckpoint,
-    collective_device,
+from pp_train.checkpoint import (
+    AsyncCheckpointSaver,
+    CkptFormat,
+    check_save_directory,
     load_checkpoint,
     save_checkpoint,
 )
+from pp_train.checkpointing import LoadedCheckpoint, collective_device
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
 from pp_train.reporting import Timers as LevelledTimers
@@ -177,6 +179,14 @@ class TrainingConfig:
     save_interval: int | None = None
     """Save every this many iterations (and on any early exit) when `save` is set."""
 
+    ckpt_format: CkptFormat = "torch"
+    """The format checkpoints are saved in: "torch" (one file per position, same layout to
+    resume) or "torch_dist" (DCP, resumes at any layout); see `pp_train.checkpoint`."""
+
+    async_save: bool = False
+    """Write torch_dist checkpoints in the background (`AsyncCheckpointSaver`); training
+    waits for a save still in flight at the next save and before returning."""
+
     exit_interval: int | None = None
     """Save and stop when the iteration is a multiple of this."""
 
@@ -218,6 +228,8 @@ class TrainingConfig:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if self.eval_iters < 0:
             raise ValueError(f"eval_iters must be >= 0, got {self.eval_iters}")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ValueError(f"async_save needs ckpt_format 'torch_dist', got {self.ckpt_format!r}")
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise ValueError(f"exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}")
         if self.adlr_autoresume_interval < 1:
@@ -529,6 +541,8 @@ def setup_model_and_optimizer(
     no_load_rng: bool = False,
     placement: Placement | None = None,
     model_type: ModelType = ModelType.encoder_or_decoder,
+    ckpt_format: CkptFormat = "torch",
+    auto_detect_ckpt_format: bool = False,
 ) -> tuple[
     list[torch.nn.Module], MegatronOptimizer, OptimizerParamScheduler, LoadedCheckpoint | None
 ]:
@@ -536,11 +550,11 @@ def setup_model_and_optimizer(
 
     `placement` is the schedule's: which virtual stage each chunk holds (see `get_model`);
     Megatron's looped placement when None. Give the same one to `build_forward_backward_func`
-    (a plan's placement when you run a plan). `model_type` as `get_model`'s.
+    (a plan's placement when you run a plan). `model_type` as `get_model`'s; the checkpoint
+    format ones as `pp_train.checkpoint.load_checkpoint`'s.
 
     Returns:
-        ``(model, optimizer, scheduler, loaded)``: `loaded` is None when nothing was loaded
-        (no `load`, or no checkpoint there yet).
+        ``(model, optimizer, scheduler, loaded)``: `loaded` None when nothing was loaded.
     """
     model = get_model(
         model_provider,
@@ -568,6 +582,8 @@ def setup_model_and_optimizer(
             finetune=finetune,
             no_load_optim=no_load_optim,
             no_load_rng=no_load_rng,
+            ckpt_format=ckpt_format,
+            auto_detect_ckpt_format=auto_detect_ckpt_format,
         )
     return model, optimizer, scheduler, loaded
 
@@ -918,6 +934,19 @@ class _LoopParts:
     print_fn: Callable[[str], None]
     saved: bool = dataclasses.field(default=False, init=False)
     """Whether the latest iteration saved a checkpoint (`save_on_interval`)."""
+    async_saver: AsyncCheckpointSaver | None = dataclasses.field(default=None, init=False)
+    """Writes checkpoints in the background (`TrainingConfig.async_save`)."""
+
+    def __post_init__(self) -> None:
+        if self.config.save is not None:
+            check_save_directory(self.config.save, self.state)
+        if self.config.async_save:
+            self.async_saver = AsyncCheckpointSaver()
+
+    def finish_saves(self) -> None:
+        """Waits for an asynchronous save in flight (published when it returns)."""
+        if self.async_saver is not None:
+            self.async_saver.wait(self.state)
 
     def step(
         self,
@@ -972,6 +1001,8 @@ class _LoopParts:
             args=self.checkpoint_args,
             consumed_train_samples=self.progress.consumed_train_samples,
             consumed_valid_samples=self.progress.consumed_valid_samples,
+            ckpt_format=self.config.ckpt_format,
+            async_saver=self.async_saver,
         )
         self.print_fn(
             f"saved checkpoint at iteration {self.progress.iteration} to {self.config.save}"
@@ -1126,9 +1157,12 @@ def train(  # noqa: PLR0917 - Megatron's positional order
             loop.iteration(train_data_iterator, valid_data_iterator)
             reason = _exit_reason(parts, started=started, signals=signals, autoresume=autoresume)
             if reason is not None:
-                return parts.stop(reason)
+                reason = parts.stop(reason)
+                parts.finish_saves()
+                return reason
     if not parts.saved and progress.iteration > 0:
         parts.save()  # the final state, unless the last iteration just saved it
+    parts.finish_saves()
     return "train_iters"
 
 
@@ -1181,6 +1215,8 @@ class _TrainLoop:
                 logger=self.logger,
             )
         parts.save_on_interval()
+        if parts.async_saver is not None:
+            parts.async_saver.poll(parts.state)
 
     def _log(
         self, step: tuple[dict[str, float], int, float | None, int | None], global_batch_size: int
@@ -1356,6 +1392,7 @@ def finetune(
         parts.save()
         if end_of_epoch_callback is not None:
             end_of_epoch_callback(model, epoch)
+    parts.finish_saves()
     return "train_iters"
 
 
@@ -1380,5 +1417,7 @@ def _finetune_iteration(
     _log_step(logger, parts.optimizer, progress, step, global_batch_size=global_batch_size)
     parts.save_on_interval()
     if _every(parts.config.exit_interval, progress.iteration):
-        return parts.stop("exit_interval")
+        reason = parts.stop("exit_interval")
+        parts.finish_saves()
+        return reason
     return None

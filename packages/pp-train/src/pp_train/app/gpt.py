@@ -352,6 +352,20 @@ class GPTChunk(torch.nn.Module):
         index, _, tail = rest.partition(".")
         return f"layers.{self.layer_numbers[int(index)]}.{tail}"
 
+    def sharded_state_keys(self) -> dict[str, str]:
+        """Each ``state_dict`` key's global name (pp-train's torch_dist checkpoints use them).
+
+        Layers get their global index; a tied output layer (a copy of the word embedding on
+        the last stage) is named as the word embedding, so a checkpoint holds it once.
+        """
+        keys = {}
+        for local_name in self.state_dict():
+            name = self.global_name(local_name)
+            if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+                name = _WORD_EMBEDDING_NAME
+            keys[local_name] = name
+        return keys
+
     def global_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This chunk's parameters under their global names (see `global_name`)."""
         return [(self.global_name(name), param) for name, param in self.named_parameters()]

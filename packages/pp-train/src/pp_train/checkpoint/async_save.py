@@ -1,0 +1,144 @@
+"""Asynchronous torch_dist saves: DCP writes in a background thread while training goes on.
+
+At most one save is in flight. Its tensors are copied to CPU memory (DCP's staging) before
+`AsyncCheckpointSaver.start` returns; the writing runs on a process group of its own (gloo),
+so it never interleaves with the training's collectives. Global rank 0 publishes the
+checkpoint (renames its directory, then moves the tracker) as soon as its write finished,
+which is after every rank's: DCP's coordinator writes ``.metadata`` only once all ranks
+reported their data written. `wait` (before the next save, at the end of training, on an
+early exit) blocks until the save is done and raises on every rank if any rank failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from pp_state import ParallelState
+from pp_train.checkpoint.torch_dist import SaveContent, prepare, publish, writer_and_planner
+from pp_train.checkpointing import CheckpointError, _raise_if_any_failed
+
+__all__ = ["AsyncCheckpointSaver"]
+
+
+@dataclasses.dataclass
+class _InFlight:
+    future: Future[Any]
+    root: Path
+    iteration: int
+    staging: Path
+
+
+class AsyncCheckpointSaver:
+    """Runs torch_dist saves in the background, one at a time (Megatron's ``--async-save``).
+
+    Every rank makes one and uses it for every save of a run; `start`, `wait` are
+    collectives, `poll` is not.
+    """
+
+    def __init__(self, *, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+        """A saver whose waits (and its process group's collectives) give up after `timeout`.
+
+        Raises:
+            ValueError: `timeout` is not positive.
+        """
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.timeout = timeout
+        self._group: dist.ProcessGroup | None = None
+        self._in_flight: _InFlight | None = None
+        self._error: BaseException | None = None
+        self._unsettled = False  # a save started since the last wait (the same on every rank)
+        self.published: list[int] = []
+        """Iterations this rank published (global rank 0 only), in order."""
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether this rank's share of a save is still being written."""
+        return self._in_flight is not None
+
+    def _process_group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            # Made at the first save, which every rank reaches together.
+            group = dist.new_group(backend="gloo", timeout=self.timeout)
+            assert group is not None
+            self._group = group
+        return self._group
+
+    def start(
+        self,
+        content: SaveContent,
+        *,
+        root: Path,
+        iteration: int,
+        staging: Path,
+        state: ParallelState,
+    ) -> None:
+        """Waits for the previous save, then starts writing `content`; a collective.
+
+        Returns once the tensors are copied; writing goes on in the background.
+
+        Raises:
+            CheckpointError: On every rank when the previous save or the set-up failed.
+        """
+        self.wait(state)
+        prepare(staging, content, state, iteration)
+        writer, planner = writer_and_planner(staging)
+        future = dcp.async_save(
+            content.tensors,
+            storage_writer=writer,
+            planner=planner,
+            process_group=self._process_group(),
+        )
+        assert isinstance(future, Future)
+        self._in_flight = _InFlight(future, root, iteration, staging)
+        self._unsettled = True
+
+    def poll(self, state: ParallelState) -> None:
+        """Finishes a save whose write is done (rank 0 publishes it); never blocks or talks."""
+        if self._in_flight is not None and self._in_flight.future.done():
+            self._settle(state, block=False)
+
+    def wait(self, state: ParallelState) -> None:
+        """Blocks until the save in flight is written and published; a collective.
+
+        Raises:
+            CheckpointError: On every rank when any rank's write or the publishing failed
+                (the tracker then still names the previous checkpoint), or a wait timed out.
+        """
+        if not self._unsettled:
+            return
+        if self._in_flight is not None:
+            self._settle(state, block=True)
+        error, self._error, self._unsettled = self._error, None, False
+        _raise_if_any_failed(
+            state.rank,
+            error,
+            "could not finish an asynchronous torch_dist save",
+            "the asynchronous save was not published; the tracker names the checkpoint before",
+        )
+
+    def _settle(self, state: ParallelState, *, block: bool) -> None:
+        in_flight = self._in_flight
+        assert in_flight is not None
+        self._in_flight = None
+        try:
+            in_flight.future.result(timeout=self.timeout.total_seconds() if block else 0)
+            if state.rank == 0:
+                publish(in_flight.root, in_flight.iteration)
+                self.published.append(in_flight.iteration)
+        except FutureTimeout as error:
+            self._error = CheckpointError(
+                f"rank {state.rank}: the asynchronous save of iteration {in_flight.iteration} "
+                f"to {in_flight.staging} did not finish within {self.timeout}"
+            )
+            self._error.__cause__ = error
+        except Exception as error:
+            self._error = error

@@ -1,0 +1,285 @@
+"""`save_checkpoint` / `load_checkpoint` in either of Megatron's formats, and format detection.
+
+``torch`` (the default here) is Megatron's legacy format: one file per (tensor, pipeline)
+position, loadable only in the layout that saved it (`pp_train.checkpointing`). ``torch_dist``
+is one torch.distributed.checkpoint directory per iteration with layout-independent keys: it
+resumes at any pipeline, virtual and data-parallel size holding the same model, and can be
+written asynchronously (`AsyncCheckpointSaver`).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+
+from pp_optim import MegatronOptimizer, OptimizerParamScheduler
+from pp_state import ParallelState
+from pp_train import checkpointing as legacy
+from pp_train.checkpoint.async_save import AsyncCheckpointSaver
+from pp_train.checkpoint.loading import load_torch_dist
+from pp_train.checkpoint.torch_dist import (
+    FORMAT_METADATA_FILENAME,
+    PARTIAL_SUFFIX,
+    iteration_directory,
+    publish,
+    save_content,
+    write_torch_dist,
+)
+from pp_train.checkpointing import (
+    DEFAULT_STRICT_ARGS,
+    CheckpointError,
+    LoadedCheckpoint,
+    _agree_on_iteration,
+    _check_load_arguments,
+    _check_save_arguments,
+    _LoadRequest,
+    _raise_if_any_failed,
+)
+
+__all__ = [
+    "CKPT_FORMATS",
+    "CkptFormat",
+    "check_save_directory",
+    "detect_format",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+CkptFormat = Literal["torch", "torch_dist"]
+"""Megatron's names of the two checkpoint formats (``--ckpt-format``)."""
+
+CKPT_FORMATS: tuple[str, ...] = get_args(CkptFormat)
+
+
+def _check_format(ckpt_format: object) -> None:
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"ckpt_format must be one of {list(CKPT_FORMATS)}, got {ckpt_format!r}")
+
+
+def detect_format(directory: str | os.PathLike[str]) -> CkptFormat | None:
+    """The format of one iteration's directory: what its files say, None when it holds neither.
+
+    ``torch_dist``: a ``metadata.json`` or DCP's ``.metadata``; ``torch``: ``mp_rank_*``
+    directories.
+    """
+    path = Path(directory)
+    if (path / FORMAT_METADATA_FILENAME).is_file() or (path / ".metadata").is_file():
+        return "torch_dist"
+    if path.is_dir() and any(path.glob("mp_rank_*")):
+        return "torch"
+    return None
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    iteration: int,
+    *,
+    state: ParallelState,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    args: dict[str, Any],
+    consumed_train_samples: int,
+    consumed_valid_samples: int = 0,
+    save_optim: bool = True,
+    save_rng: bool = True,
+    ckpt_format: CkptFormat = "torch",
+    async_saver: AsyncCheckpointSaver | None = None,
+) -> Path:
+    """Saves iteration `iteration` under `root` in `ckpt_format`; every rank calls it.
+
+    ``torch``: as `pp_train.checkpointing.save_checkpoint`. ``torch_dist``: every rank writes
+    its tensors under global keys into ``iter_000000N.partial``; when all are written, global
+    rank 0 renames it ``iter_000000N`` and then moves the tracker. With `async_saver` the
+    write runs in the background (it returns after copying the tensors) and is published by
+    the saver (`AsyncCheckpointSaver.poll` / ``wait``); a save still in flight is waited for
+    first. The model chunks must implement `pp_train.checkpoint.ShardedStateKeys`.
+
+    Args: as `pp_train.checkpointing.save_checkpoint`'s, and
+        ckpt_format: ``"torch"`` or ``"torch_dist"``.
+        async_saver: Write a torch_dist checkpoint in the background with this saver.
+
+    Returns:
+        The torch format: this rank's file; torch_dist: the iteration's directory.
+
+    Raises:
+        TypeError: An argument has the wrong type, or a chunk lacks ``sharded_state_keys``
+            (torch_dist; raised on every rank as a `CheckpointError`).
+        ValueError: A bad count, an empty model, an unknown format, or an async saver with
+            the torch format.
+        CheckpointError: A rank could not write; the tracker still names the checkpoint
+            before.
+    """
+    _check_format(ckpt_format)
+    if async_saver is not None and ckpt_format != "torch_dist":
+        raise ValueError("asynchronous saving needs ckpt_format='torch_dist' (Megatron's too)")
+    if ckpt_format == "torch":
+        return legacy.save_checkpoint(
+            root, iteration, state=state, model=model, optimizer=optimizer, scheduler=scheduler,
+            args=args, consumed_train_samples=consumed_train_samples,
+            consumed_valid_samples=consumed_valid_samples, save_optim=save_optim,
+            save_rng=save_rng,
+        )  # fmt: skip
+    consumed = (consumed_train_samples, consumed_valid_samples)
+    _check_save_arguments(iteration, consumed, model, args)
+    content = _content_on_every_rank(
+        iteration, state, consumed, save_rng, model=model, args=args,
+        optimizer=optimizer if save_optim else None, scheduler=scheduler if save_optim else None,
+    )  # fmt: skip
+    return _save_torch_dist(Path(root), iteration, content, state, async_saver)
+
+
+def _save_torch_dist(
+    root: Path,
+    iteration: int,
+    content: Any,
+    state: ParallelState,
+    async_saver: AsyncCheckpointSaver | None,
+) -> Path:
+    final = iteration_directory(root, iteration)
+    staging = final.with_name(final.name + PARTIAL_SUFFIX)
+    if async_saver is not None:
+        async_saver.start(content, root=root, iteration=iteration, staging=staging, state=state)
+        return final
+    write_torch_dist(staging, content, state, iteration)
+    _publish_on_rank_0(root, iteration, state)
+    return final
+
+
+def _content_on_every_rank(
+    iteration: int,
+    state: ParallelState,
+    consumed: tuple[int, int],
+    save_rng: bool,
+    **parts: Any,
+) -> Any:
+    """`save_content` on every rank; raises on all when any failed (before any rank writes)."""
+    content = error = None
+    try:
+        content = save_content(
+            iteration, state=state, consumed=consumed, save_rng=save_rng, **parts
+        )
+    except Exception as caught:
+        error = caught
+    _raise_if_any_failed(
+        state.rank,
+        error,
+        "cannot collect its torch_dist checkpoint state",
+        f"iteration {iteration} was not saved",
+    )
+    return content
+
+
+def _publish_on_rank_0(root: Path, iteration: int, state: ParallelState) -> None:
+    error: BaseException | None = None
+    if state.rank == 0:
+        try:
+            publish(root, iteration)
+        except Exception as caught:
+            error = caught
+    _raise_if_any_failed(
+        state.rank,
+        error,
+        f"could not publish iteration {iteration} in {root}",
+        f"the tracker in {root} was not moved to iteration {iteration}",
+    )
+
+
+def load_checkpoint(
+    root: str | os.PathLike[str],
+    *,
+    state: ParallelState,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    args: dict[str, Any],
+    finetune: bool = False,
+    no_load_optim: bool = False,
+    no_load_rng: bool = False,
+    strict_args: tuple[str, ...] = DEFAULT_STRICT_ARGS,
+    ckpt_format: CkptFormat = "torch",
+    auto_detect_ckpt_format: bool = False,
+) -> LoadedCheckpoint | None:
+    """Restores the latest checkpoint under `root`; every rank calls it.
+
+    The format is read from the files of the iteration the tracker names. It must be
+    `ckpt_format` unless `auto_detect_ckpt_format` (Megatron's ``--auto-detect-ckpt-format``).
+    ``torch``: as `pp_train.checkpointing.load_checkpoint` (same layout only). ``torch_dist``:
+    any layout holding the same model; `strict_args` minus the layout sizes are compared;
+    RNG states are restored only when the layout (tensor, pipeline, virtual, data sizes) is
+    the saved one, else they keep this run's seeding and `LoadedCheckpoint.notes` says so.
+
+    Returns:
+        What was loaded; None on every rank when `root` holds no tracker.
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ValueError: An unknown format or an empty model.
+        CheckpointError: On every rank when any rank cannot load (a format other than asked,
+            another model shape, a missing shard, ...); nothing was changed.
+    """
+    _check_format(ckpt_format)
+    _check_load_arguments(model, args, strict_args)
+    request = _LoadRequest(
+        root=Path(root), state=state, model=model, optimizer=optimizer, scheduler=scheduler,
+        args=args, strict_args=strict_args, finetune=finetune,
+        load_optim=not (finetune or no_load_optim), load_rng=not (finetune or no_load_rng),
+    )  # fmt: skip
+    iteration = _agree_on_iteration(request.root, state.rank)
+    if iteration is None:
+        return None
+    found = _agreed_format(request.root, iteration, state, ckpt_format, auto_detect_ckpt_format)
+    if found == "torch":
+        return legacy._load_latest(request)
+    return load_torch_dist(request, iteration)
+
+
+def _agreed_format(
+    root: Path, iteration: int, state: ParallelState, asked: CkptFormat, auto_detect: bool
+) -> CkptFormat:
+    """The format of the tracked iteration, checked on every rank against `asked`."""
+    directory = iteration_directory(root, iteration)
+    found = detect_format(directory)
+    error: CheckpointError | None = None
+    if found is None:
+        error = CheckpointError(
+            f"rank {state.rank}: checkpoint directory {directory} (named by the tracker) holds "
+            "neither format: expected mp_rank_* (torch) or metadata.json / .metadata (torch_dist)"
+        )
+    elif found != asked and not auto_detect:
+        error = CheckpointError(
+            f"rank {state.rank}: checkpoint {directory} is in the {found!r} format; this run "
+            f"loads {asked!r}. Pass --ckpt-format {found} (ckpt_format={found!r}) or "
+            "--auto-detect-ckpt-format to load it as it is; nothing was loaded"
+        )
+    _raise_if_any_failed(state.rank, error, "", "nothing was loaded")
+    assert found is not None
+    return found
+
+
+def check_save_directory(root: str | os.PathLike[str], state: ParallelState) -> None:
+    """Refuses an unwritable checkpoint directory before training starts; a collective.
+
+    Global rank 0 creates `root` if needed and writes and removes a probe file there.
+
+    Raises:
+        CheckpointError: On every rank when `root` cannot be created or written.
+    """
+    error: BaseException | None = None
+    path = Path(root)
+    if state.rank == 0:
+        probe = path / f".write-probe-{uuid.uuid4().hex}"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as caught:
+            error = CheckpointError(
+                f"rank 0: checkpoint directory {path} is not writable: expected to create "
+                f"{probe.name} there, found {type(caught).__name__}: {caught}"
+            )
+    _raise_if_any_failed(state.rank, error, "", "training did not start")

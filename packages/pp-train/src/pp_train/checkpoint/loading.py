@@ -1,0 +1,346 @@
+"""Loading a torch_dist checkpoint into any layout holding the same model.
+
+Four steps, each ending in a check that every rank passed, so a refused load changes
+nothing anywhere and never touches the files: (1) each rank reads ``common.pt`` and DCP's
+``.metadata``, checks the model's shape, that every shard file is there and that each key it
+needs has the shape it expects, and allocates buffers; (2) DCP reads the buffers (the
+resharding: each rank asks for its own global keys); (3) the optimizer, scheduler and RNG
+states are checked; (4) everything is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from pp_optim import Float16OptimizerWithFloat16Params
+from pp_train.checkpoint.keys import (
+    FP32_PARAM_PREFIX,
+    MODEL_PREFIX,
+    OPTIMIZER_STATE_PREFIX,
+    chunk_global_keys,
+    main_params,
+    model_targets,
+)
+from pp_train.checkpoint.torch_dist import COMMON_FILENAME, iteration_directory, layout_of
+from pp_train.checkpointing import (
+    CHECKPOINT_VERSION,
+    CheckpointError,
+    LoadedCheckpoint,
+    _check_scheduler_state,
+    _LoadRequest,
+    _parse_rng_state,
+    _raise_if_any_failed,
+    _restore_rng,
+    _RngState,
+)
+from pp_train.wrappers import unwrap_model
+
+__all__ = ["LAYOUT_ARGS", "load_torch_dist"]
+
+LAYOUT_ARGS = (
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "data_parallel_size",
+)
+"""Settings a torch_dist checkpoint does not need to share with the run that loads it."""
+
+_MAX_LISTED = 5
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but objects are unpickled with ``weights_only=True`` (no code runs)."""
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        # Our keys are flat, so the caller's dict is where the object goes.
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What this rank reads and where it goes."""
+
+    directory: Path
+    common: dict[str, Any]
+    buffers: dict[str, Any]
+    rng_key: str | None
+    notes: list[str]
+
+
+def load_torch_dist(request: _LoadRequest, iteration: int) -> LoadedCheckpoint:
+    """Loads iteration `iteration` of `request.root` (a torch_dist checkpoint); a collective.
+
+    Raises:
+        CheckpointError: On every rank when any rank cannot load; nothing was changed.
+    """
+    rank, directory = request.state.rank, iteration_directory(request.root, iteration)
+    unchanged = f"torch_dist checkpoint {directory} was not loaded; nothing was changed"
+    plan: _Plan | None = None
+    error: BaseException | None = None
+    try:
+        plan = _plan(request, directory, iteration)
+    except Exception as caught:
+        error = caught
+    _raise_if_any_failed(rank, error, f"cannot load {directory}", unchanged)
+    assert plan is not None
+    try:
+        dcp.load(plan.buffers, storage_reader=FileSystemReader(directory), planner=_planner())
+    except Exception as caught:
+        raise CheckpointError(
+            f"rank {rank}: reading {directory} failed: {type(caught).__name__}: "
+            f"{str(caught)[:400]}; {unchanged}"
+        ) from caught
+    staged: tuple[dict[str, Any] | None, _RngState | None] | None = None
+    try:
+        staged = _check_states(plan, request)
+    except Exception as caught:
+        error = caught
+    _raise_if_any_failed(rank, error, f"cannot load {directory}", unchanged)
+    assert staged is not None
+    try:
+        _apply(plan, request, *staged)
+    except Exception as caught:
+        error = caught
+    _raise_if_any_failed(
+        rank, error, f"failed while applying {directory}", f"{directory} was not applied: restart"
+    )
+    return _result(plan, request, iteration)
+
+
+def _planner() -> DefaultLoadPlanner:
+    return _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _where(request: _LoadRequest, directory: Path) -> str:
+    return f"rank {request.state.rank}: torch_dist checkpoint {directory}"
+
+
+def _plan(request: _LoadRequest, directory: Path, iteration: int) -> _Plan:
+    where = _where(request, directory)
+    common = _read_common(directory, iteration, where)
+    _check_model_args(common["args"], request, where)
+    metadata = _read_metadata(directory, where)
+    buffers: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, held in model_targets(request.model).items():
+        buffers[key] = _buffer(metadata, key, tuple(held[0].shape), problems)
+    notes: list[str] = []
+    if request.load_optim and request.optimizer is not None:
+        buffers.update(_optimizer_buffers(request, metadata, problems))
+        for name in ("opt_param_scheduler", "grad_scaler"):
+            if name not in common:
+                problems.append(f"has no {name!r} state (to load without it: no_load_optim)")
+    if problems:
+        raise CheckpointError(f"{where} does not fit this run: {_listed(problems)}")
+    rng_key = _rng_key(request, common, metadata, where, notes)
+    if rng_key is not None:
+        buffers[rng_key] = None
+    return _Plan(directory, common, buffers, rng_key, notes)
+
+
+def _read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
+    path = directory / COMMON_FILENAME
+    if not path.is_file():
+        raise CheckpointError(
+            f"{where}: {path} is missing (the tracker names iteration {iteration})"
+        )
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+        raise CheckpointError(f"{where}: {path} is corrupt or unsafe: {error}") from error
+    if not isinstance(common, dict) or common.get("checkpoint_version") != CHECKPOINT_VERSION:
+        version = common.get("checkpoint_version") if isinstance(common, dict) else None
+        raise CheckpointError(
+            f"{where}: {path} has checkpoint_version {version!r}; expected {CHECKPOINT_VERSION}"
+        )
+    if common.get("iteration") != iteration or not isinstance(common.get("args"), dict):
+        raise CheckpointError(
+            f"{where}: {path} holds iteration {common.get('iteration')!r} (expected {iteration}) "
+            "or no args dict"
+        )
+    return common
+
+
+def _check_model_args(saved: dict[str, Any], request: _LoadRequest, where: str) -> None:
+    """The model's shape must match; the layout (pipeline, virtual, data) may differ."""
+    missing = "<absent>"
+    differences = [
+        f"{key}: expected {request.args.get(key, missing)!r} (this run), found "
+        f"{saved.get(key, missing)!r}"
+        for key in request.strict_args
+        if key not in LAYOUT_ARGS and saved.get(key, missing) != request.args.get(key, missing)
+    ]
+    if differences:
+        raise CheckpointError(
+            f"{where}/{COMMON_FILENAME} holds another model: " + "; ".join(differences)
+        )
+
+
+def _read_metadata(directory: Path, where: str) -> Metadata:
+    if not (directory / ".metadata").is_file():
+        raise CheckpointError(f"{where} has no .metadata file: the save did not complete")
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"{where}/.metadata is unreadable: {error}") from error
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    missing = [name for name in files if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{where} is missing shard file(s) {_listed([str(directory / m) for m in missing])}: "
+            f"expected {len(files)} files named in its .metadata, found {len(files) - len(missing)}"
+        )
+    return metadata
+
+
+def _buffer(
+    metadata: Metadata, key: str, shape: tuple[int, ...] | None, problems: list[str]
+) -> torch.Tensor | None:
+    """An empty tensor to read `key` into, or None with the problem recorded."""
+    entry = metadata.state_dict_metadata.get(key)
+    if not isinstance(entry, TensorStorageMetadata):
+        expected = "a tensor" if shape is None else f"shape {shape}"
+        problems.append(
+            f"{key}: expected {expected}, found {'nothing' if entry is None else 'an object'}"
+        )
+        return None
+    found = tuple(entry.size)
+    if shape is not None and found != shape:
+        problems.append(f"{key}: expected shape {shape}, found {found}")
+        return None
+    return torch.empty(found, dtype=entry.properties.dtype)
+
+
+def _optimizer_buffers(
+    request: _LoadRequest, metadata: Metadata, problems: list[str]
+) -> dict[str, Any]:
+    assert request.optimizer is not None
+    buffers: dict[str, Any] = {}
+    keys = list(metadata.state_dict_metadata)
+    for main in main_params(request.model, request.optimizer):
+        prefix = f"{OPTIMIZER_STATE_PREFIX}{main.name}."
+        for key in (k for k in keys if k.startswith(prefix) and k not in buffers):
+            buffers[key] = _buffer(metadata, key, None, problems)
+        if main.is_copy and FP32_PARAM_PREFIX + main.name not in buffers:
+            key = FP32_PARAM_PREFIX + main.name
+            buffers[key] = _buffer(metadata, key, tuple(main.param.shape), problems)
+    return buffers
+
+
+def _rng_key(
+    request: _LoadRequest, common: dict[str, Any], metadata: Metadata, where: str, notes: list[str]
+) -> str | None:
+    """This rank's RNG key when it is to be restored: only in the layout that saved it."""
+    if not request.load_rng:
+        return None
+    saved, current = common.get("layout"), layout_of(request.state, len(request.model))
+    if saved != current:
+        notes.append(
+            f"random generator states not restored: saved at layout {saved}, this run is "
+            f"{current}; they keep this run's seeding"
+        )
+        return None
+    key = f"rng_state.rank{request.state.rank}"
+    if key not in metadata.state_dict_metadata:
+        raise CheckpointError(f"{where} has no {key!r} (to load without it: no_load_rng)")
+    return key
+
+
+def _check_states(
+    plan: _Plan, request: _LoadRequest
+) -> tuple[dict[str, Any] | None, _RngState | None]:
+    """The optimizer state in pp-optim's form, checked with the scheduler and RNG states."""
+    where = f"{_where(request, plan.directory)}"
+    optimizer_state = None
+    try:
+        if request.load_optim and request.optimizer is not None:
+            optimizer_state = _optimizer_state(plan, request)
+            request.optimizer.check_state_dict(optimizer_state)
+        if request.load_optim and request.scheduler is not None:
+            _check_scheduler_state(request.scheduler, plan.common["opt_param_scheduler"])
+        rng = None if plan.rng_key is None else _parse_rng_state(plan.buffers[plan.rng_key])
+    except (ValueError, TypeError, KeyError) as error:
+        raise CheckpointError(f"{where}: {error}") from error
+    return optimizer_state, rng
+
+
+def _optimizer_state(plan: _Plan, request: _LoadRequest) -> dict[str, Any]:
+    optimizer = request.optimizer
+    assert optimizer is not None
+    current = optimizer.optimizer.state_dict()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    copies: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for index, main in enumerate(main_params(request.model, optimizer)):
+        prefix = f"{OPTIMIZER_STATE_PREFIX}{main.name}."
+        entries = {
+            # A copy each: tied parameters must not share one state tensor.
+            key[len(prefix) :]: value.clone()
+            for key, value in plan.buffers.items()
+            if key.startswith(prefix) and isinstance(value, torch.Tensor)
+        }
+        if entries:
+            state[index] = entries
+        if main.is_copy:
+            copies[main.group].append(plan.buffers[FP32_PARAM_PREFIX + main.name])
+    loaded: dict[str, Any] = {
+        "optimizer": {"state": state, "param_groups": current["param_groups"]},
+        "grad_scaler": plan.common["grad_scaler"],
+    }
+    if isinstance(optimizer, Float16OptimizerWithFloat16Params):
+        loaded["fp32_from_fp16_params"] = copies
+    return loaded
+
+
+def _apply(
+    plan: _Plan,
+    request: _LoadRequest,
+    optimizer_state: dict[str, Any] | None,
+    rng: _RngState | None,
+) -> None:
+    for index, chunk in enumerate(request.model):
+        keys = chunk_global_keys(chunk, index)
+        saved = {local: plan.buffers[MODEL_PREFIX + name] for local, name in keys.items()}
+        unwrap_model(chunk).load_state_dict(saved, strict=True)
+    optimizer = request.optimizer
+    if optimizer is not None:
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+        elif isinstance(optimizer, Float16OptimizerWithFloat16Params):
+            optimizer.reload_model_params()
+    if request.load_optim and request.scheduler is not None:
+        request.scheduler.load_state_dict(plan.common["opt_param_scheduler"])
+    if rng is not None:
+        _restore_rng(rng)
+
+
+def _result(plan: _Plan, request: _LoadRequest, iteration: int) -> LoadedCheckpoint:
+    common = plan.common
+    if request.finetune:
+        return LoadedCheckpoint(
+            iteration=0,
+            consumed_train_samples=0,
+            consumed_valid_samples=0,
+            args=common["args"],
+            notes=tuple(plan.notes),
+        )
+    return LoadedCheckpoint(
+        iteration=iteration,
+        consumed_train_samples=common["consumed_train_samples"],
+        consumed_valid_samples=common["consumed_valid_samples"],
+        args=common["args"],
+        notes=tuple(plan.notes),
+    )
+
+
+def _listed(items: list[str]) -> str:
+    more = len(items) - _MAX_LISTED
+    return "[" + "; ".join(items[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "") + "]"

@@ -1,0 +1,210 @@
+"""Megatron's ``torch_dist`` checkpoint format, written and read by torch.distributed.checkpoint.
+
+A checkpoint of iteration N is one directory in Megatron's layout::
+
+    <root>/iter_000000N/.metadata            DCP's index of every tensor (written last)
+    <root>/iter_000000N/__<rank>_0.distcp    each rank's share of the tensors
+    <root>/iter_000000N/common.pt            iteration, samples, args, scheduler, loss scaler
+    <root>/iter_000000N/metadata.json        {"sharded_backend": "torch_dist", ...}
+    <root>/latest_checkpointed_iteration.txt the text "N", moved last
+
+Tensors are keyed by global names (`pp_train.checkpoint.keys`), so a checkpoint saved at
+one (pipeline, virtual, data) layout loads at any other holding the same model: DCP reads
+each rank's keys from wherever they were written. Every rank writes into
+``iter_000000N.partial``; once DCP has written ``.metadata`` (after every rank's data),
+global rank 0 renames it to ``iter_000000N`` and then moves the tracker, so a crash at any
+moment leaves the tracker on the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from pp_optim import MegatronOptimizer, OptimizerParamScheduler
+from pp_state import ParallelState
+from pp_train.checkpoint.keys import model_targets, optimizer_tensors
+from pp_train.checkpointing import (
+    CHECKPOINT_VERSION,
+    TRACKER_FILENAME,
+    CheckpointError,
+    _atomic_write,
+    _fsync_directory,
+    _raise_if_any_failed,
+    get_rng_state,
+)
+
+__all__ = [
+    "COMMON_FILENAME",
+    "FORMAT_METADATA_FILENAME",
+    "PARTIAL_SUFFIX",
+    "SaveContent",
+    "iteration_directory",
+    "layout_of",
+    "publish",
+    "save_content",
+    "write_torch_dist",
+]
+
+COMMON_FILENAME = "common.pt"
+"""The state every rank shares (written by global rank 0, read with ``weights_only``)."""
+
+FORMAT_METADATA_FILENAME = "metadata.json"
+"""Megatron's mark of a distributed checkpoint directory, naming its backend."""
+
+PARTIAL_SUFFIX = ".partial"
+"""Suffix of the directory a save writes into before it is complete."""
+
+_FORMAT_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+def iteration_directory(root: str | os.PathLike[str], iteration: int) -> Path:
+    """``root/iter_{iteration:07d}``: Megatron's directory of one iteration."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def layout_of(state: ParallelState, chunks: int) -> dict[str, int]:
+    """The parallel layout a checkpoint records (RNG states are restored only in the same)."""
+    return {
+        "tensor_model_parallel_size": state.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": state.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": chunks,
+        "data_parallel_size": state.group_size("dp_cp"),
+        "world_size": state.world_size,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveContent:
+    """What one rank hands to DCP, and the common state global rank 0 writes."""
+
+    tensors: dict[str, Any]
+    """Global keys to tensors (and this rank's RNG state, an object)."""
+    common: dict[str, Any]
+    """``common.pt``'s content."""
+
+
+def save_content(
+    iteration: int,
+    *,
+    state: ParallelState,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    args: dict[str, Any],
+    consumed: tuple[int, int],
+    save_rng: bool,
+) -> SaveContent:
+    """This rank's share of a torch_dist checkpoint (optimizer and scheduler when given)."""
+    tensors: dict[str, Any] = {key: held[0] for key, held in model_targets(model).items()}
+    common: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "ckpt_format": "torch_dist",
+        "iteration": iteration,
+        "args": args,
+        "consumed_train_samples": consumed[0],
+        "consumed_valid_samples": consumed[1],
+        "layout": layout_of(state, len(model)),
+    }
+    if optimizer is not None:
+        tensors.update(optimizer_tensors(model, optimizer))
+        scaler = optimizer.grad_scaler
+        common["grad_scaler"] = None if scaler is None else scaler.state_dict()
+    if scheduler is not None:
+        common["opt_param_scheduler"] = scheduler.state_dict()
+    if save_rng:
+        tensors[f"rng_state.rank{state.rank}"] = get_rng_state()
+    return SaveContent({k: _detached(v) for k, v in tensors.items()}, common)
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def prepare(staging: Path, content: SaveContent, state: ParallelState, iteration: int) -> None:
+    """Global rank 0 empties `staging` and writes the common files; a collective.
+
+    Raises:
+        CheckpointError: On every rank when the directory cannot be made or written.
+    """
+    error: BaseException | None = None
+    if state.rank == 0:
+        try:
+            if staging.exists():
+                shutil.rmtree(staging)  # a crashed save's leftovers
+            staging.mkdir(parents=True)
+            _atomic_write(staging / COMMON_FILENAME, lambda f: torch.save(content.common, f))
+            metadata = json.dumps(_FORMAT_METADATA).encode("utf-8")
+            _atomic_write(staging / FORMAT_METADATA_FILENAME, lambda f: f.write(metadata))
+        except Exception as caught:
+            error = caught
+    _raise_if_any_failed(
+        state.rank,
+        error,
+        f"could not write torch_dist checkpoint directory {staging}",
+        f"iteration {iteration} was not saved; the tracker in {staging.parent} was not moved",
+    )
+
+
+def writer_and_planner(staging: Path) -> tuple[FileSystemWriter, DefaultSavePlanner]:
+    """DCP's file writer (each file synced) and a planner for our flat, global keys."""
+    return FileSystemWriter(staging, sync_files=True), DefaultSavePlanner(flatten_state_dict=False)
+
+
+def write_torch_dist(
+    staging: Path, content: SaveContent, state: ParallelState, iteration: int
+) -> None:
+    """Writes `content` into `staging` with a blocking ``dcp.save``; a collective.
+
+    Raises:
+        CheckpointError: On every rank when any rank failed (DCP reports failures to all).
+    """
+    prepare(staging, content, state, iteration)
+    writer, planner = writer_and_planner(staging)
+    try:
+        dcp.save(content.tensors, storage_writer=writer, planner=planner)
+    except Exception as error:
+        raise CheckpointError(
+            f"rank {state.rank}: could not write torch_dist checkpoint {staging}: "
+            f"{type(error).__name__}: {str(error)[:400]}; the tracker in {staging.parent} "
+            "was not moved"
+        ) from error
+
+
+def publish(root: Path, iteration: int) -> None:
+    """Global rank 0 only: renames the complete ``.partial`` directory, then moves the tracker.
+
+    Called once DCP's ``.metadata`` is written, that is after every rank's data. A directory
+    of the same iteration already there (a run that saves again the iteration it resumed
+    from) is moved aside first and deleted last.
+    """
+    final = iteration_directory(root, iteration)
+    staging = final.with_name(final.name + PARTIAL_SUFFIX)
+    if not (staging / ".metadata").is_file():
+        raise CheckpointError(f"rank 0: {staging} has no .metadata; it is not complete")
+    _fsync_directory(staging)
+    replaced = final.with_name(final.name + ".replaced")
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    _fsync_directory(root)
+    _atomic_write(root / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode("ascii")))
+    with contextlib.suppress(OSError):
+        shutil.rmtree(replaced)
