@@ -58,7 +58,7 @@ def forward_step(data, model):
 
 
 parser = add_pretrain_flags(argparse.ArgumentParser())
-parser.set_defaults(num_layers=4, hidden_size=WIDTH, num_attention_heads=1, seq_length=1)
+parser.set_defaults(num_layers=4, hidden_size=WIDTH, num_attention_heads=1, seq_length=1, lr=3e-3)
 parser.set_defaults(train_iters=60, micro_batch_size=8, global_batch_size=32, log_interval=20)
 config = pretrain_config_from_args(parser.parse_args())
 pretrain(lambda num_samples: (Samples(), None, None), model_provider, forward_step, config=config)

@@ -256,6 +256,9 @@ def _rank_main(spec: _RunSpec, rank: int) -> None:
             world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.pg_timeout),
         )
+        # No rank starts (and so none can finish and close its sockets) before every rank
+        # has connected: under load a fast rank's exit broke a slower one's connection set-up.
+        dist.barrier()
         try:
             outcome = ("ok", target(*args))
         finally:
