@@ -252,6 +252,9 @@ def main() -> None:
     parser.add_argument("--both", action="store_true", help="batched, then unbatched")
     parser.add_argument("--quick", action="store_true", help="few iterations: check it runs")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    parser.add_argument(
+        "--debug", action="store_true", help="pp-comm with debug=True (contract checks on)"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     torch.set_num_threads(1)
@@ -259,7 +262,8 @@ def main() -> None:
     modes = [True, False] if args.both else [not args.unbatched]
     results = []
     for batched in modes:
-        comm = P2PCommunicator(None, config=CommConfig(batch_p2p_comm=batched))
+        config = CommConfig(batch_p2p_comm=batched, debug=args.debug)
+        comm = P2PCommunicator(None, config=config)
         results += run_mode(comm, args)
         comm.destroy()
     if not args.json and dist.get_rank() == 0:

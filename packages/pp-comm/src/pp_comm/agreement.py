@@ -6,6 +6,9 @@ With ``variable_seq_lengths`` or ``debug``, every message is preceded by a fixed
 (count, dtype and shape of each tensor). Headers are posted the same way as the data (so the
 shape exchange cannot deadlock where the data would not; Megatron-LM issue 5100 came from a
 shape exchange that ignored the posting mode) under their own tag (see `pp_comm.transport`).
+With ``debug``, each receiver also sends back what it asked for (an expectation, under its
+own tag), so the sender can raise too. Nobody waits for an expectation before posting: the
+sender completes it with its send, which cannot finish before its receiver has posted anyway.
 """
 
 from __future__ import annotations
@@ -18,12 +21,35 @@ from typing_extensions import Protocol
 from pp_comm.buffers import Buffers
 from pp_comm.config import CommConfig
 from pp_comm.errors import P2PMismatchError
-from pp_comm.payload import HEADER_LENGTH, TensorSpec, decode_header, describe, encode_header
-from pp_comm.transport import DATA_TAG, HEADER_TAG, Posted, Transfer, Transport, in_microbatch
+from pp_comm.ordering import Slot
+from pp_comm.payload import (
+    HEADER_LENGTH,
+    TensorSpec,
+    decode_header,
+    describe,
+    encode_header,
+    encode_specs,
+)
+from pp_comm.transport import (
+    DATA_TAG,
+    EXPECTATION_TAG,
+    HEADER_TAG,
+    Posted,
+    Transfer,
+    Transport,
+    in_microbatch,
+)
 
 __all__ = ["FixedShapes", "ShapeAgreement", "ShapeHeaders", "shape_agreement"]
 
 _HEADER_SPECS = (TensorSpec((HEADER_LENGTH,), torch.int64),)
+# An expectation travels against its message: from the receiver back to the sender.
+_BACK: dict[Slot, Slot] = {
+    "send_next": "recv_next",
+    "send_prev": "recv_prev",
+    "recv_prev": "send_prev",
+    "recv_next": "send_next",
+}
 
 
 class ShapeAgreement(Protocol):
@@ -37,6 +63,9 @@ class ShapeAgreement(Protocol):
 
     def mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
         """The error to raise once the messages are in, if they are not what was asked for."""
+
+    def sent_mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
+        """The error to raise once the sends are complete, if a receiver asked for other."""
 
 
 class FixedShapes:
@@ -60,6 +89,10 @@ class FixedShapes:
 
     def mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
         """Nothing to compare: the receiver's shapes are used as they are."""
+        return None
+
+    def sent_mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
+        """Nothing to compare: no expectation travels."""
         return None
 
 
@@ -91,8 +124,11 @@ class ShapeHeaders:
         """
         headers = [self._header_for(transfer, operation) for transfer in transfers]
         posted = self._transport.post(headers, tag=HEADER_TAG, operation=operation)
+        # Posted after every header on both sides, so on NCCL (order, not tags) they agree too.
+        expected = self._post_expectations(transfers, operation) if self._debug else []
         if self._transport.matches_by_tag:
-            return self._post_as_headers_arrive(transfers, headers, posted, operation, deadline)
+            data = self._post_as_headers_arrive(transfers, headers, posted, operation, deadline)
+            return expected + data
         arriving = [p for p in posted if not all(t.sends for t in p[1])]
         self._transport.wait(arriving, operation, deadline)
         for transfer, header in zip(transfers, headers, strict=True):
@@ -100,7 +136,32 @@ class ShapeHeaders:
                 transfer.specs = decode_header(header.tensors[0])
         self._buffers.fill(transfers, operation)
         in_flight = [p for p in posted if all(t.sends for t in p[1])]
-        return in_flight + self._transport.post(transfers, tag=DATA_TAG, operation=operation)
+        data = self._transport.post(transfers, tag=DATA_TAG, operation=operation)
+        return expected + in_flight + data
+
+    def _post_expectations(self, transfers: list[Transfer], operation: str) -> list[Posted]:
+        """Each receive sends back what it asked for; each send posts the receive of that.
+
+        A posted expectation is carried by its message, so a handle completes it with that
+        message (the sender's with its sends: `wait_recv` leaves it in flight) and errors
+        about it name the message.
+        """
+        back: list[Transfer] = []
+        owner: dict[int, Transfer] = {}
+        for transfer in transfers:
+            if transfer.sends:
+                wire = [torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self._device)]
+                transfer.expectation = expectation = Transfer(
+                    _BACK[transfer.slot], transfer.peer, wire, specs=_HEADER_SPECS
+                )
+            else:
+                wire = [encode_specs(transfer.requested, operation).to(self._device)]
+                expectation = Transfer(_BACK[transfer.slot], transfer.peer, wire)
+            expectation.channel = transfer.channel
+            owner[id(expectation)] = transfer
+            back.append(expectation)
+        posted = self._transport.post(back, tag=EXPECTATION_TAG, operation=operation)
+        return [(work, (owner[id(carried[0])],)) for work, carried in posted]
 
     def _post_as_headers_arrive(
         self,
@@ -168,6 +229,20 @@ class ShapeHeaders:
                 return self._mismatch_error(transfer, operation)
         return None
 
+    def sent_mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
+        """(debug) A send whose receiver asked for a different count, dtype or shape.
+
+        Read once the sends are complete: their expectations have arrived by then.
+        """
+        for transfer in transfers:
+            if transfer.expectation is None:
+                continue
+            expected = decode_header(transfer.expectation.tensors[0])
+            transfer.expectation = None  # checked once
+            if not _agrees(expected, transfer.specs):
+                return self._mismatch_error(transfer, operation, expected)
+        return None
+
     def _where(self, transfer: Transfer, operation: str) -> str:
         topology = self._transport.topology
         return (
@@ -175,16 +250,30 @@ class ShapeHeaders:
             f"{operation}{in_microbatch(transfer.microbatch)}"
         )
 
-    def _mismatch_error(self, transfer: Transfer, operation: str) -> P2PMismatchError:
+    def _mismatch_error(
+        self,
+        transfer: Transfer,
+        operation: str,
+        expected: Sequence[TensorSpec] | None = None,
+    ) -> P2PMismatchError:
+        """The receiver's error (`expected` None), or the sender's, given what was expected."""
         topology = self._transport.topology
+        peer = f"rank {transfer.peer} (stage {topology.stage_of(transfer.peer)})"
+        if expected is None:
+            expected = transfer.requested
+            text = f"expected {describe(expected)} from {peer}, but it sent "
+            text += describe(transfer.specs)
+        else:
+            text = f"sent {describe(transfer.specs)} to {peer}, but it expected "
+            text += describe(expected)
         return P2PMismatchError(
-            f"{self._where(transfer, operation)}: expected {describe(transfer.requested)} from "
-            f"rank {transfer.peer} (stage {topology.stage_of(transfer.peer)}), "
-            f"but it sent {describe(transfer.specs)}",
+            f"{self._where(transfer, operation)}: {text}",
             rank=topology.rank,
             peer=transfer.peer,
             operation=operation,
             microbatch=transfer.microbatch,
+            expected=expected,
+            sent=transfer.specs,
         )
 
 

@@ -30,8 +30,10 @@ class CommConfig:
     receiving (tensors whose size tp does not divide travel whole)."""
 
     debug: bool = False
-    """Send each message's shape and dtype ahead of it and raise `P2PMismatchError` on the
-    receiving side when they differ from what it expects."""
+    """Check every message's contract: a header says what the sender sends, an expectation
+    says back what the receiver asked for, and both sides raise `P2PMismatchError` when the
+    count, dtype or shape differs. Costs two small transfers per message (measured 2 to 3x
+    the time of a 4 KB transfer on gloo), so it is off by default."""
 
     timeout: datetime.timedelta = datetime.timedelta(minutes=10)
     """Longest wait for one call's transfers before `P2PTimeoutError`."""

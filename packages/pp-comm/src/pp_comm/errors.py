@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from pp_comm.payload import TensorSpec
+
 __all__ = ["P2PError", "P2PMismatchError", "P2PTimeoutError"]
 
 
@@ -31,4 +35,28 @@ class P2PTimeoutError(P2PError, TimeoutError):
 
 
 class P2PMismatchError(P2PError):
-    """The two sides disagree on the shape or dtype of a message (found in debug mode)."""
+    """The two sides disagree on the count, shape or dtype of a message (found in debug mode).
+
+    Raised on both sides: by the receiver, and by the sender once the receiver's expectation
+    has arrived. The message was drained whole, so neither side is left waiting.
+
+    Attributes:
+        expected: What the receiving side asked for (a None shape: any shape).
+        sent: What the sending side sent.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        peer: int,
+        operation: str,
+        microbatch: int | None,
+        expected: Sequence[TensorSpec] = (),
+        sent: Sequence[TensorSpec] = (),
+    ) -> None:
+        """Stores the context and both sides' specs next to the message."""
+        super().__init__(message, rank=rank, peer=peer, operation=operation, microbatch=microbatch)
+        self.expected = tuple(expected)
+        self.sent = tuple(sent)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -152,6 +152,7 @@ class Exchanger:
             posted = self._agreement.post(transfers, operation, deadline)
             buffers = self._buffers
             gather = buffers.gather if buffers.scatters and buffers.gathers(transfers) else None
+            check = self._sent_check(transfers, operation)
             if async_op:
                 handle = P2PHandle(
                     self.transport,
@@ -160,6 +161,7 @@ class Exchanger:
                     operation=operation,
                     deadline=deadline,
                     gather=gather,
+                    check=check,
                 )
             else:
                 self.transport.wait(posted, operation, deadline)
@@ -168,6 +170,8 @@ class Exchanger:
                 handle = P2PHandle(None, [], transfers, operation=operation)
             if self._agreement.checks:
                 self._check_agreement(transfers, operation, handle)
+                if check is not None and not async_op:
+                    check()
             return handle
         finally:
             if timer is not None:
@@ -181,6 +185,19 @@ class Exchanger:
         if mismatch is not None:
             handle.wait()
             raise mismatch
+
+    def _sent_check(self, transfers: list[Transfer], operation: str) -> Callable[[], None] | None:
+        """What raises, once the sends are complete, if a receiver asked for other (debug)."""
+        if not self.config.debug or all(t.expectation is None for t in transfers):
+            return None
+        agreement = self._agreement
+
+        def check() -> None:
+            mismatch = agreement.sent_mismatch(transfers, operation)
+            if mismatch is not None:
+                raise mismatch
+
+        return check
 
     def _refusal(self, operation: str) -> ValueError:
         rank = self.topology.rank

@@ -18,6 +18,7 @@ class P2PHandle:
     """
 
     __slots__ = (
+        "_check",
         "_deadline",
         "_gather",
         "_gathered",
@@ -37,14 +38,20 @@ class P2PHandle:
         operation: str,
         deadline: float = 0.0,
         gather: Callable[[Sequence[Transfer]], None] | None = None,
+        check: Callable[[], None] | None = None,
     ) -> None:
-        """Hold `posted` works until waited; `gather` rebuilds scattered receives, if any."""
+        """Hold `posted` works until waited.
+
+        `gather` rebuilds scattered receives, if any; `check` raises, once the sends are
+        complete, if a receiver asked for other than was sent (debug mode).
+        """
         self._transport = transport
         self._pending = posted
         self._transfers = transfers
         self._operation = operation
         self._deadline = deadline
         self._gather = gather
+        self._check = check
         self._received = not posted
         self._gathered: set[int] = set()  # ids of receives already gathered
 
@@ -107,7 +114,7 @@ class P2PHandle:
         waits for as a whole (as `wait`).
 
         Raises:
-            P2PTimeoutError, P2PError: See `wait`.
+            P2PTimeoutError, P2PError, P2PMismatchError: See `wait`.
         """
         leaving = [p for p in self._pending if all(t.sends for t in p[1])]
         if leaving:
@@ -116,6 +123,7 @@ class P2PHandle:
             self._pending = [p for p in self._pending if all(p is not a for a in leaving)]
         if any(any(t.sends for t in p[1]) for p in self._pending):
             self.wait()  # a work that carries sends and receives together (an NCCL batch)
+        self._check_sent()
 
     def wait(self) -> None:
         """Block until every transfer of the call completes (gathering scattered tensors).
@@ -125,6 +133,8 @@ class P2PHandle:
                 when the call was made); the message names this rank, the peer, the
                 operation, the microbatch and what was expected.
             P2PError: The peer failed (for instance its process died).
+            P2PMismatchError: (debug) A receiver asked for another count, dtype or shape
+                than this call sent it.
         """
         if self._pending:
             assert self._transport is not None
@@ -132,6 +142,13 @@ class P2PHandle:
             self._pending = []
         if not self._received:
             self._finish_receives()
+        self._check_sent()
+
+    def _check_sent(self) -> None:
+        """Run the sends' check once (its error is raised once, by the first wait)."""
+        check, self._check = self._check, None
+        if check is not None:
+            check()
 
     def _finish_receives(self) -> None:
         self._received = True

@@ -17,6 +17,7 @@ __all__ = [
     "decode_header",
     "describe",
     "encode_header",
+    "encode_specs",
     "normalize_specs",
     "normalize_specs_cached",
 ]
@@ -197,40 +198,45 @@ def encode_header(tensors: Sequence[torch.Tensor], operation: str) -> torch.Tens
     Raises:
         ValueError: Too many tensors or dimensions, or a dtype that cannot travel.
     """
-    if len(tensors) > MAX_TENSORS:
-        raise ValueError(
-            f"{operation}: {len(tensors)} tensors in one message; at most {MAX_TENSORS}"
-        )
+    return encode_specs([TensorSpec(tuple(t.shape), t.dtype) for t in tensors], operation)
+
+
+def encode_specs(specs: Sequence[TensorSpec], operation: str) -> torch.Tensor:
+    """A header describing `specs`; an unknown shape travels as ndim -1.
+
+    Raises:
+        ValueError: Too many tensors or dimensions, or a dtype that cannot travel.
+    """
+    if len(specs) > MAX_TENSORS:
+        raise ValueError(f"{operation}: {len(specs)} tensors in one message; at most {MAX_TENSORS}")
     header = [0] * HEADER_LENGTH
-    header[0] = len(tensors)
-    for index, tensor in enumerate(tensors):
-        if tensor.dim() > MAX_DIMS:
+    header[0] = len(specs)
+    for index, spec in enumerate(specs):
+        ndim = -1 if spec.shape is None else len(spec.shape)
+        if ndim > MAX_DIMS:
             raise ValueError(
-                f"{operation}: a {tensor.dim()}-d tensor; at most {MAX_DIMS} dimensions travel"
+                f"{operation}: a {ndim}-d tensor; at most {MAX_DIMS} dimensions travel"
             )
-        if tensor.dtype not in _CODE:
+        if spec.dtype not in _CODE:
             names = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
-            raise ValueError(f"{operation}: dtype {tensor.dtype} cannot travel; use one of {names}")
+            raise ValueError(f"{operation}: dtype {spec.dtype} cannot travel; use one of {names}")
         base = 1 + index * _PER_TENSOR
-        header[base] = _CODE[tensor.dtype]
-        header[base + 1] = tensor.dim()
-        header[base + 2 : base + 2 + tensor.dim()] = list(tensor.shape)
+        header[base] = _CODE[spec.dtype]
+        header[base + 1] = ndim
+        if spec.shape is not None:
+            header[base + 2 : base + 2 + ndim] = list(spec.shape)
     return torch.tensor(header, dtype=torch.int64)
 
 
 def decode_header(header: torch.Tensor) -> list[TensorSpec]:
-    """The specs a header describes."""
+    """The specs a header describes (ndim -1: an unknown shape)."""
     values = header.tolist()
     specs = []
     for index in range(int(values[0])):
         base = 1 + index * _PER_TENSOR
         ndim = int(values[base + 1])
-        specs.append(
-            TensorSpec(
-                tuple(int(d) for d in values[base + 2 : base + 2 + ndim]),
-                _DTYPES[int(values[base])],
-            )
-        )
+        shape = None if ndim < 0 else tuple(int(d) for d in values[base + 2 : base + 2 + ndim])
+        specs.append(TensorSpec(shape, _DTYPES[int(values[base])]))
     return specs
 
 

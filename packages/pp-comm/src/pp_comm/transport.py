@@ -39,12 +39,23 @@ from pp_comm.ordering import (
 from pp_comm.payload import TensorSpec, describe
 from pp_comm.topology import Topology
 
-__all__ = ["DATA_TAG", "HEADER_TAG", "Posted", "Transfer", "Transport", "matches_by_tag"]
+__all__ = [
+    "DATA_TAG",
+    "EXPECTATION_TAG",
+    "HEADER_TAG",
+    "Posted",
+    "Transfer",
+    "Transport",
+    "matches_by_tag",
+]
 
 DATA_TAG = 0
 """Tag of data on the forward channel (gloo adds `_BACKWARD_TAG` on the backward channel)."""
 HEADER_TAG = 2
 """Tag of shape headers on the forward channel."""
+EXPECTATION_TAG = 4
+"""Tag of debug mode's expectations (what a receiver asked for, sent back to the sender) for
+messages on the forward channel."""
 _BACKWARD_TAG = 1
 _SLACK_S = 0.01
 
@@ -72,12 +83,14 @@ class Transfer:
         tensors: What is sent, or the buffers received into (once allocated).
         wire: What actually travels (1/tp chunks when scattering).
         described: What errors name, when not `specs` (a header names its message).
+        expectation: For a send in debug mode, the receive of what its receiver asked for.
     """
 
     __slots__ = (
         "_specs",
         "channel",
         "described",
+        "expectation",
         "microbatch",
         "peer",
         "requested",
@@ -110,6 +123,7 @@ class Transfer:
         self.requires_grad = requires_grad
         self.microbatch = microbatch
         self.described: Sequence[TensorSpec] | None = None
+        self.expectation: Transfer | None = None
 
     @property
     def specs(self) -> Sequence[TensorSpec]:
