@@ -41,6 +41,7 @@ from pp_train import (
 from pp_train.app import CorpusDataset, GPTChunk, GPTConfig, chunk_layers
 from pp_train.app import gpt_forward_step as forward_step
 from pp_train.checkpoint import ShardedStateKeys, detect_format, load_checkpoint
+from pp_train.checkpoint.__main__ import main as checkpoint_main
 from pp_train.checkpoint.keys import chunk_global_keys
 from pp_train.checkpointing import CheckpointError, read_tracker
 
@@ -441,3 +442,19 @@ def test_converting_an_empty_load_directory_is_refused(tmp_path: Path) -> None:
     messages = run_distributed(_refused_conversion, 2, str(tmp_path), str(target))
     assert all(f"--load {tmp_path} holds no checkpoint" in m for m in messages)
     assert not target.exists()
+
+
+def test_the_convert_command_points_to_the_training_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        checkpoint_main(["convert", "--input", str(source), "--output", "out", "--to", "torch"])
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err
+    assert "usage: python -m pp_train.checkpoint convert" in message
+    assert f"--load {source} --ckpt-convert-format torch --ckpt-convert-save out" in message
+    assert "nothing was read or written" in message
+    assert list(source.iterdir()) == []
+    assert not (tmp_path / "out").exists()
