@@ -65,6 +65,36 @@ def test_help_is_grouped_and_shows_docstrings_and_defaults() -> None:
         (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a posit"),
         (["--fp16", "--bf16"], "invalid OptimizerConfig: set at most one of fp16 and bf16"),
         (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+        (
+            ["--load", "a", "--ckpt-convert-format", "torch"],
+            "--ckpt-convert-format needs --ckpt-convert-save DIR",
+        ),
+        (
+            ["--load", "a", "--ckpt-convert-save", "b"],
+            "--ckpt-convert-save needs --ckpt-convert-format {torch,torch_dist}",
+        ),
+        (
+            ["--ckpt-convert-format", "torch", "--ckpt-convert-save", "b"],
+            "--ckpt-convert-format needs --load DIR",
+        ),
+        (
+            ["--load", "a", "--ckpt-convert-format", "torch", "--ckpt-convert-save", "./a"],
+            "--ckpt-convert-save ./a is the --load directory",
+        ),
+        (
+            [
+                "--load",
+                "a",
+                "--ckpt-convert-format",
+                "torch",
+                "--ckpt-convert-save",
+                "b",
+                "--finetune",
+                "--no-load-rng",
+            ],
+            "--ckpt-convert-format copies the whole checkpoint; it cannot be combined with "
+            "--finetune, --no-load-rng",
+        ),
     ],
 )
 def test_bad_values_name_the_flag(argv: list[str], message: str) -> None:

@@ -422,3 +422,23 @@ def test_bad_data_flags_are_refused_before_any_process_group(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert message in _refused([*PP2, *flags], monkeypatch, capsys)
+
+
+def test_the_command_converts_a_checkpoint_that_then_resumes_exactly(tmp_path: Path) -> None:
+    unbroken = _losses(_train([*PP2, "--train-iters", "4"]))
+    source, target = str(tmp_path / "torch"), str(tmp_path / "dist")
+    first = run_distributed(
+        _command, 2, [*PP2, "--train-iters", "4", "--exit-interval", "3", "--save", source]
+    )
+    assert {r["reason"] for r in first} == {"exit_interval"}
+    convert = ["--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", target]
+    converted = run_distributed(
+        _command, 2, [*PP2, "--train-iters", "4", "--load", source, *convert]
+    )
+    assert {r["reason"] for r in converted} == {"converted"}
+    printed = "".join(r["stdout"] for r in converted)
+    assert f"converted the torch checkpoint of iteration 3 in {source} to torch_dist" in printed
+    assert "iteration    1/" not in printed  # nothing was trained
+    resume = ["--train-iters", "4", "--load", target, "--ckpt-format", "torch_dist"]
+    resumed = _losses(_train([*PP2, *resume]))
+    assert resumed == pytest.approx(unbroken[3:], rel=1e-6)

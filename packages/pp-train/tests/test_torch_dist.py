@@ -6,7 +6,9 @@ saved run and the resumed run may use different (pipeline, virtual, data) layout
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import shutil
 from pathlib import Path
@@ -20,18 +22,26 @@ from pp_optim import LRScheduleConfig, OptimizerConfig
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
+    CheckpointArgs,
+    LRScheduleArgs,
+    ModelArgs,
+    ParallelArgs,
+    PretrainConfig,
+    TrainingArgs,
     TrainingConfig,
     TrainingLogger,
     TrainingProgress,
     build_forward_backward_func,
     build_num_microbatches_calculator,
     microbatches,
+    pretrain,
     setup_model_and_optimizer,
     train,
 )
 from pp_train.app import CorpusDataset, GPTChunk, GPTConfig, chunk_layers
 from pp_train.app import gpt_forward_step as forward_step
 from pp_train.checkpoint import ShardedStateKeys, detect_format, load_checkpoint
+from pp_train.checkpoint.__main__ import main as checkpoint_main
 from pp_train.checkpoint.keys import chunk_global_keys
 from pp_train.checkpointing import CheckpointError, read_tracker
 
@@ -343,3 +353,108 @@ def test_torch_dist_load_into_a_model_without_global_keys_is_refused(tmp_path: P
     message = run_distributed(_load_without_keys, 1, str(tmp_path))[0]
     assert "has no sharded_state_keys() method" in message
     assert dist.is_available()
+
+
+# ----------------------------------------------------------------------------- conversion
+def _convert(run: Run, to: str, target: str) -> tuple[str, str]:
+    """`pretrain` with --ckpt-convert-format: the same model, optimizer and schedule as _setup."""
+    gpt = _gpt(run)
+
+    def provider(
+        *, pre_process: bool, post_process: bool, vp_stage: int, state: ParallelState
+    ) -> torch.nn.Module:
+        layers = chunk_layers(gpt.num_layers, run.pp, 1, state.pipeline_model_parallel_rank, 0)
+        return GPTChunk(
+            gpt, layers=layers, pre_process=pre_process, post_process=post_process, seed=7
+        )
+
+    def no_datasets(num_samples: tuple[int, int, int]) -> Any:
+        raise AssertionError("a conversion builds no datasets")
+
+    config = PretrainConfig(
+        parallel=ParallelArgs(pipeline_model_parallel_size=run.pp),
+        model=ModelArgs(num_layers=gpt.num_layers, hidden_size=gpt.hidden_size,
+                        num_attention_heads=gpt.num_attention_heads, seq_length=gpt.seq_length),
+        training=TrainingArgs(train_iters=10, micro_batch_size=MICRO, global_batch_size=GLOBAL),
+        optimizer=OptimizerConfig(lr=1e-2, fp16=run.fp16, initial_loss_scale=2.0**10),
+        lr_schedule=LRScheduleArgs(min_lr=1e-3, lr_warmup_iters=1, lr_decay_iters=10,
+                                   lr_decay_style="cosine"),
+        checkpoint=CheckpointArgs(load=run.load, ckpt_convert_format=to,  # type: ignore[arg-type]
+                                  ckpt_convert_save=target),
+    )  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        reason = pretrain(no_datasets, provider, forward_step, config=config,
+                          checkpoint_args={"vocab_size": gpt.vocab_size})  # fmt: skip
+    return reason, printed.getvalue()
+
+
+def _files(root: Path) -> list[tuple[str, int]]:
+    return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def _converted(source: Path, target: Path, to: str, fp16: bool = False) -> str:
+    before = _files(source)
+    run = Run(pp=2, fp16=fp16, load=str(source))
+    results = run_distributed(_convert, 2, run, to, str(target))
+    assert {reason for reason, _ in results} == {"converted"}
+    assert _files(source) == before  # the input is only read
+    assert read_tracker(target) == 3
+    assert detect_format(target / "iter_0000003") == to
+    return "".join(stdout for _, stdout in results)
+
+
+def test_a_torch_checkpoint_converted_to_torch_dist_resumes_exactly(tmp_path: Path) -> None:
+    unbroken = _last(run_distributed(_train, 2, Run(pp=2, iters=6)))["losses"]
+    source, target = tmp_path / "torch", tmp_path / "dist"
+    run_distributed(_train, 2, Run(pp=2, iters=3, ckpt_format="torch", save=str(source)))
+    printed = _converted(source, target, "torch_dist")
+    assert printed.count("converted the torch checkpoint of iteration 3") == 1
+    assert f"to torch_dist in {target}" in printed
+    resumed = _last(run_distributed(_train, 2, Run(pp=2, iters=6, load=str(target))))
+    assert resumed["notes"] == []
+    assert resumed["losses"] == pytest.approx(unbroken[3:], rel=1e-6)
+    other = _last(run_distributed(_train, 2, Run(pp=1, iters=6, load=str(target))))
+    assert other["losses"] == pytest.approx(unbroken[3:], abs=1e-4)
+
+
+def test_a_torch_dist_checkpoint_converted_to_torch_resumes_exactly(tmp_path: Path) -> None:
+    unbroken = _last(run_distributed(_train, 2, Run(pp=2, iters=5, fp16=True)))["losses"]
+    source, target = tmp_path / "dist", tmp_path / "torch"
+    run_distributed(_train, 2, Run(pp=2, iters=3, fp16=True, save=str(source)))
+    printed = _converted(source, target, "torch", fp16=True)
+    assert "converted the torch_dist checkpoint of iteration 3" in printed
+    run = Run(pp=2, iters=5, fp16=True, ckpt_format="torch", load=str(target))
+    resumed = _last(run_distributed(_train, 2, run))
+    assert resumed["losses"] == pytest.approx(unbroken[3:], rel=1e-6)
+
+
+def _refused_conversion(load: str, target: str) -> str:
+    try:
+        _convert(Run(pp=2, load=load), "torch_dist", target)
+    except CheckpointError as error:
+        return str(error)
+    return "converted"
+
+
+def test_converting_an_empty_load_directory_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    messages = run_distributed(_refused_conversion, 2, str(tmp_path), str(target))
+    assert all(f"--load {tmp_path} holds no checkpoint" in m for m in messages)
+    assert not target.exists()
+
+
+def test_the_convert_command_points_to_the_training_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        checkpoint_main(["convert", "--input", str(source), "--output", "out", "--to", "torch"])
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err
+    assert "usage: python -m pp_train.checkpoint convert" in message
+    assert f"--load {source} --ckpt-convert-format torch --ckpt-convert-save out" in message
+    assert "nothing was read or written" in message
+    assert list(source.iterdir()) == []
+    assert not (tmp_path / "out").exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from typing import Literal, get_type_hints
 
 from pp_optim import LRDecayStyle, OptimizerConfig, WSDDecayStyle
@@ -255,14 +256,50 @@ class CheckpointArgs:
     async_save: bool = False
     """Write torch_dist checkpoints in the background while training goes on."""
 
+    ckpt_convert_format: Literal["torch", "torch_dist"] | None = None
+    """Convert the checkpoint of --load to this format, write it to --ckpt-convert-save and
+    exit without training."""
+
+    ckpt_convert_save: str | None = None
+    """Directory the checkpoint converted by --ckpt-convert-format is written to."""
+
     def __post_init__(self) -> None:
         """An interval needs a directory; an asynchronous save needs torch_dist."""
         _check_at_least(self, ("save_interval",))
+        self._check_convert()
         if self.save_interval is not None and self.save is None:
             raise ValueError("--save-interval needs --save DIR")
         if self.async_save and self.ckpt_format != "torch_dist":
             raise ValueError(
                 f"--async-save needs --ckpt-format torch_dist, got --ckpt-format {self.ckpt_format}"
+            )
+
+    def _check_convert(self) -> None:
+        """Conversion: both flags or neither, a --load to read, and another directory."""
+        fmt, target = self.ckpt_convert_format, self.ckpt_convert_save
+        if (fmt is None) != (target is None):
+            given, missing = (
+                ("--ckpt-convert-format", "--ckpt-convert-save DIR")
+                if target is None
+                else ("--ckpt-convert-save", "--ckpt-convert-format {torch,torch_dist}")
+            )
+            raise ValueError(f"{given} needs {missing} (conversion takes both flags)")
+        if target is None:
+            return
+        if self.load is None:
+            raise ValueError("--ckpt-convert-format needs --load DIR: the checkpoint to convert")
+        if os.path.abspath(target) == os.path.abspath(self.load):
+            raise ValueError(
+                f"--ckpt-convert-save {target} is the --load directory; write the converted "
+                "checkpoint to another directory (the input is never changed)"
+            )
+        blocked = [flag for flag, on in (("--finetune", self.finetune),
+                   ("--no-load-optim", self.no_load_optim), ("--no-load-rng", self.no_load_rng))
+                   if on]  # fmt: skip
+        if blocked:
+            raise ValueError(
+                f"--ckpt-convert-format copies the whole checkpoint; it cannot be combined "
+                f"with {', '.join(blocked)}"
             )
 
 

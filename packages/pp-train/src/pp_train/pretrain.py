@@ -17,16 +17,19 @@ import inspect
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pp_optim import DDPConfig, LRScheduleConfig
+from pp_optim import DDPConfig, LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
 from pp_schedules import Choice
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_train.arguments import PretrainConfig
-from pp_train.checkpointing import LoadedCheckpoint
+from pp_train.checkpoint import detect_format, save_checkpoint
+from pp_train.checkpoint.torch_dist import iteration_directory
+from pp_train.checkpointing import TRACKER_FILENAME, CheckpointError, LoadedCheckpoint
 from pp_train.data import SampleDataset, microbatches
 from pp_train.reporting import Timers, TrainingLogger, memory_report
 from pp_train.training import (
@@ -230,7 +233,9 @@ def _load_format(config: PretrainConfig) -> dict[str, Any]:
     checkpoint = config.checkpoint
     return {
         "ckpt_format": checkpoint.ckpt_format,
-        "auto_detect_ckpt_format": checkpoint.auto_detect_ckpt_format,
+        # A conversion reads whichever format --load holds.
+        "auto_detect_ckpt_format": checkpoint.auto_detect_ckpt_format
+        or checkpoint.ckpt_convert_format is not None,
     }
 
 
@@ -298,6 +303,8 @@ class _Run:
         config, state, layout = self.config, self.state, self.layout
         saved_args = self._checkpoint_args(checkpoint_args)
         model, optimizer, scheduler, loaded = self._setup(model_provider, model_type, saved_args)
+        if config.checkpoint.ckpt_convert_format is not None:
+            return self._convert(model, optimizer, scheduler, loaded, saved_args)
         progress = self._progress(loaded)
         _progress_line("model and optimizer ready; building the datasets ...")
         train_ds, valid_ds, _ = datasets_provider(train_valid_test_num_samples(config))
@@ -357,6 +364,45 @@ class _Run:
             placement=self.layout.placement,
             model_type=model_type,
         )
+
+    def _convert(
+        self,
+        model: list[torch.nn.Module],
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
+        loaded: LoadedCheckpoint | None,
+        saved_args: dict[str, Any],
+    ) -> ExitReason:
+        """Saves what ``--load`` held in ``--ckpt-convert-format`` to ``--ckpt-convert-save``.
+
+        Exactly what a save at the loaded iteration writes (model, optimizer, scheduler,
+        progress, args, RNG states); nothing is trained.
+        """
+        checkpoint = self.config.checkpoint
+        load, target = checkpoint.load, checkpoint.ckpt_convert_save
+        to_format = checkpoint.ckpt_convert_format
+        assert load is not None
+        assert target is not None
+        assert to_format is not None
+        if loaded is None:  # every rank agreed on the tracker
+            raise CheckpointError(
+                f"--load {load} holds no checkpoint (no {TRACKER_FILENAME}): nothing to "
+                f"convert; --ckpt-convert-save {target} was not written"
+            )
+        for note in loaded.notes:
+            self.say(note)
+        found = detect_format(iteration_directory(Path(load), loaded.iteration))
+        save_checkpoint(
+            target, loaded.iteration, state=self.state, model=model, optimizer=optimizer,
+            scheduler=scheduler, args=saved_args,
+            consumed_train_samples=loaded.consumed_train_samples,
+            consumed_valid_samples=loaded.consumed_valid_samples, ckpt_format=to_format,
+        )  # fmt: skip
+        self.say(
+            f"converted the {found} checkpoint of iteration {loaded.iteration} in {load} "
+            f"to {to_format} in {target} ({loaded.consumed_train_samples} samples consumed)"
+        )
+        return "converted"
 
     def _checkpoint_args(self, extra: Mapping[str, Any]) -> dict[str, Any]:
         """The flags and derived sizes saved in checkpoints (the strict ones are compared)."""

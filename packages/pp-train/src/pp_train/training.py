@@ -78,7 +78,11 @@ __all__ = [
     "train_step",
 ]
 
-ExitReason = Literal["train_iters", "exit_interval", "exit_duration", "signal", "autoresume"]
+ExitReason = Literal[
+    "train_iters", "exit_interval", "exit_duration", "signal", "autoresume", "converted"
+]
+"""Why a run stopped; ``converted``: `pretrain` converted ``--load``'s checkpoint and did
+not train (``--ckpt-convert-format``)."""
 ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[Any, Callable[..., Any]]]
 
 
