@@ -405,6 +405,8 @@ def _converted(source: Path, target: Path, to: str, fp16: bool = False) -> str:
 
 
 def test_a_torch_checkpoint_converted_to_torch_dist_resumes_exactly(tmp_path: Path) -> None:
+    """About 90 s on 2 busy cores: five 2-rank runs (the unbroken reference, the save, the
+    conversion, and resumes at two layouts) are the claim itself; none can be dropped."""
     unbroken = _last(run_distributed(_train, 2, Run(pp=2, iters=6)))["losses"]
     source, target = tmp_path / "torch", tmp_path / "dist"
     run_distributed(_train, 2, Run(pp=2, iters=3, ckpt_format="torch", save=str(source)))
