@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
 
@@ -122,10 +122,23 @@ ALL_PACKAGES = sorted(
 LIBRARIES = [dist for dist in ALL_PACKAGES if dist != TEST_HELPERS]
 
 
+def torch_install_args(environ: Mapping[str, str]) -> list[str]:
+    """The install arguments of the pinned torch: with ``PP_TORCH_INDEX_URL`` set, from that index.
+
+    On a machine without a local torch wheel, pointing ``PP_TORCH_INDEX_URL`` at an index that
+    serves torch's CPU build (see the README) keeps torch from resolving to the multi-GB CUDA
+    build. The index is used for torch alone; everything else comes from the usual index.
+    """
+    index = environ.get("PP_TORCH_INDEX_URL", "").strip()
+    return [TORCH, "--index-url", index] if index else []
+
+
 def _install(session: nox.Session, dists: Iterable[str], *extra: str) -> None:
     """Install local packages (rebuilt every run, never editable) plus pinned torch and `extra`."""
     local = _with_lower_layers(dists)
     paths = [str(PACKAGES / dist) for dist in local]
+    if torch_first := torch_install_args(os.environ):
+        session.install(*torch_first)  # then the line below finds torch satisfied
     if session.venv_backend == "uv":
         rebuild = [flag for dist in local for flag in ("--reinstall-package", dist)]
         session.install(TORCH, *extra, *paths, *rebuild)
@@ -210,9 +223,10 @@ def layers(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """Tests across packages, with the whole stack installed."""
-    # Pillow draws the schedule-trace picture of docs/pp-schedules.md (docs/examples).
     extras = (x for e in TEST_EXTRAS.values() for x in e)
-    _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow")
+    # Pillow draws the schedule-trace picture of docs/pp-schedules.md (docs/examples); nox lets
+    # a test import this file to check its install settings.
+    _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow", "nox")
     # The >>> examples in docs/*.md and the package READMEs run as doctests, so the docs
     # cannot drift from the code.
     readmes = sorted(str(path) for path in PACKAGES.glob("*/README.md"))

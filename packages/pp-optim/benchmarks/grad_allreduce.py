@@ -6,8 +6,9 @@ Run on two ranks under torchrun (``python3 -m nox -s bench`` does it):
 
 The model has a few hundred parameters of mixed sizes (a small transformer's shapes). Each
 way of reducing its gradients over the data-parallel group is timed in alternating rounds in
-the same run; rank 0 prints one JSON line per bucket setting with the median time per step of
-each and the ratio per-parameter / bucketed (above 1: the buffer is faster). Both ways must
+the same run; rank 0 prints a table with the median time per step of each and the ratio
+per-parameter / bucketed against its goal (``--json``: one JSON line per bucket setting). Goal:
+ratio >= 1.0, the buffer is at least as fast as one all-reduce per parameter. Both ways must
 give the same gradients; the script checks that before timing.
 """
 
@@ -109,23 +110,51 @@ def compare(
     }
 
 
+GOAL = 1.0
+"""per-parameter / bucketed must be at least this."""
+
+
+def table(records: list[dict[str, object]]) -> str:
+    """The records as an aligned table, each ratio against the goal."""
+    header = ("buckets", "parameters", "bucketed ms", "per-parameter ms", "ratio", "goal", "pass")
+    rows = [
+        (
+            str(r["buckets"]), str(r["parameters"]), f"{r['bucketed_ms']:.3f}",
+            f"{r['per_parameter_ms']:.3f}", f"{r['ratio_per_parameter_over_bucketed']:.2f}",
+            f">= {GOAL:.2f}",
+            "yes" if float(str(r["ratio_per_parameter_over_bucketed"])) >= GOAL else "NO",
+        )
+        for r in records
+    ]  # fmt: skip
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = [header, *rows]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in lines
+    )
+
+
 def main() -> None:
-    """Time both reductions for one and for several buckets; rank 0 prints JSON lines."""
+    """Time both reductions for one and for several buckets; rank 0 prints the table."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="few iterations: check it runs")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     torch.set_num_threads(1)
     rounds, iterations = (1, 1) if args.quick else (args.rounds, args.iterations)
     # Parameters are never split between buckets, so 8 asked for may come out fewer.
+    records = []
     for buckets in (1, 8):
-        record = compare(buckets, args.layers, args.hidden, rounds, iterations)
-        if dist.get_rank() == 0:
-            print(json.dumps(record), flush=True)
+        records.append(compare(buckets, args.layers, args.hidden, rounds, iterations))
+        if args.json and dist.get_rank() == 0:
+            print(json.dumps(records[-1]), flush=True)
+    if not args.json and dist.get_rank() == 0:
+        print("gradient all-reduce per step, bucketed grad buffer vs one call per parameter")
+        print(table(records), flush=True)
     dist.destroy_process_group()
 
 
