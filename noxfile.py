@@ -241,6 +241,23 @@ def integration(session: nox.Session) -> None:
     )
 
 
+@nox.session
+def reliability(session: nox.Session) -> None:
+    """The reliability tier: every failure case (marked ``reliability``) of every test suite.
+
+    Bad flags, bad library inputs, injected NaN/inf, killed ranks, kill -9 during saves,
+    SIGTERM and exact resume; each asserts the error class and the values its message names.
+    The same tests run in the default sessions; this one runs them alone.
+    """
+    extras = (x for e in TEST_EXTRAS.values() for x in e)
+    _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow", "nox")
+    suites = [str(PACKAGES / dist / "tests") for dist in ALL_PACKAGES]
+    session.run(
+        "pytest", *suites, str(ROOT / "integration_tests"), "-m", "reliability",
+        *session.posargs, env=TEST_ENV,
+    )  # fmt: skip
+
+
 BENCHMARKS = [
     # (package, script, arguments, ranks)
     ("pp-comm", "p2p_overhead.py", [], 2),

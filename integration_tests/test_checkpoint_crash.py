@@ -29,6 +29,8 @@ from pp_train.checkpoint import AsyncCheckpointSaver
 from pp_train.checkpoint import torch_dist as torch_dist_module
 from pp_train.checkpointing import read_tracker
 
+pytestmark = pytest.mark.reliability
+
 GPT = GPTConfig(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8)
 
 

@@ -154,6 +154,7 @@ def test_bad_flags_get_an_argparse_error(flags: list[str], world: int, message: 
     assert "usage: pp-train" in done.stderr
 
 
+@pytest.mark.reliability
 def test_a_corrupt_checkpoint_is_refused_with_one_clear_line(
     torchrun: Torchrun, tmp_path: Path
 ) -> None:
@@ -168,6 +169,7 @@ def test_a_corrupt_checkpoint_is_refused_with_one_clear_line(
     assert "mp_rank_00_001" in done.stderr
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize(
     "flags",
     [

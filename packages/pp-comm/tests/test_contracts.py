@@ -13,6 +13,8 @@ import torch.distributed as dist
 from pp_comm import CommConfig, P2PCommunicator, P2PMessage, P2PMismatchError
 from pp_testing import run_distributed
 
+pytestmark = pytest.mark.reliability
+
 TIMEOUT = datetime.timedelta(seconds=20)
 
 

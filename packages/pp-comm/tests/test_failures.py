@@ -13,6 +13,8 @@ import torch.distributed as dist
 from pp_comm import CommConfig, P2PCommunicator, P2PError, P2PTimeoutError
 from pp_testing import DistributedTestError, run_distributed
 
+pytestmark = pytest.mark.reliability
+
 
 def _lost_receive(batched: bool) -> dict[str, object]:
     config = CommConfig(batch_p2p_comm=batched, timeout=datetime.timedelta(seconds=1.5))

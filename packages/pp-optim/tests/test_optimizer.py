@@ -552,6 +552,7 @@ def _nan_on_rank_one(check: bool, dtype: torch.dtype) -> tuple[str, bool]:
     return error, unchanged
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_nan_gradients_are_refused_on_every_rank_before_anything_is_applied(
     dtype: torch.dtype,
@@ -564,11 +565,13 @@ def test_nan_gradients_are_refused_on_every_rank_before_anything_is_applied(
         assert unchanged
 
 
+@pytest.mark.reliability
 def test_without_the_check_nan_gradients_are_applied_as_before() -> None:
     results = run_distributed(_nan_on_rank_one, 2, False, torch.float32)
     assert all(error == "" and not unchanged for error, unchanged in results)
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

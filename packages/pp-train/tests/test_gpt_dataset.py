@@ -64,7 +64,11 @@ def test_parse_data_path_forms() -> None:
         ({"data_path": "P"}, "data_path must be a list of strings or None, got 'P'"),
         ({"split": "1,2,3,4"}, "split '1,2,3,4' must be 1 to 3"),
         ({"tokenizer_type": "GPT2"}, "tokenizer_type 'GPT2' is unknown; valid: ByteTokenizer"),
-        ({"tokenizer_type": "NullTokenizer"}, "vocab_size None goes with NullTokenizer only"),
+        ({"tokenizer_type": "NullTokenizer"}, "tokenizer_type NullTokenizer needs vocab_size"),
+        (
+            {"tokenizer_type": "HuggingFaceTokenizer"},
+            "tokenizer_type HuggingFaceTokenizer needs tokenizer_model",
+        ),
         ({"tokenizer_model": "t.json"}, "tokenizer_model 't.json' goes with HuggingFaceTokenizer"),
         ({"mid_level_dataset_surplus": -1.0}, "mid_level_dataset_surplus must be >= 0, got -1.0"),
     ],

@@ -285,6 +285,7 @@ def _refused_load(root: str, run: Run) -> tuple[str, bool]:
     return "loaded", True
 
 
+@pytest.mark.reliability
 def test_refused_loads_name_file_expected_and_found(tmp_path: Path) -> None:
     base = tmp_path / "base"
     run_distributed(_train, 2, Run(pp=2, iters=1, save=str(base)))
@@ -326,6 +327,7 @@ def _unwritable(root: str) -> str:
     return "trained"
 
 
+@pytest.mark.reliability
 def test_an_unwritable_save_directory_is_refused_before_training(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

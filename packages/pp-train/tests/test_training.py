@@ -328,6 +328,7 @@ def test_train_refuses_an_unwritable_trace_path_before_the_first_step(tmp_path: 
     assert all("does not exist" in message for message in messages)
 
 
+@pytest.mark.reliability
 def test_resume_equals_an_unbroken_run(tmp_path: Path) -> None:
     unbroken = _last(run_distributed(_train, 2, Run(pp=2, iters=6)))
     first = run_distributed(_train, 2, Run(pp=2, iters=3, save=str(tmp_path)))
@@ -341,6 +342,7 @@ def test_resume_equals_an_unbroken_run(tmp_path: Path) -> None:
     assert resumed["lrs"] == pytest.approx(unbroken["lrs"][3:], rel=1e-9)
 
 
+@pytest.mark.reliability
 def test_an_injected_overflow_is_skipped_and_counted() -> None:
     result = _last(run_distributed(_train, 2, Run(pp=2, fp16=True, iters=4, overflow_at=2)))
     skipped_line = result["lines"][1]
@@ -357,6 +359,7 @@ def _stopped_by_nan(run: Run) -> str:
     return str(stopped.value)
 
 
+@pytest.mark.reliability
 def test_a_nan_loss_in_fp32_stops_training_on_every_rank_before_the_step(tmp_path: Path) -> None:
     """fp32 has no scaler to skip with: the NaN would destroy the model, so training stops."""
     run = Run(pp=2, iters=4, overflow_at=2, save=str(tmp_path), save_interval=1)
@@ -378,6 +381,7 @@ def test_exit_interval_saves_and_stops(tmp_path: Path) -> None:
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
+@pytest.mark.reliability
 def test_sigterm_on_one_rank_saves_and_stops_every_rank(tmp_path: Path) -> None:
     results = run_distributed(_train, 2, Run(pp=2, iters=10, sigterm_at=2, save=str(tmp_path)))
     assert {r["reason"] for r in results} == {"signal"}

@@ -152,13 +152,23 @@ class DataConfig:
             self.tokenizer_type == "HuggingFaceTokenizer",
             self.tokenizer_type == "NullTokenizer",
         )
-        if hf != (self.tokenizer_model is not None):
+        if hf and self.tokenizer_model is None:
+            raise ValueError(
+                "tokenizer_type HuggingFaceTokenizer needs tokenizer_model (--tokenizer-model "
+                "PATH: a tokenizer.json or its directory)"
+            )
+        if not hf and self.tokenizer_model is not None:
             raise ValueError(
                 f"tokenizer_model {self.tokenizer_model!r} goes with HuggingFaceTokenizer only "
                 f"(tokenizer_type is {self.tokenizer_type})"
             )
         _check_optional_int("vocab_size", self.vocab_size)
-        if null != (self.vocab_size is not None):
+        if null and self.vocab_size is None:
+            raise ValueError(
+                "tokenizer_type NullTokenizer needs vocab_size (--vocab-size N: the number of "
+                "token ids in the data)"
+            )
+        if not null and self.vocab_size is not None:
             raise ValueError(
                 f"vocab_size {self.vocab_size!r} goes with NullTokenizer only (tokenizer_type "
                 f"is {self.tokenizer_type})"
