@@ -46,7 +46,13 @@ from pp_state.placement import PLACEMENTS, Placement
 
 if TYPE_CHECKING:
     from pp_state import parallel_state
-    from pp_state.collectives import CollectiveError, collective, is_lost_peer
+    from pp_state.collectives import (
+        CollectiveError,
+        at_iteration,
+        collective,
+        collective_error,
+        is_lost_peer,
+    )
     from pp_state.default import (
         NotInitializedError,
         get_default_state,
@@ -66,7 +72,9 @@ __version__ = _version("pp-state")
 # Names backed by torch.distributed, and the module each comes from.
 _LAZY = {
     "CollectiveError": "pp_state.collectives",
+    "at_iteration": "pp_state.collectives",
     "collective": "pp_state.collectives",
+    "collective_error": "pp_state.collectives",
     "is_lost_peer": "pp_state.collectives",
     "NotInitializedError": "pp_state.default",
     "get_default_state": "pp_state.default",
@@ -113,7 +121,9 @@ __all__ = [
     "RankGenerator",
     "StateDestroyedError",
     "__version__",
+    "at_iteration",
     "collective",
+    "collective_error",
     "destroy_model_parallel",
     "expert_rank_layout",
     "find_group",

@@ -22,7 +22,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "collective", "is_lost_peer"]
+__all__ = ["CollectiveError", "at_iteration", "collective", "collective_error", "is_lost_peer"]
 
 # Texts of gloo's, NCCL's and the socket layer's errors for a peer that died, hung or left.
 _LOST_PEER_MARKERS = (
@@ -86,8 +86,8 @@ class CollectiveError(RuntimeError):
         )
 
     def with_iteration(self, iteration: int) -> CollectiveError:
-        """A copy of this error that names `iteration`."""
-        return CollectiveError(
+        """A copy of this error (same class) that names `iteration`."""
+        return type(self)(
             rank=self.rank,
             operation=self.operation,
             group_ranks=self.group_ranks,
@@ -118,17 +118,26 @@ def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
         return ()
 
 
-def _named(
-    error: BaseException, operation: str, group: dist.ProcessGroup | None, iteration: int | None
+def collective_error(
+    error: BaseException,
+    operation: str,
+    *,
+    group: dist.ProcessGroup | None = None,
+    iteration: int | None = None,
+    error_class: type[CollectiveError] = CollectiveError,
 ) -> CollectiveError:
-    """The `CollectiveError` for backend error `error`."""
+    """The `error_class` naming this rank, the group, the peer and `operation` for `error`.
+
+    For callers that catch the backend's error themselves (a ``Work.wait()``); `collective`
+    uses it too. The peer is a rank when the group has one other rank, else unknown.
+    """
     rank = dist.get_rank() if dist.is_initialized() else -1
     ranks = _group_ranks(group)
     others = [other for other in ranks if other != rank]
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     address = _ADDRESS.search(text)
     lowered = text.lower()
-    return CollectiveError(
+    return error_class(
         rank=rank,
         operation=operation,
         group_ranks=ranks,
@@ -179,4 +188,27 @@ class collective:  # noqa: N801 - used as a context manager, named like one
                 raise error.with_iteration(self.iteration) from error.__cause__
             return
         if is_lost_peer(error):
-            raise _named(error, self.operation, self.group, self.iteration) from error
+            raise collective_error(
+                error, self.operation, group=self.group, iteration=self.iteration
+            ) from error
+
+
+class at_iteration:  # noqa: N801 - used as a context manager, named like one
+    """Context manager: a `CollectiveError` raised inside names `iteration` (others pass)."""
+
+    __slots__ = ("iteration",)
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if isinstance(error, CollectiveError) and error.iteration is None:
+            raise error.with_iteration(self.iteration) from error.__cause__
