@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pp_state.collectives import CollectiveError, collective, collective_error
+
 if TYPE_CHECKING:
     from pp_state import ParallelState
 
@@ -36,8 +38,11 @@ _DEFAULT_BUCKET_ELEMENTS = 40_000_000
 _BUCKET_ELEMENTS_PER_DP_RANK = 1_000_000
 
 
-class GradSyncError(RuntimeError):
-    """A gradient all-reduce failed or timed out; the message names rank, group and bucket."""
+class GradSyncError(CollectiveError):
+    """A gradient all-reduce failed or timed out; the message names rank, group and bucket.
+
+    A `pp_state.CollectiveError`: ``rank``, ``peer``, ``operation``, ``group_ranks``.
+    """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -239,9 +244,12 @@ class DistributedDataParallel(torch.nn.Module):
             return
         if self.config.average_gradients and self.data_parallel_size > 1:
             bucket.data.mul_(1.0 / self.data_parallel_size)
-        bucket.work = dist.all_reduce(
-            bucket.data, group=self.data_parallel_group, async_op=async_op
-        )
+        try:
+            bucket.work = dist.all_reduce(
+                bucket.data, group=self.data_parallel_group, async_op=async_op
+            )
+        except RuntimeError as error:
+            raise self._sync_error(bucket, error) from error
 
     def start_grad_sync(self) -> None:
         """Starts the all-reduce of every bucket not yet started, without waiting."""
@@ -268,17 +276,16 @@ class DistributedDataParallel(torch.nn.Module):
                 raise self._sync_error(bucket, error) from error
             bucket.work = None
 
-    def _sync_error(self, bucket: GradBucket, error: Exception) -> GradSyncError:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        ranks = (
-            dist.get_process_group_ranks(self.data_parallel_group)
-            if self.data_parallel_group is not None
-            else [rank]
+    def _sync_error(self, bucket: GradBucket, error: RuntimeError) -> GradSyncError:
+        operation = (
+            f"gradient all-reduce over data parallel (bucket {bucket.index},"
+            f" {bucket.data.numel()} elements)"
         )
-        return GradSyncError(
-            f"rank {rank}: all-reduce of grad bucket {bucket.index} ({bucket.data.numel()}"
-            f" elements) over data-parallel ranks {ranks} failed: {error}"
+        named = collective_error(
+            error, operation, group=self.data_parallel_group, error_class=GradSyncError
         )
+        assert isinstance(named, GradSyncError)
+        return named
 
     def scale_gradients(self, factor: float) -> None:
         """Multiplies every accumulated gradient by `factor`."""
@@ -298,10 +305,11 @@ class DistributedDataParallel(torch.nn.Module):
         """Copies every parameter from the data-parallel group's first rank to the others."""
         if self.data_parallel_group is None:
             return
-        source = dist.get_global_rank(self.data_parallel_group, 0)
-        with torch.no_grad():
+        group = self.data_parallel_group
+        source = dist.get_global_rank(group, 0)
+        with torch.no_grad(), collective("parameter broadcast over data parallel", group=group):
             for param in self.module.parameters():
-                dist.broadcast(param.data, src=source, group=self.data_parallel_group)
+                dist.broadcast(param.data, src=source, group=group)
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], *, group: dist.ProcessGroup | None) -> None:
@@ -329,7 +337,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], *, group: dist.ProcessGro
             grads.setdefault(grad.dtype, []).append(grad)
     for same_dtype in grads.values():
         flat = torch.cat([grad.reshape(-1) for grad in same_dtype])
-        dist.all_reduce(flat, group=group)
+        with collective("shared-weight gradient all-reduce", group=group):
+            dist.all_reduce(flat, group=group)
         offset = 0
         for grad in same_dtype:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from pp_state.collectives import collective
+
 __all__ = [
     "clip_grad_by_total_norm",
     "clip_grad_norm",
@@ -128,7 +130,8 @@ def get_grad_norm(
         total += norms.max() if p == math.inf else norms.pow(p).sum()
     if group is not None:
         op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=group)
+        with collective("gradient norm all-reduce", group=group):
+            dist.all_reduce(total, op=op, group=group)
     return float(total.item()) if p == math.inf else float(total.item() ** (1.0 / p))
 
 
@@ -203,5 +206,6 @@ def count_zeros(
     for grad in grads:
         total += grad.numel() - torch.count_nonzero(grad.detach()).to(device)
     if group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        with collective("zero-gradient count all-reduce", group=group):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return int(total.item())

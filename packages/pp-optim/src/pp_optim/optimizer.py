@@ -26,6 +26,7 @@ from pp_optim.grad_norm import (
     grads_for_norm,
 )
 from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
+from pp_state.collectives import collective
 
 if TYPE_CHECKING:
     from pp_state import ParallelState
@@ -266,7 +267,8 @@ class MegatronOptimizer(abc.ABC):
             )
             found_inf = torch.maximum(found_inf, found_here.to(device))
         if self.grad_stats_group is not None:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.grad_stats_group)
+            with collective("found-inf all-reduce", group=self.grad_stats_group):
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.grad_stats_group)
         return bool(found_inf.item() > 0)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -303,7 +305,8 @@ class MegatronOptimizer(abc.ABC):
         if self.grad_stats_group is None or not dist.is_initialized():
             return [dist.get_rank() if dist.is_initialized() else 0] if bad else []
         flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(self.grad_stats_group))]
-        dist.all_gather(flags, flag, group=self.grad_stats_group)
+        with collective("non-finite gradient all-gather", group=self.grad_stats_group):
+            dist.all_gather(flags, flag, group=self.grad_stats_group)
         ranks = dist.get_process_group_ranks(self.grad_stats_group)
         return [rank for rank, f in zip(ranks, flags, strict=True) if int(f.item())]
 

@@ -5,6 +5,8 @@
   class of that name.
 - `ParallelConfig` / `ParallelState`: every group of a job, built once and passed down.
 - `Placement`: which virtual stage each (rank, chunk) holds (looped, V-shape, or a table).
+- `collective`: wrap a collective so a dead or silent peer raises one `CollectiveError`
+  naming the rank, the peer, the operation and the iteration.
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
 
 Importing the package and calling `rank_layout`, `expert_rank_layout` or `RankGenerator` does
@@ -44,6 +46,13 @@ from pp_state.placement import PLACEMENTS, Placement
 
 if TYPE_CHECKING:
     from pp_state import parallel_state
+    from pp_state.collectives import (
+        CollectiveError,
+        at_iteration,
+        collective,
+        collective_error,
+        is_lost_peer,
+    )
     from pp_state.default import (
         NotInitializedError,
         get_default_state,
@@ -62,6 +71,11 @@ __version__ = _version("pp-state")
 
 # Names backed by torch.distributed, and the module each comes from.
 _LAZY = {
+    "CollectiveError": "pp_state.collectives",
+    "at_iteration": "pp_state.collectives",
+    "collective": "pp_state.collectives",
+    "collective_error": "pp_state.collectives",
+    "is_lost_peer": "pp_state.collectives",
     "NotInitializedError": "pp_state.default",
     "get_default_state": "pp_state.default",
     "has_default_state": "pp_state.default",
@@ -93,6 +107,7 @@ __all__ = [
     "PLACEMENTS",
     "AlreadyInitializedError",
     "AnyGroupKind",
+    "CollectiveError",
     "DistributedNotInitializedError",
     "ExpertGroupKind",
     "GroupKind",
@@ -106,6 +121,9 @@ __all__ = [
     "RankGenerator",
     "StateDestroyedError",
     "__version__",
+    "at_iteration",
+    "collective",
+    "collective_error",
     "destroy_model_parallel",
     "expert_rank_layout",
     "find_group",
@@ -113,6 +131,7 @@ __all__ = [
     "group_containing",
     "has_default_state",
     "initialize_model_parallel",
+    "is_lost_peer",
     "model_parallel_is_initialized",
     "parallel_state",
     "rank_layout",

@@ -53,11 +53,23 @@ class RankFailure:
 
 
 class DistributedTestError(AssertionError):
-    """A rank raised, died or overran the timeout; the message holds every rank's story."""
+    """A rank raised, died or overran the timeout; the message holds every rank's story.
 
-    def __init__(self, summary: str, failures: Sequence[RankFailure]) -> None:
+    Attributes:
+        failures: Each rank's status and traceback, indexed by rank.
+        results: What the ranks that finished returned, by rank (a test that kills a rank on
+            purpose reads the survivors' outcomes here).
+    """
+
+    def __init__(
+        self,
+        summary: str,
+        failures: Sequence[RankFailure],
+        results: dict[int, Any] | None = None,
+    ) -> None:
         """Builds the message from `summary` and each rank's status and traceback."""
         self.failures = list(failures)
+        self.results = dict(results or {})
         parts = [summary]
         for failure in self.failures:
             parts.append(f"--- rank {failure.rank}: {failure.status} ---")
@@ -349,14 +361,14 @@ def _collect(
     timed_out: bool,
     timeout: float,
 ) -> list[Any]:
-    results: list[Any] = []
+    results: dict[int, Any] = {}
     failures: list[RankFailure] = []
     for rank, process in enumerate(processes):
         path = _result_path(workdir, rank)
         if path.exists():
             status, value = pickle.loads(path.read_bytes())
             if status == "ok":
-                results.append(value)
+                results[rank] = value
                 failures.append(RankFailure(rank, "finished", ""))
             else:
                 failures.append(RankFailure(rank, "raised", str(value)))
@@ -370,10 +382,10 @@ def _collect(
         else:
             failures.append(RankFailure(rank, f"exited with code {process.exitcode}", detail))
     if len(results) == len(processes):
-        return results
+        return [results[rank] for rank in range(len(processes))]
     if timed_out:
         summary = f"distributed run of {len(processes)} ranks did not finish within {timeout:g} s"
     else:
         broken = [failure.rank for failure in failures if failure.status != "finished"]
         summary = f"distributed run of {len(processes)} ranks failed on rank(s) {broken}"
-    raise DistributedTestError(summary, failures)
+    raise DistributedTestError(summary, failures, results)

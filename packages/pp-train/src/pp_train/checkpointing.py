@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from pp_optim import Float16OptimizerWithFloat16Params, MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
+from pp_state.collectives import collective
 from pp_train.wrappers import unwrap_model
 
 __all__ = [
@@ -837,7 +838,8 @@ def _gather_ints(value: int) -> list[int]:
     """Every rank's `value`, indexed by global rank."""
     values = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=collective_device())
     values[dist.get_rank()] = value
-    dist.all_reduce(values)
+    with collective("checkpoint agreement"):
+        dist.all_reduce(values)
     return [int(v) for v in values.tolist()]
 
 
@@ -857,7 +859,8 @@ def _raise_if_any_failed(
             else f"rank {rank} {own_failure}: {type(error).__name__}: {error}; {consequence}"
         )
     messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, own)
+    with collective("checkpoint agreement"):
+        dist.all_gather_object(messages, own)
     failed = [r for r, message in enumerate(messages) if message is not None]
     if error is not None:
         if isinstance(error, CheckpointError):

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from pp_optim import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 from pp_state import ParallelState
+from pp_state.collectives import collective
 
 __all__ = ["calc_params_l2_norm"]
 
@@ -45,6 +46,7 @@ def calc_params_l2_norm(model: Sequence[torch.nn.Module], state: ParallelState) 
         group = state.group("mp")
         device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
         reduced = square.to(device)
-        dist.all_reduce(reduced, group=group)
+        with collective("parameter norm all-reduce", group=group):
+            dist.all_reduce(reduced, group=group)
         square = reduced.cpu()
     return float(square.sqrt())

@@ -19,6 +19,8 @@ from typing import Literal, Protocol, get_args
 import torch
 import torch.distributed as dist
 
+from pp_state.collectives import collective
+
 __all__ = [
     "TIMING_LOG_OPTIONS",
     "ScalarWriter",
@@ -85,7 +87,8 @@ class Timer:
 
     def _barrier(self) -> None:
         if _distributed_ready():
-            dist.barrier(group=self._barrier_group)
+            with collective(f"timer barrier ({self.name})", group=self._barrier_group):
+                dist.barrier(group=self._barrier_group)
 
     def start(self, barrier: bool = False) -> None:
         """Starts timing.
@@ -345,7 +348,8 @@ def _gather_over_group(values: torch.Tensor, group: dist.ProcessGroup) -> torch.
     device = torch.device("cuda") if dist.get_backend(group) == "nccl" else values.device
     local = values.to(device)
     rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, local, group=group)
+    with collective("timer all-gather", group=group):
+        dist.all_gather(rows, local, group=group)
     return torch.stack(rows).cpu()
 
 

@@ -42,6 +42,7 @@ from pp_schedules import (
     write_schedule_trace,
 )
 from pp_state import ParallelState, Placement
+from pp_state.collectives import at_iteration, collective
 from pp_train.checkpoint import (
     AsyncCheckpointSaver,
     CkptFormat,
@@ -502,12 +503,15 @@ def _sync_shared_embeddings(
             for weight in weights:
                 if not first:
                     weight.zero_()
-                dist.all_reduce(weight.data, group=state.group("embedding"))
+                with collective("embedding copy sync", group=state.group("embedding")):
+                    dist.all_reduce(weight.data, group=state.group("embedding"))
         position = _split_position_embedding(chunks, state)
         if position is not None:
             if not first:
                 position.zero_()
-            dist.all_reduce(position.data, group=state.group("position_embedding"))
+            group = state.group("position_embedding")
+            with collective("position embedding copy sync", group=group):
+                dist.all_reduce(position.data, group=group)
 
 
 def _split_position_embedding(
@@ -734,7 +738,8 @@ def _average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[
     if state.group_size("dp_cp") > 1:
         device = "cuda" if dist.get_backend(state.group("dp_cp")) == "nccl" else "cpu"
         stacked = stacked.to(device)
-        dist.all_reduce(stacked, group=state.group("dp_cp"))
+        with collective("loss averaging over data parallel", group=state.group("dp_cp")):
+            dist.all_reduce(stacked, group=state.group("dp_cp"))
         stacked = stacked.cpu() / state.group_size("dp_cp")
     return {key: float(value) for key, value in zip(averaged, stacked.tolist(), strict=True)}
 
@@ -833,7 +838,8 @@ def _non_finite(
     )
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=collective_device())
     flags[dist.get_rank()] = int(bad_loss)
-    dist.all_reduce(flags)
+    with collective("non-finite loss check", iteration=iteration):
+        dist.all_reduce(flags)
     loss_ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
     where = "" if iteration is None else f"iteration {iteration}: "
     loss = f"non-finite loss on rank(s) {loss_ranks}; " if loss_ranks else ""
@@ -920,7 +926,8 @@ class _SignalFlag:
 def _any_rank(flags: list[bool]) -> list[bool]:
     """Each flag ORed over every rank, in one collective."""
     values = torch.tensor(flags, dtype=torch.int32, device=collective_device())
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    with collective("exit decision"):
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [bool(value) for value in values.tolist()]
 
 
@@ -962,6 +969,24 @@ class _LoopParts:
         timers: Timers | None = None,
     ) -> tuple[dict[str, float], int, float | None, int | None]:
         """`train_step` on the loop's model, optimizer and scheduler, in its batch shape."""
+        with at_iteration(self.progress.iteration + 1):
+            return self._train_step(
+                forward_step_func,
+                data_iterator,
+                forward_backward_func,
+                num_microbatches=num_microbatches,
+                timers=timers,
+            )
+
+    def _train_step(
+        self,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Any,
+        forward_backward_func: ForwardBackwardFunc,
+        *,
+        num_microbatches: int,
+        timers: Timers | None,
+    ) -> tuple[dict[str, float], int, float | None, int | None]:
         return train_step(
             forward_step_func,
             data_iterator,
@@ -995,6 +1020,14 @@ class _LoopParts:
     def save(self) -> None:
         if self.config.save is None:
             return
+        with at_iteration(self.progress.iteration):
+            self._save()
+        self.print_fn(
+            f"saved checkpoint at iteration {self.progress.iteration} to {self.config.save}"
+        )
+
+    def _save(self) -> None:
+        assert self.config.save is not None
         save_checkpoint(
             self.config.save,
             self.progress.iteration,
@@ -1007,9 +1040,6 @@ class _LoopParts:
             consumed_valid_samples=self.progress.consumed_valid_samples,
             ckpt_format=self.config.ckpt_format,
             async_saver=self.async_saver,
-        )
-        self.print_fn(
-            f"saved checkpoint at iteration {self.progress.iteration} to {self.config.save}"
         )
 
 
@@ -1071,7 +1101,8 @@ class _ScheduleProfile:
             )
         # Global rank 0 is in the profiled pipeline; every rank gets its summary.
         shared: list[object] = [summary]
-        dist.broadcast_object_list(shared, src=0, device=collective_device())
+        with collective("schedule profile broadcast", iteration=self.iteration):
+            dist.broadcast_object_list(shared, src=0, device=collective_device())
         return f"schedule profile of iteration {self.iteration} written to {self.path}: {shared[0]}"
 
 
@@ -1095,7 +1126,9 @@ def _exit_reason(
             asks and autoresume is not None and autoresume(),
             timed and (time.monotonic() - started) / 60.0 > (config.exit_duration_in_mins or 0),
         ]
-        for reason, flagged in zip(_AGREED_EXITS, _any_rank(local), strict=True):
+        with at_iteration(iteration):
+            agreed = _any_rank(local)
+        for reason, flagged in zip(_AGREED_EXITS, agreed, strict=True):
             if flagged:
                 return reason
     if _every(config.exit_interval, iteration):

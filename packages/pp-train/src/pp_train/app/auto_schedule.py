@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from pp_schedules import Choice, Costs, choose_schedule
 from pp_schedules.split_backward import backward_input
+from pp_state.collectives import collective
 from pp_train.app.gpt import GPTChunk, GPTConfig
 
 __all__ = ["choose_measured", "warmup_costs"]
@@ -49,7 +50,8 @@ def warmup_costs(
         times.append((forward - start, inputs - forward, time.perf_counter() - inputs))
     medians = torch.tensor([statistics.median(t[k] for t in times[1:]) * 1e3 for k in range(3)])
     if dist.is_initialized():
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        with collective("schedule cost all-reduce"):
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     f, i, w = (max(float(v), 1e-3) for v in medians)
     return Costs(forward=f, backward=i + w, backward_input=i, backward_weight=w)
 

@@ -1,0 +1,214 @@
+"""One named error for a collective whose peer died or stopped answering.
+
+gloo reports a killed peer as a bare ``RuntimeError`` ("Connection closed by peer
+[127.0.0.1]:51099") and a silent one as "Timed out waiting 5000ms for recv operation"; NCCL
+as a ``DistBackendError``. Neither names the rank, the group or what the program was doing.
+Wrap each collective in `collective(...)` and such a failure becomes one `CollectiveError`
+naming the rank, the peer where it can be known, the operation, the group's ranks and the
+iteration::
+
+    with collective("gradient all-reduce over data parallel", group=dp_group):
+        dist.all_reduce(grads, group=dp_group)
+
+Errors that are not a lost peer (a wrong shape, a wrong dtype) pass through unchanged. An
+outer ``collective(..., iteration=n)`` adds the iteration to an inner one's error that had
+none. Entering and leaving costs a method call; nothing is checked unless an error comes.
+"""
+
+from __future__ import annotations
+
+import re
+from types import TracebackType
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveError", "at_iteration", "collective", "collective_error", "is_lost_peer"]
+
+# Texts of gloo's, NCCL's and the socket layer's errors for a peer that died, hung or left.
+_LOST_PEER_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "connection refused",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "communicator was aborted",
+    "socket",
+)
+_ADDRESS = re.compile(r"\[[0-9a-fA-F.:]+\]:\d+")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed because a peer died, left or did not answer within the timeout.
+
+    Attributes:
+        rank: Global rank that raised.
+        peer: Global rank of the peer that failed, when it can be known (a group of two), or None.
+        peer_address: The peer's address as the backend reported it, or None.
+        operation: What the collective was for, such as "loss averaging".
+        group_ranks: Global ranks of the group the collective ran over.
+        iteration: The training iteration, when the caller knows it, or None.
+        timed_out: True when the peer did not answer in time (rather than closing).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        operation: str,
+        group_ranks: tuple[int, ...],
+        cause: str,
+        peer: int | None = None,
+        peer_address: str | None = None,
+        iteration: int | None = None,
+        timed_out: bool = False,
+    ) -> None:
+        """Builds the one-line message from the context."""
+        self.rank = rank
+        self.peer = peer
+        self.peer_address = peer_address
+        self.operation = operation
+        self.group_ranks = group_ranks
+        self.iteration = iteration
+        self.timed_out = timed_out
+        self.cause = cause
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        when = "" if self.iteration is None else f" at iteration {self.iteration}"
+        who = "peer rank unknown" if self.peer is None else f"peer rank {self.peer}"
+        if self.peer_address is not None:
+            who += f" (address {self.peer_address})"
+        what = "did not answer in time" if self.timed_out else "closed the connection or died"
+        return (
+            f"rank {self.rank}: {self.operation}{when} over ranks {list(self.group_ranks)} "
+            f"failed: {who} {what}: {self.cause}"
+        )
+
+    def with_iteration(self, iteration: int) -> CollectiveError:
+        """A copy of this error (same class) that names `iteration`."""
+        return type(self)(
+            rank=self.rank,
+            operation=self.operation,
+            group_ranks=self.group_ranks,
+            cause=self.cause,
+            peer=self.peer,
+            peer_address=self.peer_address,
+            iteration=iteration,
+            timed_out=self.timed_out,
+        )
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a backend's report of a dead, departed or silent peer."""
+    if isinstance(error, CollectiveError):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error).lower()
+    return any(marker in text for marker in _LOST_PEER_MARKERS)
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    try:
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    except (RuntimeError, ValueError):  # destroyed or not a member: say nothing wrong
+        return ()
+
+
+def collective_error(
+    error: BaseException,
+    operation: str,
+    *,
+    group: dist.ProcessGroup | None = None,
+    iteration: int | None = None,
+    error_class: type[CollectiveError] = CollectiveError,
+) -> CollectiveError:
+    """The `error_class` naming this rank, the group, the peer and `operation` for `error`.
+
+    For callers that catch the backend's error themselves (a ``Work.wait()``); `collective`
+    uses it too. The peer is a rank when the group has one other rank, else unknown.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    ranks = _group_ranks(group)
+    others = [other for other in ranks if other != rank]
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    address = _ADDRESS.search(text)
+    lowered = text.lower()
+    return error_class(
+        rank=rank,
+        operation=operation,
+        group_ranks=ranks,
+        cause=text,
+        peer=others[0] if len(others) == 1 else None,
+        peer_address=address.group(0) if address else None,
+        iteration=iteration,
+        timed_out="timed out" in lowered or "timeout" in lowered,
+    )
+
+
+class collective:  # noqa: N801 - used as a context manager, named like one
+    """Context manager: a lost peer inside becomes a `CollectiveError`.
+
+    Args:
+        operation: What the collective is for, as a reader of the error needs it
+            ("gradient all-reduce over data parallel", "checkpoint agreement").
+        group: The group the collective runs over (None: the default group).
+        iteration: The training iteration, when known.
+    """
+
+    __slots__ = ("group", "iteration", "operation")
+
+    def __init__(
+        self,
+        operation: str,
+        *,
+        group: dist.ProcessGroup | None = None,
+        iteration: int | None = None,
+    ) -> None:
+        self.operation = operation
+        self.group = group
+        self.iteration = iteration
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if error is None:
+            return
+        if isinstance(error, CollectiveError):
+            if error.iteration is None and self.iteration is not None:
+                raise error.with_iteration(self.iteration) from error.__cause__
+            return
+        if is_lost_peer(error):
+            raise collective_error(
+                error, self.operation, group=self.group, iteration=self.iteration
+            ) from error
+
+
+class at_iteration:  # noqa: N801 - used as a context manager, named like one
+    """Context manager: a `CollectiveError` raised inside names `iteration` (others pass)."""
+
+    __slots__ = ("iteration",)
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if isinstance(error, CollectiveError) and error.iteration is None:
+            raise error.with_iteration(self.iteration) from error.__cause__
