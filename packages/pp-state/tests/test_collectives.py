@@ -14,6 +14,8 @@ import torch.distributed as dist
 from pp_state import CollectiveError, collective, is_lost_peer
 from pp_testing import DistributedTestError, run_distributed
 
+pytestmark = pytest.mark.reliability
+
 _CLOSED = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
     "[127.0.0.1]:51099. This is typically caused by a remote worker crashing."

@@ -16,6 +16,8 @@ from pp_state import CollectiveError, ParallelConfig, ParallelState, at_iteratio
 from pp_testing import DistributedTestError, run_distributed
 from pp_train.training import _any_rank
 
+pytestmark = pytest.mark.reliability
+
 _VICTIM = 2
 _TIMEOUT_S = 10.0
 
