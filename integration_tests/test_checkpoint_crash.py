@@ -3,7 +3,7 @@
 Each case saves iteration 1, changes every weight, then saves iteration 2 while a patched
 step of the save kills one rank with SIGKILL. The tracker must still name iteration 1, a new
 run must load exactly the iteration-1 weights, and a new save of iteration 2 must succeed over
-what the crash left behind.
+what the crash left behind. The load removes the killed writers' temporaries and names them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pp_testing import run_distributed
 from pp_testing.distributed import DistributedTestError
 from pp_train import save_checkpoint, setup_model_and_optimizer
 from pp_train.app import GPTChunk, GPTConfig, chunk_layers
-from pp_train.checkpoint import AsyncCheckpointSaver
+from pp_train.checkpoint import AsyncCheckpointSaver, load_checkpoint
 from pp_train.checkpoint import torch_dist as torch_dist_module
 from pp_train.checkpointing import read_tracker
 
@@ -97,14 +97,26 @@ def _crash(root: str, moment: str) -> None:
         _save(root, 2, parts, saver)
 
 
+def _leftovers(root: str) -> list[str]:
+    found = Path(root).rglob("*")
+    return sorted(p.name for p in found if ".tmp-" in p.name or p.name.endswith(".partial"))
+
+
 def _resume(root: str) -> dict[str, Any]:
     fresh = [p.detach().clone() for c in _build()[1] for p in c.parameters()]
-    parts = _build(load=root)
-    loaded = [p.detach().clone() for c in parts[1] for p in c.parameters()]
-    _save(root, 2, parts)
+    state, model, optimizer, scheduler, _ = _build()
+    lines: list[str] = []
+    result = load_checkpoint(root, state=state, model=model, optimizer=optimizer,
+                             scheduler=scheduler, args={}, ckpt_format="torch_dist",
+                             report=lines.append)  # fmt: skip
+    left = _leftovers(root) if state.rank == 0 else []  # rank 0 removed them during the load
+    loaded = [p.detach().clone() for c in model for p in c.parameters()]
+    _save(root, 2, (state, model, optimizer, scheduler, result))
     return {
-        "iteration": parts[4].iteration,
+        "iteration": None if result is None else result.iteration,
         "equal": all(torch.equal(a, b) for a, b in zip(fresh, loaded, strict=True)),
+        "lines": lines,
+        "left": left,
     }
 
 
@@ -125,8 +137,14 @@ def test_a_killed_rank_never_leaves_the_tracker_on_an_incomplete_checkpoint(
     with pytest.raises(DistributedTestError):
         run_distributed(_crash, 2, str(tmp_path), moment, pg_timeout=5.0, timeout=60)
     assert read_tracker(tmp_path) == 1
+    crashed = _leftovers(str(tmp_path))
     results = run_distributed(_resume, 2, str(tmp_path))
     assert [r["iteration"] for r in results] == [1, 1]
     assert all(r["equal"] for r in results)
+    assert results[0]["left"] == []
+    if crashed:  # the killed writer's temporaries, named in one line by the load
+        (line,) = results[0]["lines"]
+        assert line.startswith(f"removed {len(crashed)} stale checkpoint temporaries"), line
+        assert all(name in line for name in crashed), line
     assert read_tracker(tmp_path) == 2
-    assert not list(tmp_path.glob("*.partial"))
+    assert _leftovers(str(tmp_path)) == []

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from pp_optim import Float16OptimizerWithFloat16Params, MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
 from pp_state.collectives import collective
+from pp_train.temporaries import temporary_path
 from pp_train.wrappers import unwrap_model
 
 __all__ = [
@@ -469,9 +470,9 @@ def _checkpoint_content(
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Writes `path` so that it holds either its old content or all of the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The pid keeps two writers of one name from sharing a temporary; a stale one left by a
-    # crash is never read and is overwritten by a later save from the same pid.
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    # Host and pid keep two writers of one name from sharing a temporary and tell whether a
+    # leftover's writer is dead (`pp_train.temporaries`); a failure removes it below.
+    temporary = temporary_path(path)
     try:
         with open(temporary, "wb") as file:
             write(file)

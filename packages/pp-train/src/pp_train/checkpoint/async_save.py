@@ -20,9 +20,16 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pp_state import ParallelState
-from pp_train.checkpoint.torch_dist import SaveContent, prepare, publish, writer_and_planner
+from pp_train.checkpoint.torch_dist import (
+    SaveContent,
+    prepare,
+    publish,
+    remove_failed_save,
+    writer_and_planner,
+)
 from pp_train.checkpointing import CheckpointError, _raise_if_any_failed
 
 __all__ = ["AsyncCheckpointSaver"]
@@ -56,6 +63,7 @@ class AsyncCheckpointSaver:
         self._in_flight: _InFlight | None = None
         self._error: BaseException | None = None
         self._unsettled = False  # a save started since the last wait (the same on every rank)
+        self._staging: Path | None = None  # the directory of the save since the last wait
         self.published: list[int] = []
         """Iterations this rank published (global rank 0 only), in order."""
 
@@ -99,6 +107,7 @@ class AsyncCheckpointSaver:
         )
         assert isinstance(future, Future)
         self._in_flight = _InFlight(future, root, iteration, staging)
+        self._staging = staging
         self._unsettled = True
 
     def poll(self, state: ParallelState) -> None:
@@ -118,12 +127,17 @@ class AsyncCheckpointSaver:
         if self._in_flight is not None:
             self._settle(state, block=True)
         error, self._error, self._unsettled = self._error, None, False
-        _raise_if_any_failed(
-            state.rank,
-            error,
-            "could not finish an asynchronous torch_dist save",
-            "the asynchronous save was not published; the tracker names the checkpoint before",
-        )
+        try:
+            _raise_if_any_failed(
+                state.rank,
+                error,
+                "could not finish an asynchronous torch_dist save",
+                "the asynchronous save was not published; the tracker names the checkpoint before",
+            )
+        except CheckpointError:
+            if self._staging is not None:  # every rank knows now: nobody writes there
+                remove_failed_save(self._staging, state.rank)
+            raise
 
     def _settle(self, state: ParallelState, *, block: bool) -> None:
         in_flight = self._in_flight
@@ -140,5 +154,5 @@ class AsyncCheckpointSaver:
                 f"to {in_flight.staging} did not finish within {self.timeout}"
             )
             self._error.__cause__ = error
-        except Exception as error:
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             self._error = error

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -39,6 +40,7 @@ from pp_train.checkpointing import (
     _LoadRequest,
     _raise_if_any_failed,
 )
+from pp_train.temporaries import remove_stale_temporaries
 
 __all__ = [
     "CKPT_FORMATS",
@@ -89,6 +91,7 @@ def save_checkpoint(
     save_rng: bool = True,
     ckpt_format: CkptFormat = "torch",
     async_saver: AsyncCheckpointSaver | None = None,
+    report: Callable[[str], None] | None = print,
 ) -> Path:
     """Saves iteration `iteration` under `root` in `ckpt_format`; every rank calls it.
 
@@ -102,6 +105,7 @@ def save_checkpoint(
     Args: as `pp_train.checkpointing.save_checkpoint`'s, and
         ckpt_format: ``"torch"`` or ``"torch_dist"``.
         async_saver: Write a torch_dist checkpoint in the background with this saver.
+        report: Gets the line naming dead writers' temporaries removed (`pp_train.temporaries`).
 
     Returns:
         The torch format: this rank's file; torch_dist: the iteration's directory.
@@ -117,6 +121,7 @@ def save_checkpoint(
     _check_format(ckpt_format)
     if async_saver is not None and ckpt_format != "torch_dist":
         raise ValueError("asynchronous saving needs ckpt_format='torch_dist' (Megatron's too)")
+    _remove_stale_on_rank_0(Path(root), state, report)
     if ckpt_format == "torch":
         return legacy.save_checkpoint(
             root, iteration, state=state, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -203,6 +208,7 @@ def load_checkpoint(
     strict_args: tuple[str, ...] = DEFAULT_STRICT_ARGS,
     ckpt_format: CkptFormat = "torch",
     auto_detect_ckpt_format: bool = False,
+    report: Callable[[str], None] | None = print,
 ) -> LoadedCheckpoint | None:
     """Restores the latest checkpoint under `root`; every rank calls it.
 
@@ -212,6 +218,8 @@ def load_checkpoint(
     any layout holding the same model; `strict_args` minus the layout sizes are compared;
     RNG states are restored only when the layout (tensor, pipeline, virtual, data sizes) is
     the saved one, else they keep this run's seeding and `LoadedCheckpoint.notes` says so.
+    Once every rank read the tracker, global rank 0 removes the stale temporaries of dead
+    writers and hands `report` one line naming them (`pp_train.temporaries`).
 
     Returns:
         What was loaded; None on every rank when `root` holds no tracker.
@@ -230,12 +238,20 @@ def load_checkpoint(
         load_optim=not (finetune or no_load_optim), load_rng=not (finetune or no_load_rng),
     )  # fmt: skip
     iteration = _agree_on_iteration(request.root, state.rank)
+    _remove_stale_on_rank_0(request.root, state, report)  # no save of this run in flight
     if iteration is None:
         return None
     found = _agreed_format(request.root, iteration, state, ckpt_format, auto_detect_ckpt_format)
     if found == "torch":
         return legacy._load_latest(request)
     return load_torch_dist(request, iteration)
+
+
+def _remove_stale_on_rank_0(
+    root: Path, state: ParallelState, report: Callable[[str], None] | None
+) -> None:
+    if state.rank == 0:
+        remove_stale_temporaries(root, report)
 
 
 def _agreed_format(

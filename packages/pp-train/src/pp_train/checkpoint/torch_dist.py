@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from pp_optim import MegatronOptimizer, OptimizerParamScheduler
@@ -43,6 +44,7 @@ from pp_train.checkpointing import (
     _raise_if_any_failed,
     get_rng_state,
 )
+from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
 
 __all__ = [
     "COMMON_FILENAME",
@@ -52,6 +54,7 @@ __all__ = [
     "iteration_directory",
     "layout_of",
     "publish",
+    "remove_failed_save",
     "save_content",
     "write_torch_dist",
 ]
@@ -61,9 +64,6 @@ COMMON_FILENAME = "common.pt"
 
 FORMAT_METADATA_FILENAME = "metadata.json"
 """Megatron's mark of a distributed checkpoint directory, naming its backend."""
-
-PARTIAL_SUFFIX = ".partial"
-"""Suffix of the directory a save writes into before it is complete."""
 
 _FORMAT_METADATA = {
     "sharded_backend": "torch_dist",
@@ -148,11 +148,13 @@ def prepare(staging: Path, content: SaveContent, state: ParallelState, iteration
             if staging.exists():
                 shutil.rmtree(staging)  # a crashed save's leftovers
             staging.mkdir(parents=True)
+            mark_writer(staging)
             _atomic_write(staging / COMMON_FILENAME, lambda f: torch.save(content.common, f))
             metadata = json.dumps(_FORMAT_METADATA).encode("utf-8")
             _atomic_write(staging / FORMAT_METADATA_FILENAME, lambda f: f.write(metadata))
         except Exception as caught:
             error = caught
+            shutil.rmtree(staging, ignore_errors=True)
     _raise_if_any_failed(
         state.rank,
         error,
@@ -178,12 +180,26 @@ def write_torch_dist(
     writer, planner = writer_and_planner(staging)
     try:
         dcp.save(content.tensors, storage_writer=writer, planner=planner)
-    except Exception as error:
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        remove_failed_save(staging, state.rank)
         raise CheckpointError(
             f"rank {state.rank}: could not write torch_dist checkpoint {staging}: "
             f"{type(error).__name__}: {str(error)[:400]}; the tracker in {staging.parent} "
             "was not moved"
         ) from error
+
+
+def remove_failed_save(staging: Path, rank: int) -> None:
+    """Removes this rank's files of a failed save; global rank 0 the whole directory.
+
+    Called on every rank once every rank knows the save failed (DCP's collectives or
+    `_raise_if_any_failed` told them), so no rank still writes there.
+    """
+    for path in staging.glob(f"__{rank}_*.distcp"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def publish(root: Path, iteration: int) -> None:

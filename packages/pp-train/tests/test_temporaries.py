@@ -1,0 +1,159 @@
+"""Checkpoint temporaries: a failed save removes its own, the next save or load a dead writer's."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from pp_optim import LRScheduleConfig, OptimizerConfig
+from pp_state import ParallelConfig, ParallelState
+from pp_testing import run_distributed
+from pp_train import save_checkpoint, setup_model_and_optimizer
+from pp_train.app import GPTChunk, GPTConfig, chunk_layers
+from pp_train.checkpoint import AsyncCheckpointSaver, CkptFormat
+from pp_train.checkpointing import CheckpointError, read_tracker
+from pp_train.temporaries import STALE_AFTER, remove_stale_temporaries
+
+pytestmark = pytest.mark.reliability
+
+HOST = socket.gethostname()
+GPT = GPTConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4)
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def _file(path: Path, size: int = 1000) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+    return path
+
+
+def _partial(root: Path, iteration: int, writer: str | None) -> Path:
+    directory = root / f"iter_{iteration:07d}.partial"
+    _file(directory / "__0_0.distcp", 2000)
+    if writer is not None:
+        (directory / ".writer").write_text(writer)
+    return directory
+
+
+def test_dead_writers_temporaries_are_removed_and_named_in_one_line(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    _file(tmp_path / f"iter_0000003/mp_rank_00/model_optim_rng.pt.tmp-{HOST}-{dead}")
+    _file(tmp_path / f"latest_checkpointed_iteration.txt.tmp-{HOST}-{dead}", 1)
+    _partial(tmp_path, 4, f"{HOST} {dead}\n")
+    lines: list[str] = []
+    removed = remove_stale_temporaries(tmp_path, lines.append)
+    assert removed == [
+        f"latest_checkpointed_iteration.txt.tmp-{HOST}-{dead}",
+        f"iter_0000003/mp_rank_00/model_optim_rng.pt.tmp-{HOST}-{dead}",
+        "iter_0000004.partial/",
+    ]
+    assert lines == [
+        "removed 3 stale checkpoint temporaries of dead writers (0.0 MB): " + ", ".join(removed)
+    ]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["iter_0000003", "mp_rank_00"]
+
+
+def test_a_live_writers_temporaries_are_left_alone(tmp_path: Path) -> None:
+    mine = _file(tmp_path / f"iter_0000001/mp_rank_00/model_optim_rng.pt.tmp-{HOST}-{os.getpid()}")
+    parent = _file(
+        tmp_path / f"iter_0000001/mp_rank_01/model_optim_rng.pt.tmp-{HOST}-{os.getppid()}"
+    )
+    partial = _partial(tmp_path, 2, f"{HOST} {os.getpid()}")
+    lines: list[str] = []
+    assert (
+        remove_stale_temporaries(tmp_path, lines.append, now=time.time() + 10 * STALE_AFTER) == []
+    )
+    assert lines == []
+    assert all(p.exists() for p in (mine, parent, partial))
+
+
+def test_another_hosts_temporaries_are_removed_only_when_unchanged_for_long(
+    tmp_path: Path,
+) -> None:
+    other = _file(tmp_path / "iter_0000001/mp_rank_00/model_optim_rng.pt.tmp-elsewhere-7-12")
+    legacy = _file(tmp_path / "iter_0000001/mp_rank_01/model_optim_rng.pt.tmp-12")
+    unknown = _partial(tmp_path, 2, None)
+    assert remove_stale_temporaries(tmp_path, None) == []
+    assert all(p.exists() for p in (other, legacy, unknown))
+    later = time.time() + STALE_AFTER + 60
+    assert len(remove_stale_temporaries(tmp_path, None, now=later)) == 3
+    assert not any(p.exists() for p in (other, legacy, unknown))
+
+
+def _build(fmt: CkptFormat) -> tuple[Any, ...]:
+    state = ParallelState.create(ParallelConfig(pipeline_model_parallel_size=2))
+
+    def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
+        layers = chunk_layers(GPT.num_layers, 2, 1, state.pipeline_model_parallel_rank, vp_stage)
+        return GPTChunk(
+            GPT, layers=layers, pre_process=pre_process, post_process=post_process, seed=5
+        )
+
+    model, optimizer, scheduler, _ = setup_model_and_optimizer(
+        provider, state, optimizer_config=OptimizerConfig(lr=1e-3),
+        lr_schedule=LRScheduleConfig(max_lr=1e-3, min_lr=0.0, lr_warmup_steps=0,
+                                     lr_decay_steps=10, lr_decay_style="constant"),
+        ckpt_format=fmt, checkpoint_args={},
+    )  # fmt: skip
+    return state, model, optimizer, scheduler
+
+
+def _half_written(obj: Any, file: Any, *args: Any, **kwargs: Any) -> None:
+    file.write(b"x" * 4096)
+    raise OSError("no space left on device (injected)")
+
+
+def _raising_write(self: Any, *args: Any, **kwargs: Any) -> Any:
+    if torch.distributed.get_rank() == 1:
+        raise OSError("no space left on device (injected)")
+    return _ORIGINAL_WRITE(self, *args, **kwargs)
+
+
+_ORIGINAL_WRITE = FileSystemWriter.write_data
+
+
+def _failing_save(root: str, mode: str) -> str:
+    fmt: CkptFormat = "torch" if mode == "torch" else "torch_dist"
+    state, model, optimizer, scheduler = _build(fmt)
+    saver = AsyncCheckpointSaver() if mode == "async" else None
+    patch = (
+        mock.patch.object(torch, "save", _half_written)
+        if mode == "torch"
+        else mock.patch.object(FileSystemWriter, "write_data", _raising_write)
+    )
+    with patch, pytest.raises(CheckpointError) as caught:
+        _save_and_wait(root, fmt, saver, state, model, optimizer, scheduler)
+    return str(caught.value)
+
+
+def _save_and_wait(root: str, fmt: CkptFormat, saver: Any, state: Any, *parts: Any) -> None:
+    model, optimizer, scheduler = parts
+    save_checkpoint(root, 1, state=state, model=model, optimizer=optimizer, scheduler=scheduler,
+                    args={}, consumed_train_samples=1, ckpt_format=fmt,
+                    async_saver=saver)  # fmt: skip
+    if saver is not None:
+        saver.wait(state)
+
+
+@pytest.mark.parametrize("mode", ["torch", "torch_dist", "async"])
+def test_a_failed_save_leaves_no_temporaries(tmp_path: Path, mode: str) -> None:
+    messages = run_distributed(_failing_save, 2, str(tmp_path), mode)
+    assert all("injected" in m or "failed" in m for m in messages)
+    assert read_tracker(tmp_path) is None
+    left = [p for p in tmp_path.rglob("*") if ".tmp-" in p.name or p.name.endswith(".partial")]
+    assert left == []
