@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -154,6 +155,38 @@ def _save_and_wait(root: str, fmt: CkptFormat, saver: Any, state: Any, *parts: A
 def test_a_failed_save_leaves_no_temporaries(tmp_path: Path, mode: str) -> None:
     messages = run_distributed(_failing_save, 2, str(tmp_path), mode)
     assert all("injected" in m or "failed" in m for m in messages)
+    assert read_tracker(tmp_path) is None
+    left = [p for p in tmp_path.rglob("*") if ".tmp-" in p.name or p.name.endswith(".partial")]
+    assert left == []
+
+
+def _full_disk_save(root: str, mode: str) -> str:
+    """A save on a disk that takes 2 KB per file (RLIMIT_FSIZE; Python ignores SIGXFSZ)."""
+    fmt: CkptFormat = "torch" if mode == "torch" else "torch_dist"
+    state, model, optimizer, scheduler = _build(fmt)
+    saver = AsyncCheckpointSaver() if mode == "async" else None
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    try:
+        with pytest.raises(CheckpointError) as caught:
+            _save_and_wait(root, fmt, saver, state, model, optimizer, scheduler)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("mode", ["torch", "torch_dist", "async"])
+def test_a_full_disk_fails_the_save_on_every_rank_and_leaves_nothing(
+    tmp_path: Path, mode: str
+) -> None:
+    messages = run_distributed(_full_disk_save, 2, str(tmp_path), mode)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank}")
+        assert str(tmp_path) in message
+        assert "\n" not in message  # one line, not DCP's tracebacks
+        assert "not moved" in message or "not published" in message
+        if mode != "torch":  # DCP keeps the OS's reason; torch's writer hides it
+            assert "File too large" in message
     assert read_tracker(tmp_path) is None
     left = [p for p in tmp_path.rglob("*") if ".tmp-" in p.name or p.name.endswith(".partial")]
     assert left == []

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from pp_state import ParallelState
 from pp_train.checkpoint.torch_dist import (
     SaveContent,
+    describe_dcp_error,
     prepare,
     publish,
     remove_failed_save,
@@ -154,5 +155,12 @@ class AsyncCheckpointSaver:
                 f"to {in_flight.staging} did not finish within {self.timeout}"
             )
             self._error.__cause__ = error
-        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        except CheckpointError as error:
             self._error = error
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            self._error = CheckpointError(
+                f"rank {state.rank} could not finish the asynchronous save of iteration "
+                f"{in_flight.iteration} to {in_flight.staging}: {describe_dcp_error(error)}; "
+                "the asynchronous save was not published; the tracker names the checkpoint before"
+            )
+            self._error.__cause__ = error

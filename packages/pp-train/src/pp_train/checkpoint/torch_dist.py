@@ -184,9 +184,21 @@ def write_torch_dist(
         remove_failed_save(staging, state.rank)
         raise CheckpointError(
             f"rank {state.rank}: could not write torch_dist checkpoint {staging}: "
-            f"{type(error).__name__}: {str(error)[:400]}; the tracker in {staging.parent} "
-            "was not moved"
+            f"{describe_dcp_error(error)}; the tracker in {staging.parent} was not moved"
         ) from error
+
+
+def describe_dcp_error(error: BaseException) -> str:
+    """One line for a DCP failure: each failed rank's exception, without DCP's tracebacks."""
+    failures = getattr(error, "failures", None)
+    if isinstance(error, CheckpointException) and isinstance(failures, dict) and failures:
+        parts = []
+        for rank, (exception, _) in sorted(failures.items()):
+            first = (str(exception).strip().splitlines() or [""])[0]
+            parts.append(f"rank {rank}: {type(exception).__name__}: {first}")
+        return "; ".join(parts)
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:400]}"
 
 
 def remove_failed_save(staging: Path, rank: int) -> None:
