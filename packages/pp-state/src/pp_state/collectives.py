@@ -184,8 +184,7 @@ class collective:  # noqa: N801 - used as a context manager, named like one
         if error is None:
             return
         if isinstance(error, CollectiveError):
-            if error.iteration is None and self.iteration is not None:
-                raise error.with_iteration(self.iteration) from error.__cause__
+            _name_iteration(error, self.iteration)
             return
         if is_lost_peer(error):
             raise collective_error(
@@ -210,5 +209,11 @@ class at_iteration:  # noqa: N801 - used as a context manager, named like one
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if isinstance(error, CollectiveError) and error.iteration is None:
-            raise error.with_iteration(self.iteration) from error.__cause__
+        if isinstance(error, CollectiveError):
+            _name_iteration(error, self.iteration)
+
+
+def _name_iteration(error: CollectiveError, iteration: int | None) -> None:
+    """Raises `error` again naming `iteration`, when it names none yet (else returns)."""
+    if error.iteration is None and iteration is not None:
+        raise error.with_iteration(iteration) from error.__cause__

@@ -640,7 +640,7 @@ def _agree_on_iteration(root: Path, rank: int) -> int | None:
         code = -1 if found is None else found
     except CheckpointError as caught:
         error, code = caught, -2
-    codes = _gather_ints(code)
+    codes = gather_ints(code)
     if error is not None:
         raise CheckpointError(f"rank {rank}: {error}") from error
     unreadable = [r for r, value in enumerate(codes) if value == -2]
@@ -835,11 +835,13 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _gather_ints(value: int) -> list[int]:
-    """Every rank's `value`, indexed by global rank."""
+def gather_ints(
+    value: int, operation: str = "checkpoint agreement", *, iteration: int | None = None
+) -> list[int]:
+    """Every rank's `value`, indexed by global rank (one all-reduce named `operation`)."""
     values = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=collective_device())
     values[dist.get_rank()] = value
-    with collective("checkpoint agreement"):
+    with collective(operation, iteration=iteration):
         dist.all_reduce(values)
     return [int(v) for v in values.tolist()]
 

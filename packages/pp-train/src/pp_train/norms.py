@@ -20,7 +20,7 @@ def calc_params_l2_norm(model: Sequence[torch.nn.Module], state: ParallelState) 
     Each rank sums the squares of its chunks' parameters, leaving out tied copies (marked
     ``shared``, e.g. the output layer's copy of the word embedding) and tensor-parallel
     duplicates held on tensor-parallel rank 0 only; the sums meet over the model-parallel
-    group (tensor x pipeline). Half-precision parameters are summed in fp32. Every rank of
+    group (tensor x pipeline). Squares are summed in float64. Every rank of
     the model-parallel group must call this.
 
     Args:
@@ -31,22 +31,20 @@ def calc_params_l2_norm(model: Sequence[torch.nn.Module], state: ParallelState) 
         The norm, the same on every rank of a model-parallel group.
     """
     tp_rank = state.tensor_model_parallel_rank
-    square = torch.zeros((), dtype=torch.float64)
-    seen: set[int] = set()
+    kept: dict[int, torch.Tensor] = {}  # by id: a weight two chunks share counts once
     for chunk in model:
         for param in chunk.parameters():
-            if id(param) in seen:  # a weight two chunks share (counted once)
-                continue
-            seen.add(id(param))
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(
                 param, tp_rank
             ):
-                square += param.detach().double().pow(2).sum().cpu()
+                kept.setdefault(id(param), param)
+    # Summed where the parameters live; one copy to the host at the end.
+    squares = [p.detach().double().pow(2).sum() for p in kept.values()]
+    square = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
     if state.group_size("mp") > 1:
         group = state.group("mp")
-        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        reduced = square.to(device)
+        if dist.get_backend(group) == "nccl":
+            square = square.cuda()
         with collective("parameter norm all-reduce", group=group):
-            dist.all_reduce(reduced, group=group)
-        square = reduced.cpu()
+            dist.all_reduce(square, group=group)
     return float(square.sqrt())

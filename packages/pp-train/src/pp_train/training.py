@@ -50,7 +50,7 @@ from pp_train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pp_train.checkpointing import LoadedCheckpoint, collective_device
+from pp_train.checkpointing import LoadedCheckpoint, collective_device, gather_ints
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
 from pp_train.reporting import Timers as LevelledTimers
@@ -836,11 +836,8 @@ def _non_finite(
         for item in losses
         for v in (item.values() if isinstance(item, dict) else [item])
     )
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=collective_device())
-    flags[dist.get_rank()] = int(bad_loss)
-    with collective("non-finite loss check", iteration=iteration):
-        dist.all_reduce(flags)
-    loss_ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    flags = gather_ints(int(bad_loss), "non-finite loss check", iteration=iteration)
+    loss_ranks = [rank for rank, flag in enumerate(flags) if flag]
     where = "" if iteration is None else f"iteration {iteration}: "
     loss = f"non-finite loss on rank(s) {loss_ranks}; " if loss_ranks else ""
     return NonFiniteError(
