@@ -56,6 +56,13 @@ from pp_train.reporting import (
     format_log_line,
     memory_report,
 )
+from pp_train.stage_layers import (
+    check_layer_counts,
+    chunk_layer_range,
+    even_layer_counts,
+    get_num_layers_to_build,
+    get_transformer_layer_offset,
+)
 from pp_train.training import (
     EncoderDecoderModelProvider,
     ExitReason,
@@ -121,14 +128,19 @@ __all__ = [
     "build_tokenizer",
     "build_train_valid_test_datasets",
     "calc_params_l2_norm",
+    "check_layer_counts",
     "check_world",
     "checkpoint_path",
+    "chunk_layer_range",
     "evaluate",
+    "even_layer_counts",
     "finalize_model_grads",
     "finetune",
     "format_log_line",
     "get_model",
+    "get_num_layers_to_build",
     "get_rng_state",
+    "get_transformer_layer_offset",
     "load_checkpoint",
     "memory_report",
     "microbatches",

@@ -1,9 +1,11 @@
 """`pretrain`: a whole training run from three providers and a configuration, as Megatron's.
 
 Megatron's contracts: ``model_provider(pre_process, post_process, vp_stage)`` builds one
-model chunk (it may also take ``state`` and ``placement`` keywords to learn the parallel state
-and which stage each chunk holds), ``train_valid_test_datasets_provider(num_samples)`` builds
-the three datasets for ``(train, valid, test)`` sample counts (None for one it has not), and
+model chunk (it may also take ``state``, ``placement``, ``layers`` and ``layer_counts``
+keywords to learn the parallel state, which stage each chunk holds, the global transformer
+layers of the chunk it builds (a range, maybe empty) and the layers of every stage),
+``train_valid_test_datasets_provider(num_samples)`` builds the three datasets for
+``(train, valid, test)`` sample counts (None for one it has not), and
 ``forward_step_func(data_iterator, model)`` returns ``(output, loss_func)``. Everything the
 configuration can get wrong is refused before any process group starts.
 """
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from pp_optim import DDPConfig, LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
 from pp_schedules import Choice
-from pp_state import ParallelConfig, ParallelState, Placement
+from pp_state import ParallelConfig, ParallelState
 from pp_train.arguments import PretrainConfig
 from pp_train.checkpoint import detect_format, save_checkpoint
 from pp_train.checkpoint.torch_dist import iteration_directory
@@ -84,6 +86,7 @@ def pretrain(
     checkpoint_args: Mapping[str, Any] | None = None,
     measure_schedule: ScheduleMeasure | None = None,
     model_name: str = "model",
+    layer_counts: Sequence[int] | None = None,
 ) -> ExitReason:
     """Trains a model as `config` says, on the processes torchrun started (or this one).
 
@@ -105,6 +108,9 @@ def pretrain(
         measure_schedule: With ``--pipeline-schedule auto``, chooses again with measured
             costs (the default choice simulates equal costs).
         model_name: Names the model in the first line printed.
+        layer_counts: Transformer layers of each virtual stage in pipeline order, for uneven
+            stages (see `check_world`); None splits ``--num-layers`` evenly. The provider
+            learns its chunk's layers through its ``layers`` keyword.
 
     Returns:
         Why training stopped (see `train`).
@@ -113,7 +119,7 @@ def pretrain(
         ValueError: The configuration does not fit the world (nothing was started).
         CheckpointError: ``--load`` holds a checkpoint this run cannot load.
     """
-    layout = check_world(config, _world_size())
+    layout = check_world(config, _world_size(), layer_counts=layer_counts)
     with _process_group(config) as device:
         state = ParallelState.create(
             ParallelConfig(
@@ -126,7 +132,7 @@ def pretrain(
             if measured := layout.schedule_choice is not None and measure_schedule is not None:
                 layout = _measured(layout, config, measure_schedule)
             run = _Run(config, layout, state, device, model_name, measured)
-            model = _with_context(model_provider, state, layout.placement)
+            model = _with_context(model_provider, state, layout, config.model.num_layers)
             extra = checkpoint_args or {}
             return run.train(
                 train_valid_test_datasets_provider, model, forward_step_func,
@@ -193,18 +199,28 @@ def _measured(layout: RunLayout, config: PretrainConfig, measure: ScheduleMeasur
 
 
 def _with_context(
-    provider: Callable[..., torch.nn.Module], state: ParallelState, placement: Placement
+    provider: Callable[..., torch.nn.Module],
+    state: ParallelState,
+    layout: RunLayout,
+    num_layers: int,
 ) -> Callable[..., torch.nn.Module]:
-    """The provider, handed ``state`` and ``placement`` too when it takes them."""
+    """The provider, also handed those of the run's context keywords that it takes."""
     accepted = inspect.signature(provider).parameters
+    counts = layout.stage_layer_counts(num_layers)
     extra = {
         name: value
-        for name, value in (("state", state), ("placement", placement))
+        for name, value in (
+            ("state", state), ("placement", layout.placement), ("layer_counts", counts),
+        )
         if name in accepted
-    }
+    }  # fmt: skip
 
     def build(**where: Any) -> torch.nn.Module:
-        return provider(**where, **extra)
+        chunk: dict[str, Any] = {}
+        if "layers" in accepted:
+            rank = state.pipeline_model_parallel_rank
+            chunk["layers"] = layout.chunk_layers(num_layers, rank, where.get("vp_stage", 0))
+        return provider(**where, **extra, **chunk)
 
     return build
 

@@ -9,6 +9,7 @@ the numbers that would work.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from pp_schedules import (
     Choice,
@@ -27,6 +28,7 @@ from pp_train.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
+from pp_train.stage_layers import check_layer_counts, chunk_layer_range, even_layer_counts
 from pp_train.training import tied_embedding_sync
 
 __all__ = ["RunLayout", "check_world", "microbatch_calculator"]
@@ -48,6 +50,9 @@ class RunLayout:
     """The plan of ``--pipeline-schedule-file``, validated."""
     schedule_choice: Choice | None
     """With ``--pipeline-schedule auto``: the choice and its table."""
+    layer_counts: tuple[int, ...] = ()
+    """Transformer layers of each virtual stage, in pipeline order (see `pp_train.stage_layers`);
+    empty only for a layout built by hand, where `stage_layer_counts` splits evenly."""
 
     @property
     def placement(self) -> Placement:
@@ -58,20 +63,42 @@ class RunLayout:
         vp = self.virtual_pipeline_model_parallel_size or 1
         return Placement.named("v" if self.schedule == "zbv" else "looped", pp, vp)
 
+    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """`layer_counts`, or the even split of `num_layers` when the layout has none."""
+        if self.layer_counts:
+            return self.layer_counts
+        placement = self.placement
+        return even_layer_counts(num_layers, placement.pp_size, placement.vp_size)
+
+    def chunk_layers(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
+        """The global layers chunk `vp_stage` of pipeline rank `pp_rank` holds."""
+        counts = self.stage_layer_counts(num_layers)
+        return chunk_layer_range(counts, self.placement, pp_rank=pp_rank, vp_stage=vp_stage)
+
 
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
-def check_world(config: PretrainConfig, world_size: int) -> RunLayout:
+def check_world(
+    config: PretrainConfig, world_size: int, *, layer_counts: Sequence[int] | None = None
+) -> RunLayout:
     """The run's layout on `world_size` processes; with ``--data-path``, the data checked too.
+
+    Args:
+        config: The run's configuration.
+        world_size: The number of processes.
+        layer_counts: Transformer layers of each virtual stage, in pipeline order (uneven
+            stages; the first or last may hold none). Their number over the pipeline size is
+            the virtual size. None: the even split of ``--num-layers`` (with
+            ``--num-layers-per-virtual-pipeline-stage``).
 
     Raises:
         ValueError: The sizes do not fit the world, the batches do not divide, the schedule
             cannot run them, or the plan file is unreadable, invalid or for other sizes; the
             message names the flags and what would work.
     """
-    dp, vp = _check_layout(config, world_size)
+    dp, vp, stage_counts = _check_layout(config, world_size, layer_counts)
     _check_batches(config, dp)
     counts = _microbatch_counts(config, dp)
     schedule: str | None = config.parallel.pipeline_schedule
@@ -96,17 +123,55 @@ def check_world(config: PretrainConfig, world_size: int) -> RunLayout:
             seed=config.training.seed,
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
-    return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice)
+    return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice, stage_counts)
 
 
-def _check_layout(config: PretrainConfig, world: int) -> tuple[int, int | None]:
-    """Pipeline and virtual stages; returns the data-parallel and the virtual size."""
+def _check_layout(
+    config: PretrainConfig, world: int, layer_counts: Sequence[int] | None
+) -> tuple[int, int | None, tuple[int, ...]]:
+    """Pipeline and virtual stages; the data-parallel and virtual size, the layer counts."""
     pp, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
     if world % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the {world} processes; "
             f"use one of {_divisors(world)}"
         )
+    if layer_counts is not None:
+        vp = _check_given_counts(config, layer_counts)
+        counts = check_layer_counts(layer_counts, Placement.looped(pp, vp), num_layers=layers)
+        return world // pp, vp if vp > 1 else None, counts
+    vp_size = _check_even_layout(config)
+    return world // pp, vp_size, even_layer_counts(layers, pp, vp_size or 1)
+
+
+def _check_given_counts(config: PretrainConfig, layer_counts: Sequence[int]) -> int:
+    """The virtual size that per-stage layer counts give; refuses what conflicts with them."""
+    pp, per_chunk = (
+        config.parallel.pipeline_model_parallel_size,
+        config.parallel.num_layers_per_virtual_pipeline_stage,
+    )
+    counts = tuple(layer_counts)
+    if per_chunk is not None:
+        raise ValueError(
+            f"layer counts {counts} and --num-layers-per-virtual-pipeline-stage {per_chunk} "
+            "both say how the layers split; give one"
+        )
+    if not counts or len(counts) % pp:
+        raise ValueError(
+            f"{len(counts)} layer counts {counts} do not fill --pipeline-model-parallel-size "
+            f"{pp}: give a multiple of {pp} counts (one per virtual stage)"
+        )
+    if pp == 1 and len(counts) > 1:
+        raise ValueError(
+            f"{len(counts)} layer counts {counts} give virtual stages, which need "
+            "--pipeline-model-parallel-size 2 or more"
+        )
+    return len(counts) // pp
+
+
+def _check_even_layout(config: PretrainConfig) -> int | None:
+    """The virtual size of the even split that the flags describe (None without one)."""
+    pp, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
     if layers % pp:
         raise ValueError(
             f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}; "
@@ -114,7 +179,7 @@ def _check_layout(config: PretrainConfig, world: int) -> tuple[int, int | None]:
         )
     per_chunk, per_stage = config.parallel.num_layers_per_virtual_pipeline_stage, layers // pp
     if per_chunk is None or (per_stage // per_chunk == 1 and per_stage % per_chunk == 0):
-        return world // pp, None
+        return None
     if per_stage % per_chunk:
         raise ValueError(
             f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
@@ -124,7 +189,7 @@ def _check_layout(config: PretrainConfig, world: int) -> tuple[int, int | None]:
         raise ValueError(
             "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size 2 or more"
         )
-    return world // pp, per_stage // per_chunk
+    return per_stage // per_chunk
 
 
 def _check_batches(config: PretrainConfig, dp: int) -> None:
