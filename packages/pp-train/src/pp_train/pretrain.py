@@ -108,9 +108,8 @@ def pretrain(
         measure_schedule: With ``--pipeline-schedule auto``, chooses again with measured
             costs (the default choice simulates equal costs).
         model_name: Names the model in the first line printed.
-        layer_counts: Transformer layers of each virtual stage in pipeline order, for uneven
-            stages (see `check_world`); None splits ``--num-layers`` evenly. The provider
-            learns its chunk's layers through its ``layers`` keyword.
+        layer_counts: Transformer layers of each virtual stage, for uneven stages (see
+            `check_world`; the provider's ``layers`` keyword); None: the even split.
 
     Returns:
         Why training stopped (see `train`).
@@ -121,13 +120,7 @@ def pretrain(
     """
     layout = check_world(config, _world_size(), layer_counts=layer_counts)
     with _process_group(config) as device:
-        state = ParallelState.create(
-            ParallelConfig(
-                pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-                timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes),
-            )
-        )
+        state = _parallel_state(config, layout)
         try:
             if measured := layout.schedule_choice is not None and measure_schedule is not None:
                 layout = _measured(layout, config, measure_schedule)
@@ -140,6 +133,17 @@ def pretrain(
             )  # fmt: skip
         finally:
             state.destroy()
+
+
+def _parallel_state(config: PretrainConfig, layout: RunLayout) -> ParallelState:
+    """The run's parallel state (pipeline and virtual sizes, the collectives' timeout)."""
+    return ParallelState.create(
+        ParallelConfig(
+            pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+            timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes),
+        )
+    )
 
 
 def _world_size() -> int:
