@@ -90,7 +90,7 @@ def _config(pp: int, *, schedule: str | None = None, **checkpoint: Any) -> Pretr
             exit_interval=exit_interval,
         ),
         checkpoint=CheckpointArgs(**checkpoint),
-        logging=LoggingArgs(log_interval=1),
+        logging=LoggingArgs(log_interval=1, log_params_norm=True),
     )
 
 
@@ -163,6 +163,10 @@ def _losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r" lm loss: (\S+) \|", stdout)]
 
 
+def _norms(stdout: str, name: str) -> list[float]:
+    return [float(x) for x in re.findall(rf" {name} norm: (\S+) \|", stdout)]
+
+
 def _validation(stdout: str) -> float:
     found = re.findall(r"validation at the end of training \| lm loss: (\S+)", stdout)
     assert len(found) == 1, stdout
@@ -189,11 +193,18 @@ def unpipelined() -> str:
 def test_uneven_and_empty_stages_train_as_one_process(
     unpipelined: str, pp: int, counts: tuple[int, ...], schedule: str | None
 ) -> None:
-    """Each layout, 3 iterations and a final validation: pp 1's losses within 1e-4."""
+    """Each layout, 3 iterations and a final validation: pp 1's losses within 1e-4.
+
+    The gradient and parameter norms (printed with 3 decimals) count every weight once: the
+    output layer's copy of the word embedding on the last stage is left out.
+    """
     reference = _losses(unpipelined)
     assert len(reference) == ITERS
     printed = _run(pp, _config(pp, schedule=schedule), counts)
     assert _losses(printed) == pytest.approx(reference, abs=1e-4)
+    for name in ("grad", "params"):
+        assert len(_norms(unpipelined, name)) == ITERS
+        assert _norms(printed, name) == pytest.approx(_norms(unpipelined, name), abs=2e-3)
     assert _validation(printed) == pytest.approx(_validation(unpipelined), abs=1e-4)
 
 
