@@ -252,6 +252,7 @@ def test_first_last_type_errors() -> None:
             1,
         ),
         ("Et|EtL", 2, "E appears 2 times (characters 0 and 3): the embedding is built once", 3),
+        ("E*3tL", 1, "E appears 3 times (characters 0): the embedding is built once", 0),
         ("ttL", 1, "no E: the embedding must open stage 0", None),
         (
             "Et|L|",
@@ -308,6 +309,8 @@ def test_counts_are_checked_like_text() -> None:
         PipelineLayerLayout.from_counts((1, 1, 1), 2)
     with pytest.raises(LayerLayoutError, match="placement has 2 ranks x 1 chunks"):
         PipelineLayerLayout.from_counts((1, 1, 1, 1), 2, placement=Placement.looped(2))
+    with pytest.raises(LayerLayoutError, match="counts is empty"):
+        PipelineLayerLayout.from_counts((), 1)
     with pytest.raises(TypeError, match="counts must be a tuple of ints"):
         PipelineLayerLayout((1.0, 2), Placement.looped(2))  # type: ignore[arg-type]
 

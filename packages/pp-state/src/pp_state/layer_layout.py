@@ -161,6 +161,8 @@ class PipelineLayerLayout:
         """
         pp = _check_int("pp_size", pp_size, 1)
         counts = tuple(counts)
+        if not counts:
+            raise LayerLayoutError(None, "a layout needs at least one stage; counts is empty")
         text = _write([c if isinstance(c, int) and c > 0 else 0 for c in counts] or [0])
         _check_stage_count(text, len(counts), pp)
         return cls(counts, _placement(text, placement, pp, len(counts) // pp))
@@ -460,7 +462,7 @@ def _check_ends(text: str, stages: list[_Stage]) -> None:
         if not found:
             raise LayerLayoutError(text, f"no {char}: {name} must {where}")
         if len(found) > 1:
-            places = _choices([at for _, _, at in found], "and")
+            places = _choices(sorted({at for _, _, at in found})[:4], "and")
             raise LayerLayoutError(
                 text,
                 f"{char} appears {len(found)} times (characters {places}): {name} is built once",
