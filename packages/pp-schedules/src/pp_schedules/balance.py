@@ -16,7 +16,10 @@ closest to even, then to the smallest counts in order. Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
+from typing import ParamSpec
 
 from pp_schedules.generators import plan
 from pp_schedules.simulation import Costs, StageCosts, simulate
@@ -25,6 +28,7 @@ from pp_schedules.validation import validate
 __all__ = ["LayerBalance", "balance_layers", "balanced_counts", "even_counts"]
 
 Counts = tuple[int, ...]
+P = ParamSpec("P")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,27 +208,20 @@ def balance_layers(
     return LayerBalance(chosen, tried[chosen], even, tried.get(even, float("nan")), name, m, tried)
 
 
-def balanced_counts(
-    num_layers: int,
-    pp_size: int,
-    *,
-    vp_size: int = 1,
-    layer_cost: Costs | None = None,
-    embedding_cost: Costs | None = None,
-    loss_cost: Costs | None = None,
-    schedule: str | None = None,
-    num_microbatches: int | None = None,
-    placement: str = "looped",
-) -> Counts:
-    """The fastest layers per virtual stage: `balance_layers` (same arguments)'s counts."""
-    return balance_layers(
-        num_layers,
-        pp_size,
-        vp_size=vp_size,
-        layer_cost=layer_cost,
-        embedding_cost=embedding_cost,
-        loss_cost=loss_cost,
-        schedule=schedule,
-        num_microbatches=num_microbatches,
-        placement=placement,
-    ).counts
+def _counts_only(balance: Callable[P, LayerBalance]) -> Callable[P, Counts]:
+    """`balance` returning only the chosen counts (same arguments, checked by mypy)."""
+
+    @functools.wraps(balance)
+    def counts(*args: P.args, **kwargs: P.kwargs) -> Counts:
+        return balance(*args, **kwargs).counts
+
+    counts.__name__ = counts.__qualname__ = "balanced_counts"
+    signature = inspect.signature(balance).replace(return_annotation="tuple[int, ...]")
+    counts.__signature__ = signature  # type: ignore[attr-defined]
+    counts.__doc__ = (
+        "The fastest layers per virtual stage: `balance_layers(...).counts` (same arguments)."
+    )
+    return counts
+
+
+balanced_counts = _counts_only(balance_layers)
