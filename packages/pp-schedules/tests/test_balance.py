@@ -96,6 +96,15 @@ def test_ties_go_to_the_most_even_split_then_to_the_smaller_counts() -> None:
     assert balanced_counts(4, 2, layer_cost=LAYER, schedule="gpipe", num_microbatches=1) == (2, 2)
 
 
+def test_fewer_layers_than_stages_leave_only_the_ends_empty() -> None:
+    # 3 layers on 5 stages: the near-even split (1, 1, 1, 0, 0) empties a middle stage.
+    result = balance_layers(3, 5, layer_cost=LAYER)
+    assert result.counts == (0, 1, 1, 1, 0)
+    assert result.even == (1, 1, 1, 0, 0)
+    assert result.even_makespan != result.even_makespan  # NaN: not a layout
+    assert "near-even" not in result.table()
+
+
 def test_near_even_counts_put_the_extra_layers_first() -> None:
     assert even_counts(6, 4) == (2, 2, 1, 1)
     assert even_counts(61, 8) == (8, 8, 8, 8, 8, 7, 7, 7)
@@ -106,6 +115,7 @@ def test_near_even_counts_put_the_extra_layers_first() -> None:
     [
         ((2, 8), ValueError, "2 layers cannot fill 8 virtual stages: each of the 6 middle"),
         ((2.5, 2), TypeError, "num_layers must be an int, got 2.5"),
+        ((-1, 1), ValueError, "num_layers must be 0 or more, got -1"),
     ],
 )
 def test_impossible_splits_are_refused(
@@ -113,3 +123,43 @@ def test_impossible_splits_are_refused(
 ) -> None:
     with pytest.raises(error, match=match):
         balance_layers(*args)  # type: ignore[arg-type]
+
+
+def _all_splits(num_layers: int, num_stages: int) -> list[tuple[int, ...]]:
+    """Every split with middle stages holding at least one layer (brute force)."""
+    if num_stages == 1:
+        return [(num_layers,)]
+    splits = []
+    for first in range(num_layers + 1):
+        for rest in _all_splits(num_layers - first, num_stages - 1):
+            middle = (first, *rest)[1:-1]
+            if min(middle, default=1) >= 1:
+                splits.append((first, *rest))
+    return splits
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "pp", "vp", "embedding", "loss"),
+    [
+        (7, 3, 1, LAYER, HEAVY_LOSS),
+        (6, 4, 1, None, Costs(forward=2.0, backward=4.0)),
+        (9, 4, 1, HEAVY_LOSS, LAYER),
+        (7, 2, 2, None, HEAVY_LOSS),
+    ],
+)
+def test_the_search_finds_the_fastest_of_all_splits(
+    num_layers: int, pp: int, vp: int, embedding: Costs | None, loss: Costs | None
+) -> None:
+    result = balance_layers(
+        num_layers, pp, vp_size=vp, layer_cost=LAYER, embedding_cost=embedding, loss_cost=loss
+    )
+    report = validate(
+        plan(result.schedule, pp_size=pp, num_microbatches=result.num_microbatches, vp_size=vp)
+    )
+    best = min(
+        simulate(
+            report, StageCosts.from_layers(split, layer=LAYER, embedding=embedding, loss=loss)
+        ).makespan
+        for split in _all_splits(num_layers, pp * vp)
+    )
+    assert result.makespan == pytest.approx(best)

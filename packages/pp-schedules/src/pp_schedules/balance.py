@@ -39,7 +39,8 @@ class LayerBalance:
         counts: Transformer layers of each virtual stage, in pipeline order: the fastest split.
         makespan: Its simulated step time (the costs' unit).
         even: The near-even split (`even_counts`) it replaces.
-        even_makespan: The near-even split's simulated step time.
+        even_makespan: The near-even split's simulated step time; NaN where that split
+            leaves a middle stage without a layer (fewer layers than stages).
         schedule: The schedule simulated.
         num_microbatches: Microbatches per simulated step.
         tried: Every split simulated, with its makespan.
@@ -57,7 +58,7 @@ class LayerBalance:
         """The `limit` fastest splits and the near-even one, the choice marked with '*'."""
         ranked = sorted(self.tried.items(), key=lambda item: _rank(item[0], item[1]))
         shown = [counts for counts, _ in ranked[:limit]]
-        if self.even not in shown:
+        if self.even not in shown and self.even in self.tried:
             shown.append(self.even)
         lines = [f"  {'layers per virtual stage':<32} {'makespan':>9}"]
         for counts in shown:
@@ -135,7 +136,9 @@ def _check(num_layers: int, num_stages: int) -> None:
     for name, value in (("num_layers", num_layers), ("num_stages", num_stages)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
-    if num_layers < max(num_stages - 2, 0):
+    if num_layers < 0:
+        raise ValueError(f"num_layers must be 0 or more, got {num_layers}")
+    if num_layers < num_stages - 2:
         raise ValueError(
             f"{num_layers} layers cannot fill {num_stages} virtual stages: each of the "
             f"{num_stages - 2} middle stages needs a layer, so at least {num_stages - 2} layers"
