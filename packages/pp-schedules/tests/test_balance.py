@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from pp_schedules import (
     Costs,
+    LayerBalance,
     StageCosts,
     balance_layers,
     balanced_counts,
@@ -44,6 +47,24 @@ def test_a_heavy_embedding_moves_layers_off_the_first_stage() -> None:
     assert sum(counts) == 12
 
 
+def _balance(
+    num_layers: int, pp: int, vp: int, embedding: Costs | None, loss: Costs | None
+) -> tuple[LayerBalance, Callable[[tuple[int, ...]], float]]:
+    """The balancer's choice, and the simulated makespan of any split on the same plan."""
+    result = balance_layers(
+        num_layers, pp, vp_size=vp, layer_cost=LAYER, embedding_cost=embedding, loss_cost=loss
+    )
+    report = validate(
+        plan(result.schedule, pp_size=pp, num_microbatches=result.num_microbatches, vp_size=vp)
+    )
+
+    def time(counts: tuple[int, ...]) -> float:
+        costs = StageCosts.from_layers(counts, layer=LAYER, embedding=embedding, loss=loss)
+        return simulate(report, costs).makespan
+
+    return result, time
+
+
 @pytest.mark.parametrize(
     ("num_layers", "pp", "vp", "embedding", "loss"),
     [
@@ -57,20 +78,14 @@ def test_a_heavy_embedding_moves_layers_off_the_first_stage() -> None:
 def test_the_choice_is_never_slower_than_the_near_even_split(
     num_layers: int, pp: int, vp: int, embedding: Costs | None, loss: Costs | None
 ) -> None:
-    result = balance_layers(
-        num_layers, pp, vp_size=vp, layer_cost=LAYER, embedding_cost=embedding, loss_cost=loss
-    )
+    result, time = _balance(num_layers, pp, vp, embedding, loss)
     assert sum(result.counts) == num_layers
     assert len(result.counts) == pp * vp
     assert min(result.counts[1:-1], default=1) >= 1
     assert result.makespan <= result.even_makespan
     assert result.even == even_counts(num_layers, pp * vp)
     # The makespan reported is the simulator's for that split.
-    report = validate(
-        plan(result.schedule, pp_size=pp, num_microbatches=result.num_microbatches, vp_size=vp)
-    )
-    costs = StageCosts.from_layers(result.counts, layer=LAYER, embedding=embedding, loss=loss)
-    assert simulate(report, costs).makespan == pytest.approx(result.makespan)
+    assert time(result.counts) == pytest.approx(result.makespan)
     assert min(result.tried.values()) == pytest.approx(result.makespan)
 
 
@@ -150,16 +165,6 @@ def _all_splits(num_layers: int, num_stages: int) -> list[tuple[int, ...]]:
 def test_the_search_finds_the_fastest_of_all_splits(
     num_layers: int, pp: int, vp: int, embedding: Costs | None, loss: Costs | None
 ) -> None:
-    result = balance_layers(
-        num_layers, pp, vp_size=vp, layer_cost=LAYER, embedding_cost=embedding, loss_cost=loss
-    )
-    report = validate(
-        plan(result.schedule, pp_size=pp, num_microbatches=result.num_microbatches, vp_size=vp)
-    )
-    best = min(
-        simulate(
-            report, StageCosts.from_layers(split, layer=LAYER, embedding=embedding, loss=loss)
-        ).makespan
-        for split in _all_splits(num_layers, pp * vp)
-    )
+    result, time = _balance(num_layers, pp, vp, embedding, loss)
+    best = min(time(split) for split in _all_splits(num_layers, pp * vp))
     assert result.makespan == pytest.approx(best)
