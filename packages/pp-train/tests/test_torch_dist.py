@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from pp_optim import LRScheduleConfig, OptimizerConfig
 from pp_state import ParallelConfig, ParallelState, Placement
@@ -43,6 +44,7 @@ from pp_train.app import gpt_forward_step as forward_step
 from pp_train.checkpoint import ShardedStateKeys, detect_format, load_checkpoint
 from pp_train.checkpoint.__main__ import main as checkpoint_main
 from pp_train.checkpoint.keys import chunk_global_keys
+from pp_train.checkpoint.torch_dist import write_common, writer_and_planner
 from pp_train.checkpointing import CheckpointError, read_tracker
 
 GPT = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -535,10 +537,24 @@ def _old_torch_checkpoint(root: Path) -> None:
     (root / "latest_checkpointed_iteration.txt").write_text("1")
 
 
+def _old_torch_dist_checkpoint(root: Path) -> None:
+    """A torch_dist checkpoint as saved before it recorded each position's names."""
+    directory = root / "iter_0000001"
+    directory.mkdir(parents=True)
+    common = {"checkpoint_version": 3.0, "iteration": 1, "args": {},
+              "consumed_train_samples": 0, "consumed_valid_samples": 0}  # fmt: skip
+    write_common(directory, common)
+    writer, planner = writer_and_planner(directory)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model.w": torch.ones(2)}, storage_writer=writer, planner=planner, no_dist=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+
+
 @pytest.mark.reliability
 def test_the_command_refuses_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
     old, full, out = tmp_path / "old", tmp_path / "full", str(tmp_path / "out")
     _old_torch_checkpoint(old)
+    _old_torch_dist_checkpoint(tmp_path / "old_dist")
     full.mkdir()
     (full / "keep").write_text("x")
     cases = {
@@ -546,6 +562,8 @@ def test_the_command_refuses_in_one_line_and_writes_nothing(tmp_path: Path) -> N
                     "is not a directory"),
         "old": (["--input", str(old), "--output", out, "--to", "torch_dist"],
                 "records no global tensor names"),
+        "old torch_dist": (["--input", str(tmp_path / "old_dist"), "--output", out, "--to",
+                            "torch"], "records no global tensor names"),
         "output": (["--input", str(old), "--output", str(full), "--to", "torch_dist"],
                    "exists and is not an empty directory"),
         "to": (["--input", str(old), "--output", out, "--to", "zarr"], "invalid choice: 'zarr'"),
