@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from pp_state import Placement
+from pp_state import PipelineLayerLayout, Placement
 from pp_testing import run_distributed
 from pp_train import (
     CheckpointArgs,
@@ -27,9 +27,7 @@ from pp_train import (
     ParallelArgs,
     PretrainConfig,
     TrainingArgs,
-    check_layer_counts,
     check_world,
-    chunk_layer_range,
     get_num_layers_to_build,
     get_transformer_layer_offset,
     pretrain,
@@ -41,45 +39,52 @@ ITERS = 3
 
 
 # ----------------------------------------------------------------------------- pure
-def test_chunk_layers_follow_the_counts_and_the_placement() -> None:
-    looped = Placement.looped(2, 2)  # rank 0: stages 0, 2; rank 1: stages 1, 3
-    counts = (1, 2, 2, 1)
+def test_megatron_layer_queries_follow_the_counts_and_the_placement() -> None:
+    looped = PipelineLayerLayout.from_counts((1, 2, 2, 1), 2)  # rank 0: stages 0, 2
     held = {
-        (rank, chunk): chunk_layer_range(counts, looped, pp_rank=rank, vp_stage=chunk)
+        (rank, chunk): (
+            get_transformer_layer_offset(looped, pp_rank=rank, vp_stage=chunk),
+            get_num_layers_to_build(looped, pp_rank=rank, vp_stage=chunk),
+        )
         for rank in range(2)
         for chunk in range(2)
     }
-    assert held == {(0, 0): range(0, 1), (1, 0): range(1, 3), (0, 1): range(3, 5),
-                    (1, 1): range(5, 6)}  # fmt: skip
-    v_shape = Placement.v_shape(2)  # rank 0: stages 0, 3; rank 1: stages 1, 2
-    assert chunk_layer_range(counts, v_shape, pp_rank=0, vp_stage=1) == range(5, 6)
-    last_only = (2, 2, 2, 0)
-    pp4 = Placement.looped(4)
-    assert get_num_layers_to_build(last_only, pp4, pp_rank=3) == 0
-    assert get_transformer_layer_offset(last_only, pp4, pp_rank=3) == 6
-    assert get_transformer_layer_offset((0, 2, 2, 2), pp4, pp_rank=1) == 0
+    assert held == {(0, 0): (0, 1), (1, 0): (1, 2), (0, 1): (3, 2), (1, 1): (5, 1)}
+    v_shape = PipelineLayerLayout.from_counts((1, 2, 2, 1), 2, placement=Placement.v_shape(2))
+    assert get_transformer_layer_offset(v_shape, pp_rank=0, vp_stage=1) == 5
+    last_only = PipelineLayerLayout.from_counts((2, 2, 2, 0), 4)
+    assert get_num_layers_to_build(last_only, pp_rank=3) == 0
+    assert get_transformer_layer_offset(last_only, pp_rank=3) == 6
+    first_only = PipelineLayerLayout.from_counts((0, 2, 2, 2), 4)
+    assert get_transformer_layer_offset(first_only, pp_rank=1) == 0
 
 
 @pytest.mark.parametrize(
     ("counts", "message"),
     [
-        ((2, 0, 2, 2), r"stage 1 of 4 holds nothing \(layer counts \(2, 0, 2, 2\)\)"),
-        ((3, 3, -1, 1), r"stage 2 of 4 has -1 layers"),
-        ((2, 2, 2), r"3 layer counts \(2, 2, 2\) for 4 virtual stages"),
-        ((2, 2, 2, 1), r"add up to 7 layers, but the model has 6"),
+        ((2, 0, 2, 2), r"stage 1 of 4 holds nothing: a stage needs a layer, E or L"),
+        ((3, 3, -1, 1), r"stage 2 has -1 layers; a count must be 0 or more"),
+        ((2, 2, 2), r"3 stages .* are not a multiple of the pipeline size 4"),
+        ((2, 2, 2, 1), r"add up to 7 layers, but --num-layers is 6"),
     ],
 )
 def test_bad_counts_are_refused_naming_the_stage(counts: tuple[int, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        check_layer_counts(counts, Placement.looped(4), num_layers=6)
+        check_world(_config(4), 4, layer_counts=counts)
 
 
-def _config(pp: int, *, schedule: str | None = None, **checkpoint: Any) -> PretrainConfig:
+def _config(
+    pp: int, *, schedule: str | None = None, layout: str | None = None, **checkpoint: Any
+) -> PretrainConfig:
     model = ModelArgs(num_layers=GPT.num_layers, hidden_size=GPT.hidden_size,
                       num_attention_heads=GPT.num_attention_heads, seq_length=GPT.seq_length)  # fmt: skip
     exit_interval = checkpoint.pop("exit_interval", None)
     return PretrainConfig(
-        parallel=ParallelArgs(pipeline_model_parallel_size=pp, pipeline_schedule=schedule),  # type: ignore[arg-type]
+        parallel=ParallelArgs(
+            pipeline_model_parallel_size=pp,
+            pipeline_schedule=schedule,  # type: ignore[arg-type]
+            pipeline_model_parallel_layout=layout,
+        ),
         model=model,
         training=TrainingArgs(
             train_iters=ITERS,
@@ -98,7 +103,7 @@ def test_check_world_takes_counts_that_do_not_divide_and_gives_the_virtual_size(
     layout = check_world(_config(2), 2, layer_counts=(1, 2, 2, 1))
     assert layout.virtual_pipeline_model_parallel_size == 2
     assert layout.layer_counts == (1, 2, 2, 1)
-    assert layout.chunk_layers(6, 1, 1) == range(5, 6)
+    assert layout.layer_layout.layers(1, 1) == range(5, 6)
     even = check_world(_config(2), 2)
     assert even.layer_counts == (3, 3)
     assert (
@@ -110,10 +115,9 @@ def test_check_world_takes_counts_that_do_not_divide_and_gives_the_virtual_size(
 @pytest.mark.parametrize(
     ("pp", "counts", "message"),
     [
-        (4, (2, 2, 2), r"3 layer counts \(2, 2, 2\) do not fill --pipeline-model-parallel-size 4"),
-        (2, (3, 3, 0), r"give a multiple of 2 counts"),
-        (1, (3, 3), r"give virtual stages, which need --pipeline-model-parallel-size 2"),
-        (4, (1, 2, 2, 2), r"add up to 7 layers, but the model has 6"),
+        (4, (2, 2, 2), r"3 stages .* are not a multiple of the pipeline size 4: write 4 stages"),
+        (2, (3, 3, 0), r"3 stages .* not a multiple of the pipeline size 2: write 2 or 4 stages"),
+        (4, (1, 2, 2, 2), r"add up to 7 layers, but --num-layers is 6"),
     ],
 )
 def test_check_world_refuses_counts_before_any_process_group(
@@ -125,6 +129,93 @@ def test_check_world_refuses_counts_before_any_process_group(
     per_chunk = dataclasses.replace(config.parallel, num_layers_per_virtual_pipeline_stage=1)
     with pytest.raises(ValueError, match=r"--num-layers-per-virtual-pipeline-stage 1 both say"):
         check_world(dataclasses.replace(config, parallel=per_chunk), 2, layer_counts=(3, 3))
+
+
+@pytest.mark.parametrize(
+    ("pp", "flags", "counts", "source"),
+    [
+        (2, {"pipeline_model_parallel_layout": "Ettt|tttL"}, (3, 3), "layout"),
+        (4, {"pipeline_model_parallel_layout": "E|(tt|)*2,ttL"}, (0, 2, 2, 2), "layout"),
+        (2, {"pipeline_model_parallel_layout": "Et|tt|tt|tL"}, (1, 2, 2, 1), "layout"),
+        (4, {"decoder_first_pipeline_num_layers": 0}, (0, 2, 2, 2), "first/last"),
+        (3, {"decoder_last_pipeline_num_layers": 2}, (2, 2, 2), "first/last"),
+        (4, {}, None, "balanced"),
+        (2, {"pipeline_model_parallel_layout": "auto"}, None, "balanced"),
+        (2, {}, (3, 3), "even"),
+    ],
+)
+def test_the_flags_choose_the_split_before_any_process_group(
+    pp: int, flags: dict[str, Any], counts: tuple[int, ...] | None, source: str
+) -> None:
+    config = _config(pp)
+    parallel = dataclasses.replace(config.parallel, **flags)
+    layout = check_world(dataclasses.replace(config, parallel=parallel), pp)
+    assert layout.layer_split.source == source
+    assert sum(layout.layer_counts) == GPT.num_layers
+    if counts is not None:
+        assert layout.layer_counts == counts
+    summary = layout.layer_split.summary(layout.layer_layout)
+    if source == "balanced":
+        balance = layout.layer_split.balance
+        assert balance is not None
+        assert balance.makespan <= balance.even_makespan
+        assert summary is not None
+        assert "chosen by simulation" in summary
+        assert str(layout.layer_layout) in summary
+    elif source == "even":
+        assert summary is None
+    else:
+        assert summary is not None
+        assert summary.startswith(f"layer layout {layout.layer_layout} (from --")
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("pp", "flags", "message"),
+    [
+        (4, {"pipeline_model_parallel_layout": "Ett|tt|tt|tL"},
+         r"--pipeline-model-parallel-layout: layout 'Ett\|tt\|tt\|tL': the layout holds 7 "
+         r"transformer layers \(t\) but num_layers is 6"),
+        (4, {"pipeline_model_parallel_layout": "Et|t|t|t|t|tL"},
+         r"6 stages \(split by '\|'\) are not a multiple of the pipeline size 4"),
+        (2, {"pipeline_model_parallel_layout": "tEtt|tttL"}, r"E at character 1 .* must open"),
+        (2, {"pipeline_model_parallel_layout": "Ettt|tLtt"}, r"L at character 6"),
+        (4, {"decoder_first_pipeline_num_layers": 5, "decoder_last_pipeline_num_layers": 3},
+         r"--decoder-first-pipeline-num-layers 5 and --decoder-last-pipeline-num-layers 3 with "
+         r"--num-layers 6: "),
+    ],
+)  # fmt: skip
+def test_bad_layout_flags_are_refused_naming_the_layout_and_the_rule(
+    pp: int, flags: dict[str, Any], message: str
+) -> None:
+    config = _config(pp)
+    parallel = dataclasses.replace(config.parallel, **flags)
+    with pytest.raises(ValueError, match=message):
+        check_world(dataclasses.replace(config, parallel=parallel), pp)
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"pipeline_model_parallel_layout": "Ettt|tttL", "num_layers_per_virtual_pipeline_stage": 1},
+         r"--pipeline-model-parallel-layout Ettt\|tttL says which layers each stage holds, so "
+         r"--num-layers-per-virtual-pipeline-stage 1 cannot be given with it"),
+        ({"pipeline_model_parallel_layout": "Ettt|tttL", "decoder_first_pipeline_num_layers": 3},
+         r"so --decoder-first-pipeline-num-layers 3 cannot be given with it"),
+        ({"decoder_last_pipeline_num_layers": 1, "num_layers_per_virtual_pipeline_stage": 1},
+         r"--decoder-last-pipeline-num-layers 1 with --num-layers-per-virtual-pipeline-stage 1"),
+        ({"decoder_first_pipeline_num_layers": -1},
+         r"--decoder-first-pipeline-num-layers must be an integer 0 or more, got -1"),
+        ({"pipeline_layout_loss_cost": -2.0},
+         r"--pipeline-layout-loss-cost must be a finite number 0 or more, got -2.0"),
+    ],
+)  # fmt: skip
+def test_layout_flags_that_conflict_are_refused_by_the_config(
+    flags: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelArgs(pipeline_model_parallel_size=2, **flags)
 
 
 # ----------------------------------------------------------------------------- training
@@ -180,32 +271,44 @@ def unpipelined() -> str:
 
 
 @pytest.mark.parametrize(
-    ("pp", "counts", "schedule"),
+    ("pp", "layout", "counts", "schedule"),
     [
-        (2, (3, 3), None),
-        (4, (2, 2, 2, 0), None),
-        (2, (1, 2, 2, 1), None),
-        (4, (0, 2, 2, 2), None),
-        (2, (1, 2, 2, 1), "zbv"),
+        (2, "Ettt|tttL", None, None),
+        (4, "Ett|tt|tt|L", None, None),
+        (2, "Et|tt|tt|tL", None, None),
+        (4, None, (0, 2, 2, 2), None),
+        (2, "Et|tt|tt|tL", None, "zbv"),
+        (4, None, None, None),
     ],
-    ids=["Ettt|tttL", "Ett|tt|tt|L", "Et|tt|tt|tL", "E|tt|tt|ttL", "zbv-Et|tt|tt|tL"],
-)
+    ids=["Ettt|tttL", "Ett|tt|tt|L", "Et|tt|tt|tL", "counts-E|tt|tt|ttL", "zbv-Et|tt|tt|tL",
+         "balanced-6-on-4"],
+)  # fmt: skip
 def test_uneven_and_empty_stages_train_as_one_process(
-    unpipelined: str, pp: int, counts: tuple[int, ...], schedule: str | None
+    unpipelined: str,
+    pp: int,
+    layout: str | None,
+    counts: tuple[int, ...] | None,
+    schedule: str | None,
 ) -> None:
     """Each layout, 3 iterations and a final validation: pp 1's losses within 1e-4.
 
-    The gradient and parameter norms (printed with 3 decimals) count every weight once: the
-    output layer's copy of the word embedding on the last stage is left out.
+    The layouts come from --pipeline-model-parallel-layout, from the caller's counts, or (6
+    layers on 4 ranks, which do not divide) from the balancer, whose choice is printed. The
+    gradient and parameter norms (printed with 3 decimals) count every weight once: the output
+    layer's copy of the word embedding on the last stage is left out.
     """
     reference = _losses(unpipelined)
     assert len(reference) == ITERS
-    printed = _run(pp, _config(pp, schedule=schedule), counts)
+    printed = _run(pp, _config(pp, schedule=schedule, layout=layout), counts)
     assert _losses(printed) == pytest.approx(reference, abs=1e-4)
     for name in ("grad", "params"):
         assert len(_norms(unpipelined, name)) == ITERS
         assert _norms(printed, name) == pytest.approx(_norms(unpipelined, name), abs=2e-3)
     assert _validation(printed) == pytest.approx(_validation(unpipelined), abs=1e-4)
+    if layout is not None:
+        assert f"layer layout {layout} (from --pipeline-model-parallel-layout)" in printed
+    if layout is None and counts is None:
+        assert re.search(r"layer layout E\S+L, chosen by simulation \(1f1b", printed), printed
 
 
 def test_a_torch_dist_checkpoint_resumes_with_other_layer_counts(

@@ -21,14 +21,14 @@ from pp_schedules import (
     plan,
     validate,
 )
-from pp_state import Placement
+from pp_state import PipelineLayerLayout, Placement
 from pp_train.arguments import PretrainConfig
 from pp_train.data import check_data
+from pp_train.layer_split import LayerSplit, layer_split
 from pp_train.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
-from pp_train.stage_layers import check_layer_counts, chunk_layer_range, even_layer_counts
 from pp_train.training import tied_embedding_sync
 
 __all__ = ["RunLayout", "check_world", "microbatch_calculator"]
@@ -50,9 +50,13 @@ class RunLayout:
     """The plan of ``--pipeline-schedule-file``, validated."""
     schedule_choice: Choice | None
     """With ``--pipeline-schedule auto``: the choice and its table."""
-    layer_counts: tuple[int, ...] = ()
-    """Transformer layers of each virtual stage, in pipeline order (see `pp_train.stage_layers`);
-    empty only for a layout built by hand, where `stage_layer_counts` splits evenly."""
+    layer_split: LayerSplit
+    """Transformer layers of each virtual stage, and where that split came from."""
+
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        """Transformer layers of each virtual stage, in pipeline order."""
+        return self.layer_split.counts
 
     @property
     def placement(self) -> Placement:
@@ -63,17 +67,13 @@ class RunLayout:
         vp = self.virtual_pipeline_model_parallel_size or 1
         return Placement.named("v" if self.schedule == "zbv" else "looped", pp, vp)
 
-    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
-        """`layer_counts`, or the even split of `num_layers` when the layout has none."""
-        if self.layer_counts:
-            return self.layer_counts
+    @property
+    def layer_layout(self) -> PipelineLayerLayout:
+        """Which transformer layers, and whether the embedding or the loss, each chunk holds."""
         placement = self.placement
-        return even_layer_counts(num_layers, placement.pp_size, placement.vp_size)
-
-    def chunk_layers(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
-        """The global layers chunk `vp_stage` of pipeline rank `pp_rank` holds."""
-        counts = self.stage_layer_counts(num_layers)
-        return chunk_layer_range(counts, self.placement, pp_rank=pp_rank, vp_stage=vp_stage)
+        return PipelineLayerLayout.from_counts(
+            self.layer_counts, placement.pp_size, placement=placement
+        )
 
 
 def _divisors(number: int) -> list[int]:
@@ -98,9 +98,15 @@ def check_world(
             cannot run them, or the plan file is unreadable, invalid or for other sizes; the
             message names the flags and what would work.
     """
-    dp, vp, stage_counts = _check_layout(config, world_size, layer_counts)
+    dp = _check_world_size(config, world_size)
     _check_batches(config, dp)
     counts = _microbatch_counts(config, dp)
+    split = layer_split(
+        config.parallel, config.model.num_layers, given=layer_counts,
+        num_microbatches=max(counts),
+    )  # fmt: skip
+    chunks = len(split.counts) // config.parallel.pipeline_model_parallel_size
+    vp = chunks if chunks > 1 else None
     schedule: str | None = config.parallel.pipeline_schedule
     choice, read = None, None
     if config.parallel.pipeline_schedule_file is not None:
@@ -123,73 +129,18 @@ def check_world(
             seed=config.training.seed,
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
-    return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice, stage_counts)
+    return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice, split)
 
 
-def _check_layout(
-    config: PretrainConfig, world: int, layer_counts: Sequence[int] | None
-) -> tuple[int, int | None, tuple[int, ...]]:
-    """Pipeline and virtual stages; the data-parallel and virtual size, the layer counts."""
-    pp, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
+def _check_world_size(config: PretrainConfig, world: int) -> int:
+    """The data-parallel size: the processes over the pipeline size."""
+    pp = config.parallel.pipeline_model_parallel_size
     if world % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the {world} processes; "
             f"use one of {_divisors(world)}"
         )
-    if layer_counts is not None:
-        vp = _check_given_counts(config, layer_counts)
-        counts = check_layer_counts(layer_counts, Placement.looped(pp, vp), num_layers=layers)
-        return world // pp, vp if vp > 1 else None, counts
-    vp_size = _check_even_layout(config)
-    return world // pp, vp_size, even_layer_counts(layers, pp, vp_size or 1)
-
-
-def _check_given_counts(config: PretrainConfig, layer_counts: Sequence[int]) -> int:
-    """The virtual size that per-stage layer counts give; refuses what conflicts with them."""
-    pp, per_chunk = (
-        config.parallel.pipeline_model_parallel_size,
-        config.parallel.num_layers_per_virtual_pipeline_stage,
-    )
-    counts = tuple(layer_counts)
-    if per_chunk is not None:
-        raise ValueError(
-            f"layer counts {counts} and --num-layers-per-virtual-pipeline-stage {per_chunk} "
-            "both say how the layers split; give one"
-        )
-    if not counts or len(counts) % pp:
-        raise ValueError(
-            f"{len(counts)} layer counts {counts} do not fill --pipeline-model-parallel-size "
-            f"{pp}: give a multiple of {pp} counts (one per virtual stage)"
-        )
-    if pp == 1 and len(counts) > 1:
-        raise ValueError(
-            f"{len(counts)} layer counts {counts} give virtual stages, which need "
-            "--pipeline-model-parallel-size 2 or more"
-        )
-    return len(counts) // pp
-
-
-def _check_even_layout(config: PretrainConfig) -> int | None:
-    """The virtual size of the even split that the flags describe (None without one)."""
-    pp, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
-    if layers % pp:
-        raise ValueError(
-            f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-            f"use a multiple of {pp} layers, or a pipeline size among {_divisors(layers)}"
-        )
-    per_chunk, per_stage = config.parallel.num_layers_per_virtual_pipeline_stage, layers // pp
-    if per_chunk is None or (per_stage // per_chunk == 1 and per_stage % per_chunk == 0):
-        return None
-    if per_stage % per_chunk:
-        raise ValueError(
-            f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
-            f"{per_stage} layers of each pipeline stage; use one of {_divisors(per_stage)}"
-        )
-    if pp == 1:
-        raise ValueError(
-            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size 2 or more"
-        )
-    return per_stage // per_chunk
+    return world // pp
 
 
 def _check_batches(config: PretrainConfig, dp: int) -> None:

@@ -17,8 +17,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from pp_schedules import Choice
-from pp_train.app.auto_schedule import choose_measured
+from pp_schedules import Choice, Costs
+from pp_train.app.auto_schedule import choose_measured, layout_costs
 from pp_train.app.corpus import CorpusDataset, corpus_tokens, split_corpus
 from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_config_from_args
@@ -151,9 +151,13 @@ def run(args: argparse.Namespace) -> str:
         batch = config.training.micro_batch_size
         return choose_measured(gpt, guess, sizes=sizes, micro_batch_size=batch, seed=seed)
 
+    def measure_layout() -> tuple[Costs, float, float]:
+        return layout_costs(gpt, micro_batch_size=config.training.micro_batch_size, seed=seed)
+
     return pretrain(
         datasets_provider, model_provider, gpt_forward_step, config=config,
         checkpoint_args={"vocab_size": gpt.vocab_size}, measure_schedule=measure,
+        measure_layout=measure_layout,
         model_name=f"GPT with {gpt.num_layers} layers, hidden {gpt.hidden_size},",
     )  # fmt: skip
 

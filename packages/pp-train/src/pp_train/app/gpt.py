@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pp_state import Placement
-from pp_train.stage_layers import check_layer_counts, chunk_layer_range
+from pp_state import PipelineLayerLayout, Placement
 
 __all__ = ["GPTChunk", "GPTConfig", "chunk_layers", "init_parameter_"]
 
@@ -147,7 +146,7 @@ def chunk_layers(
         vp_stage: The chunk on this rank, ``0 .. vp_size - 1``.
         placement: Which virtual stage each (rank, chunk) holds; looped when None.
         layer_counts: The layers of each virtual stage for an uneven split (see
-            `pp_train.stage_layers`); they must add up to `num_layers`. None: the even split.
+            `pp_state.PipelineLayerLayout`); they must add up to `num_layers`. None: the even split.
 
     Returns:
         The global layer indices of the chunk (empty for a stage of the embedding or the
@@ -162,8 +161,13 @@ def chunk_layers(
     """
     where = _checked_placement(num_layers, pp_size, vp_size, pp_rank, vp_stage, placement=placement)
     if layer_counts is not None:
-        check_layer_counts(layer_counts, where, num_layers=num_layers)
-        return chunk_layer_range(layer_counts, where, pp_rank=pp_rank, vp_stage=vp_stage)
+        layout = PipelineLayerLayout.from_counts(layer_counts, pp_size, placement=where)
+        if layout.num_layers != num_layers:
+            raise ValueError(
+                f"layer counts {layout.counts} add up to {layout.num_layers} layers, but the "
+                f"model has {num_layers}"
+            )
+        return layout.layers(pp_rank, vp_stage)
     stages = pp_size * vp_size
     if num_layers % stages:
         raise ValueError(
