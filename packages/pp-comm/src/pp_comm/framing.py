@@ -25,8 +25,10 @@ finished in posting order, so the tensors that follow a large frame meet the rig
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import itertools
+import struct
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -51,6 +53,7 @@ FRAME_HEADER_BYTES = (_FIELDS + HEADER_LENGTH) * 8
 _INLINE, _FOLLOWS, _NOTICE = 1, 2, 3
 _NO_MICROBATCH = -(2**62)
 _NOTICE_GRACE_S = 5.0  # longest a receiver waits for its notice to leave before it raises
+_SPARE_FRAMES = 8  # receive frames kept for reuse
 _RECORDS = 4096  # sent messages remembered, to name them when a notice comes back
 _BACK: dict[Slot, Slot] = {
     "send_next": "recv_prev",
@@ -58,26 +61,40 @@ _BACK: dict[Slot, Slot] = {
     "recv_prev": "send_prev",
     "recv_next": "send_next",
 }
-_STATIC: dict[tuple[TensorSpec, ...], list[int]] = {}
+_STATIC: dict[tuple[TensorSpec, ...], bytes] = {}
+_PACKED = struct.Struct("=4q")  # the fields ahead of the specs, native order as the specs
 
 
-def _static(specs: Sequence[TensorSpec], operation: str) -> list[int]:
-    """The header fields that describe `specs` (remembered: schedules repeat shapes)."""
+def _header(fields: tuple[int, int, int, int], static: bytes) -> torch.Tensor:
+    """A frame header as bytes (built in Python: cheaper than tensor ops at this size)."""
+    return torch.frombuffer(bytearray(_PACKED.pack(*fields) + static), dtype=torch.uint8)
+
+
+def _described(static: bytes) -> list[TensorSpec]:
+    """The specs a header's bytes describe."""
+    return decode_header(torch.frombuffer(bytearray(static), dtype=torch.int64))
+
+
+def _static(specs: Sequence[TensorSpec], operation: str) -> bytes:
+    """The header bytes that describe `specs` (remembered: schedules repeat shapes)."""
     key = tuple(specs)
     found = _STATIC.get(key)
     if found is None:
         if len(_STATIC) >= 1024:
             _STATIC.clear()
-        found = _STATIC[key] = encode_specs(specs, operation).tolist()
+        found = _STATIC[key] = encode_specs(specs, operation).numpy().tobytes()
     return found
 
 
 class _Sent:
     """What a send was, to name it when its receiver reports a mismatch."""
 
-    __slots__ = ("microbatch", "operation", "specs")
+    __slots__ = ("microbatch", "operation", "sequence", "specs")
 
-    def __init__(self, operation: str, microbatch: int | None, specs: Sequence[TensorSpec]):
+    def __init__(
+        self, sequence: int, operation: str, microbatch: int | None, specs: Sequence[TensorSpec]
+    ) -> None:
+        self.sequence = sequence
         self.operation = operation
         self.microbatch = microbatch
         self.specs = specs
@@ -130,7 +147,9 @@ class FramedShapes:
         self._buffers = buffers
         self._device = device
         self._sequence = itertools.count()
-        self._sent: dict[int, _Sent] = {}
+        self._sent: list[_Sent | None] = [None] * _RECORDS  # a ring, by sequence number
+        # Receive frames already read, reused: a fresh one per receive costs page faults.
+        self._spare: list[torch.Tensor] = []
         self._streams: dict[tuple[int, Slot, Channel], list[_FramedReceive]] = {}
 
     def post(self, transfers: list[Transfer], operation: str, deadline: float) -> list[Posted]:
@@ -149,7 +168,7 @@ class FramedShapes:
                 if not inline:
                     follow.append(transfer)
             else:
-                wire = torch.empty(FRAME_HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+                wire = self._spare.pop() if self._spare else _receive_frame()
             frame = Transfer(
                 transfer.slot,
                 transfer.peer,
@@ -186,17 +205,25 @@ class FramedShapes:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         inline = nbytes <= INLINE_BYTES
         sequence = next(self._sequence)
-        if len(self._sent) >= _RECORDS:
-            del self._sent[next(iter(self._sent))]
-        self._sent[sequence] = _Sent(operation, transfer.microbatch, transfer.specs)
+        self._sent[sequence % _RECORDS] = _Sent(
+            sequence, operation, transfer.microbatch, transfer.specs
+        )
         microbatch = _NO_MICROBATCH if transfer.microbatch is None else transfer.microbatch
-        fields = [_INLINE if inline else _FOLLOWS, sequence, microbatch, nbytes if inline else 0]
-        header = torch.tensor(fields + _static(transfer.specs, operation), dtype=torch.int64)
+        fields = (_INLINE if inline else _FOLLOWS, sequence, microbatch, nbytes if inline else 0)
+        header = _PACKED.pack(*fields) + _static(transfer.specs, operation)
         if not inline:
-            return header.view(torch.uint8).to(self._device), False
-        parts = [header.view(torch.uint8)]
-        parts += [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
-        return torch.cat(parts), True
+            return torch.frombuffer(bytearray(header), dtype=torch.uint8), False
+        # Plain memory copies: a frame is a few KB, and tensor ops would cost more than the
+        # bytes (the tensors are contiguous and on the CPU: frames are used on gloo only).
+        frame = torch.empty(FRAME_HEADER_BYTES + nbytes, dtype=torch.uint8)
+        address = frame.data_ptr()
+        ctypes.memmove(address, header, FRAME_HEADER_BYTES)
+        address += FRAME_HEADER_BYTES
+        for tensor in tensors:
+            size = tensor.numel() * tensor.element_size()
+            ctypes.memmove(address, tensor.data_ptr(), size)
+            address += size
+        return frame, True
 
     def _receive(
         self, transfer: Transfer, work: dist.Work, frame: torch.Tensor, operation: str
@@ -222,16 +249,20 @@ class FramedShapes:
             P2PMismatchError: The frame is a notice (this side sent other than asked for), or
                 its message is not what this receive asked for (drained, the sender told).
         """
-        fields = frame[:FRAME_HEADER_BYTES].view(torch.int64).tolist()
-        kind, described = fields[0], fields[_FIELDS:]
+        head = frame.numpy()
+        fields: tuple[int, int, int, int] = _PACKED.unpack_from(head.data)
+        kind, described = fields[0], head[_PACKED.size : FRAME_HEADER_BYTES].tobytes()
         if kind == _NOTICE:
-            raise self._noticed(transfer, fields, operation)
+            raise self._noticed(transfer, fields, described, operation)
         if described == _static(transfer.requested, operation):
             if kind == _INLINE:
                 _unpack(transfer.tensors, frame)
+            if len(self._spare) < _SPARE_FRAMES:
+                self._spare.append(frame)
+            if kind == _INLINE:
                 return []
             return self._transport.post([transfer], tag=DATA_TAG, operation=operation)
-        sent = decode_header(torch.tensor(described))
+        sent = _described(described)
         if kind == _FOLLOWS:  # drain it, so that the stream stays in step
             wire = [torch.empty(s.shape or (), dtype=s.dtype, device=self._device) for s in sent]
             drain = Transfer(transfer.slot, transfer.peer, wire, channel=transfer.channel)
@@ -244,7 +275,11 @@ class FramedShapes:
         raise mismatch_error(topology, transfer, operation, transfer.requested, sent, sender=False)
 
     def _notify(
-        self, transfer: Transfer, fields: list[int], operation: str, timeout: datetime.timedelta
+        self,
+        transfer: Transfer,
+        fields: tuple[int, int, int, int],
+        operation: str,
+        timeout: datetime.timedelta,
     ) -> None:
         """Send the sender a notice of what was expected, where its next receive meets it.
 
@@ -252,8 +287,8 @@ class FramedShapes:
         could end this process before the notice has left.
         """
         back = _BACK[transfer.slot]
-        notice = [_NOTICE, fields[1], fields[2], 0, *_static(transfer.requested, operation)]
-        wire = torch.tensor(notice, dtype=torch.int64).view(torch.uint8).to(self._device)
+        notice = (_NOTICE, fields[1], fields[2], 0)
+        wire = _header(notice, _static(transfer.requested, operation))
         message = Transfer(back, transfer.peer, [wire], channel=CHANNEL_OF_SLOT[back])
         message.microbatch = transfer.microbatch
         grace = min(timeout.total_seconds(), _NOTICE_GRACE_S)
@@ -263,14 +298,18 @@ class FramedShapes:
         except P2PError:
             pass  # the sender will time out at its next receive instead
 
-    def _noticed(self, transfer: Transfer, fields: list[int], operation: str) -> P2PMismatchError:
+    def _noticed(
+        self, transfer: Transfer, fields: tuple[int, int, int, int], head: bytes, operation: str
+    ) -> P2PMismatchError:
         """The sender's error, from a notice that met one of its receives."""
         self._transport.broken = f"{operation} received a mismatch notice"
-        record = self._sent.get(fields[1])
+        record = self._sent[fields[1] % _RECORDS]
+        if record is not None and record.sequence != fields[1]:
+            record = None
         microbatch = None if fields[2] == _NO_MICROBATCH else fields[2]
         if record is None:  # long forgotten: name what is known
-            record = _Sent(f"a send before {operation}", microbatch, ())
-        expected = decode_header(torch.tensor(fields[_FIELDS:]))
+            record = _Sent(fields[1], f"a send before {operation}", microbatch, ())
+        expected = _described(head)
         sent = Transfer(_BACK[transfer.slot], transfer.peer, [], specs=record.specs)
         sent.microbatch = record.microbatch
         topology = self._transport.topology
@@ -283,17 +322,22 @@ class FramedShapes:
         return error
 
 
+def _receive_frame() -> torch.Tensor:
+    """A buffer that any frame fits in (gloo aborts on a message larger than its receive)."""
+    return torch.empty(FRAME_HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+
+
 def _deadline(timeout: datetime.timedelta) -> float:
     return time.monotonic() + timeout.total_seconds()
 
 
 def _unpack(buffers: Sequence[torch.Tensor], frame: torch.Tensor) -> None:
     """Copy an inline payload out of its frame into the receive's buffers."""
-    offset = FRAME_HEADER_BYTES
-    for buffer in buffers:
+    address = frame.data_ptr() + FRAME_HEADER_BYTES
+    for buffer in buffers:  # new contiguous CPU tensors, of the sizes the header agreed on
         nbytes = buffer.numel() * buffer.element_size()
-        buffer.detach().reshape(-1).view(torch.uint8).copy_(frame[offset : offset + nbytes])
-        offset += nbytes
+        ctypes.memmove(buffer.data_ptr(), address, nbytes)
+        address += nbytes
 
 
 def mismatch_error(
