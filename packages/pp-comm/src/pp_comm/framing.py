@@ -160,35 +160,23 @@ class FramedShapes:
                 message cannot be described by a header.
         """
         self._buffers.fill(transfers, operation)
-        frames, follow = [], []
-        owner: dict[int, Transfer] = {}
-        for transfer in transfers:
+        follow = []
+        for transfer in transfers:  # each travels as its frame first
             if transfer.sends:
-                wire, inline = self._send_frame(transfer, operation)
+                frame, inline = self._send_frame(transfer, operation)
                 if not inline:
                     follow.append(transfer)
             else:
-                wire = self._spare.pop() if self._spare else _receive_frame()
-            frame = Transfer(
-                transfer.slot,
-                transfer.peer,
-                [wire],
-                microbatch=transfer.microbatch,
-                channel=transfer.channel,
-            )
-            frame.described = transfer.specs if transfer.sends else transfer.requested
-            owner[id(frame)] = transfer
-            frames.append(frame)
-        posted: list[Posted] = []
-        for posted_frame, carried in self._transport.post(
-            frames, tag=HEADER_TAG, operation=operation
-        ):
-            work, frame = posted_frame, carried[0]
-            transfer = owner[id(frame)]
+                frame = self._spare.pop() if self._spare else _receive_frame()
+            transfer.wire = [frame]
+        posted = self._transport.post(transfers, tag=HEADER_TAG, operation=operation)
+        for index, (work, carried) in enumerate(posted):
+            transfer = carried[0]
             if not transfer.sends:  # looks like a Work to whoever waits for it
-                receive = self._receive(transfer, work, frame.wire[0], operation)
-                work = typing.cast(dist.Work, receive)
-            posted.append((work, (transfer,)))
+                receive = self._receive(transfer, work, transfer.wire[0], operation)
+                posted[index] = (typing.cast(dist.Work, receive), carried)
+        for transfer in follow:  # a posted send holds on to its frame
+            transfer.wire = transfer.tensors
         return posted + self._transport.post(follow, tag=DATA_TAG, operation=operation)
 
     def mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
@@ -249,6 +237,7 @@ class FramedShapes:
             P2PMismatchError: The frame is a notice (this side sent other than asked for), or
                 its message is not what this receive asked for (drained, the sender told).
         """
+        transfer.wire = transfer.tensors
         head = frame.numpy()
         fields: tuple[int, int, int, int] = _PACKED.unpack_from(head.data)
         kind, described = fields[0], head[_PACKED.size : FRAME_HEADER_BYTES].tobytes()
