@@ -154,3 +154,22 @@ def test_inline_and_following_payloads_arrive_in_order() -> None:
         [1.0, 1.0, 2.0],
         [0.0, 2.0, 3.0],
     ]
+
+
+def _unframeable() -> str:
+    comm = _comm()
+    try:
+        if comm.is_first_stage:
+            comm.send_forward(torch.ones(2, dtype=torch.complex64))
+        else:
+            comm.recv_forward((2,), dtypes=torch.complex64)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_dtype_a_header_cannot_describe_is_refused_before_posting() -> None:
+    sender, receiver = run_distributed(_unframeable, 2, timeout=60)
+    for operation, text in (("send_forward", sender), ("recv_forward", receiver)):
+        assert text.startswith(f"{operation}: dtype torch.complex64 cannot travel; use one of")
+        assert text.endswith("(or turn off CommConfig.check_contracts)")

@@ -82,7 +82,11 @@ def _static(specs: Sequence[TensorSpec], operation: str) -> bytes:
     if found is None:
         if len(_STATIC) >= 1024:
             _STATIC.clear()
-        found = _STATIC[key] = encode_specs(specs, operation).numpy().tobytes()
+        try:
+            header = encode_specs(specs, operation)
+        except ValueError as error:
+            raise ValueError(f"{error} (or turn off CommConfig.check_contracts)") from None
+        found = _STATIC[key] = header.numpy().tobytes()
     return found
 
 
@@ -156,8 +160,9 @@ class FramedShapes:
         """Post every frame, and the tensors of large sends; nothing waits.
 
         Raises:
-            ValueError: A receive did not name a shape (before anything is posted), or a
-                message cannot be described by a header.
+            ValueError: A receive did not name a shape, or a message cannot be described by
+                a header (a dtype other than those of `pp_comm.payload`, over `MAX_TENSORS`
+                tensors or `MAX_DIMS` dimensions); raised before anything is posted.
         """
         self._buffers.fill(transfers, operation)
         follow = []
@@ -167,6 +172,7 @@ class FramedShapes:
                 if not inline:
                     follow.append(transfer)
             else:
+                _static(transfer.requested, operation)  # can it be checked? (else ValueError)
                 frame = self._spare.pop() if self._spare else _receive_frame()
             transfer.wire = [frame]
         posted = self._transport.post(transfers, tag=HEADER_TAG, operation=operation)
