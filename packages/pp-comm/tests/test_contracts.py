@@ -18,8 +18,10 @@ pytestmark = pytest.mark.reliability
 TIMEOUT = datetime.timedelta(seconds=20)
 
 
-def _comm(batched: bool = True, debug: bool = True) -> P2PCommunicator:
-    config = CommConfig(batch_p2p_comm=batched, debug=debug, timeout=TIMEOUT)
+def _comm(batched: bool = True, debug: bool = True, checks: bool = True) -> P2PCommunicator:
+    config = CommConfig(
+        batch_p2p_comm=batched, debug=debug, check_contracts=checks, timeout=TIMEOUT
+    )
     return P2PCommunicator(dist.group.WORLD, config=config)
 
 
@@ -180,7 +182,7 @@ def test_an_overlapped_sender_raises_when_it_waits_for_its_sends() -> None:
 
 
 def _unchecked() -> list[object]:
-    comm = _comm(debug=False)
+    comm = _comm(debug=False, checks=False)
     if comm.is_first_stage:
         comm.send_forward(torch.arange(12.0).reshape(3, 4))
         return []
@@ -189,7 +191,7 @@ def _unchecked() -> list[object]:
     return received.tolist()
 
 
-def test_without_debug_a_same_size_shape_mismatch_goes_unnoticed() -> None:
+def test_without_checks_a_same_size_shape_mismatch_goes_unnoticed() -> None:
     _, received = run_distributed(_unchecked, 2, timeout=60)
     assert received == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
 

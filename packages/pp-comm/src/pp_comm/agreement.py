@@ -21,12 +21,12 @@ from typing_extensions import Protocol
 from pp_comm.buffers import Buffers
 from pp_comm.config import CommConfig
 from pp_comm.errors import P2PMismatchError
+from pp_comm.framing import FramedShapes, mismatch_error
 from pp_comm.ordering import Slot
 from pp_comm.payload import (
     HEADER_LENGTH,
     TensorSpec,
     decode_header,
-    describe,
     encode_header,
     encode_specs,
 )
@@ -258,23 +258,11 @@ class ShapeHeaders:
     ) -> P2PMismatchError:
         """The receiver's error (`expected` None), or the sender's, given what was expected."""
         topology = self._transport.topology
-        peer = f"rank {transfer.peer} (stage {topology.stage_of(transfer.peer)})"
         if expected is None:
-            expected = transfer.requested
-            text = f"expected {describe(expected)} from {peer}, but it sent "
-            text += describe(transfer.specs)
-        else:
-            text = f"sent {describe(transfer.specs)} to {peer}, but it expected "
-            text += describe(expected)
-        return P2PMismatchError(
-            f"{self._where(transfer, operation)}: {text}",
-            rank=topology.rank,
-            peer=transfer.peer,
-            operation=operation,
-            microbatch=transfer.microbatch,
-            expected=expected,
-            sent=transfer.specs,
-        )
+            return mismatch_error(
+                topology, transfer, operation, transfer.requested, transfer.specs, sender=False
+            )
+        return mismatch_error(topology, transfer, operation, expected, transfer.specs, sender=True)
 
 
 def _agrees(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) -> bool:
@@ -288,7 +276,12 @@ def _agrees(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) -> bool:
 def shape_agreement(
     config: CommConfig, transport: Transport, buffers: Buffers, device: torch.device
 ) -> ShapeAgreement:
-    """Headers when the config asks for variable shapes or debug checks, else fixed shapes."""
+    """Headers for variable shapes or debug checks, else frames or bare fixed shapes.
+
+    Frames check contracts on gloo without scatter-gather; see `pp_comm.framing`.
+    """
     if config.exchanges_shapes:
         return ShapeHeaders(config, transport, buffers, device)
+    if config.check_contracts and transport.matches_by_tag and not buffers.scatters:
+        return FramedShapes(transport, buffers, device)
     return FixedShapes(transport, buffers)

@@ -29,11 +29,22 @@ class CommConfig:
     """Send 1/tp of each tensor and all-gather it over the tensor-parallel group after
     receiving (tensors whose size tp does not divide travel whole)."""
 
+    check_contracts: bool = True
+    """Check every message against its receive: when the count, dtype or shape differs, both
+    sides raise `P2PMismatchError` (the receiver when it waits for the message, the sender at
+    its next receive from that peer) and refuse further calls. The check travels inside each
+    message (a header framed with the payload, see `pp_comm.framing`), so it costs no extra
+    message. Applies to CPU tensors (gloo) with fixed shapes; CUDA tensors (NCCL) are not
+    checked, since reading a header there needs a device-to-host sync per receive: use
+    ``debug`` for them. Off: messages travel bare, and a mismatch of the same byte count
+    goes unnoticed (a larger message makes gloo abort the receiving process)."""
+
     debug: bool = False
-    """Check every message's contract: a header says what the sender sends, an expectation
-    says back what the receiver asked for, and both sides raise `P2PMismatchError` when the
-    count, dtype or shape differs. Costs two small transfers per message (measured 2 to 3x
-    the time of a 4 KB transfer on gloo), so it is off by default."""
+    """Check every message's contract with separate messages, on any backend and with
+    variable shapes: a header says what the sender sends, an expectation says back what the
+    receiver asked for, and both sides raise `P2PMismatchError` in the call itself, leaving
+    the link usable. Costs two small transfers per message (measured 2 to 3x the time of a
+    4 KB transfer on gloo)."""
 
     timeout: datetime.timedelta = datetime.timedelta(minutes=10)
     """Longest wait for one call's transfers before `P2PTimeoutError`."""

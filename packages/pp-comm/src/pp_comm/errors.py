@@ -35,10 +35,12 @@ class P2PTimeoutError(P2PError, TimeoutError):
 
 
 class P2PMismatchError(P2PError):
-    """The two sides disagree on the count, shape or dtype of a message (found in debug mode).
+    """The two sides disagree on the count, shape or dtype of a message.
 
-    Raised on both sides: by the receiver, and by the sender once the receiver's expectation
-    has arrived. The message was drained whole, so neither side is left waiting.
+    Raised on both sides: by the receiver, and by the sender, once the receiver's notice
+    (default checks, at the sender's next receive from that peer) or expectation (debug
+    mode, in the call) has arrived. The message was drained whole, so neither side is left
+    waiting.
 
     Attributes:
         expected: What the receiving side asked for (a None shape: any shape).

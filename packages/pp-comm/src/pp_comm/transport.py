@@ -250,6 +250,8 @@ class Transport:
                 timeout = datetime.timedelta(seconds=max(remaining, 0.001))
             try:
                 work.wait(timeout)
+            except P2PError:
+                raise  # a framed receive's own error (see `pp_comm.framing`)
             except RuntimeError as error:
                 self.broken = f"{operation} failed"
                 raise self.failure(error, transfers, operation, deadline) from error

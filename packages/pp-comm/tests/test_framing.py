@@ -1,0 +1,175 @@
+"""Contract checks by default (frames, see `pp_comm.framing`): a message whose count, dtype or
+shape differs from what its receiver asked for raises `P2PMismatchError` on both sides, naming
+ranks, operation, microbatch and both specs (the sender at its next receive from that peer);
+matching messages, inline or following their frame, arrive intact and in order."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pp_comm import CommConfig, P2PCommunicator, P2PMessage, P2PMismatchError
+from pp_comm.framing import INLINE_BYTES
+from pp_testing import run_distributed
+
+TIMEOUT = datetime.timedelta(seconds=20)
+LARGE = INLINE_BYTES // 4 + 1  # float32 elements of a payload too large to travel inline
+
+
+def _comm(batched: bool = True) -> P2PCommunicator:
+    config = CommConfig(batch_p2p_comm=batched, timeout=TIMEOUT)
+    return P2PCommunicator(dist.group.WORLD, config=config)
+
+
+def _mismatch(batched: bool, sent: list[torch.Tensor], shape: tuple[int, ...]) -> list[object]:
+    """Stage 0 sends `sent` (microbatch 5), stage 1 asks for one float32 tensor of `shape`;
+    stage 0 then waits for the gradient of microbatch 5. Then both refuse further calls."""
+    comm = _comm(batched)
+    seen: list[object] = []
+    try:
+        if comm.is_first_stage:
+            comm.send_forward(sent, microbatch=5)
+            comm.recv_backward((2,), microbatch=5)
+        else:
+            comm.recv_forward(shape, microbatch=5)
+    except P2PMismatchError as error:
+        seen.append(str(error))
+        seen.append((error.rank, error.peer, error.operation, error.microbatch))
+        seen.append(([str(s) for s in error.expected], [str(s) for s in error.sent]))
+    try:
+        comm.send_forward(torch.ones(2)) if comm.is_first_stage else comm.recv_forward((2,))
+    except ValueError as error:
+        seen.append(str(error).split(";")[0])
+    return seen
+
+
+CASES = {
+    "shape": ([torch.ones(3, 4)], (2, 4), "a float32 tensor of shape (3, 4)"),
+    "dtype": ([torch.ones(4, dtype=torch.int32)], (4,), "an int32 tensor of shape (4,)"),
+    "numel": ([torch.ones(6)], (4,), "a float32 tensor of shape (6,)"),
+    "count": (
+        [torch.ones(4), torch.ones(1)],
+        (4,),
+        "[float32 tensor of shape (4,), float32 tensor of shape (1,)]",
+    ),
+    "large": ([torch.ones(LARGE)], (4,), f"a float32 tensor of shape ({LARGE},)"),
+}
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_mismatch_raises_on_both_sides_naming_both_specs(batched: bool, case: str) -> None:
+    """numel, count, large: without frames gloo aborts the receiving process."""
+    sent, shape, sent_text = CASES[case]
+    expected_text = f"a float32 tensor of shape {shape}"
+    sender, receiver = run_distributed(_mismatch, 2, batched, sent, shape, timeout=60)
+    sent_specs = [f"{str(t.dtype)[6:]} tensor of shape {tuple(t.shape)}" for t in sent]
+    specs = ([expected_text.removeprefix("a ")], sent_specs)
+    assert sender == [
+        f"rank 0 (stage 0) in send_forward (microbatch 5): sent {sent_text} to rank 1 "
+        f"(stage 1), but it expected {expected_text} (reported to recv_backward (microbatch 5))",
+        (0, 1, "send_forward", 5),
+        specs,
+        "rank 0: send_forward on a communicator broken by an earlier failure (recv_backward "
+        "received a mismatch notice)",
+    ]
+    assert receiver == [
+        f"rank 1 (stage 1) in recv_forward (microbatch 5): expected {expected_text} from "
+        f"rank 0 (stage 0), but it sent {sent_text}",
+        (1, 0, "recv_forward", 5),
+        specs,
+        "rank 1: recv_forward on a communicator broken by an earlier failure (recv_forward "
+        "received a mismatched message)",
+    ]
+
+
+def _combined() -> list[object]:
+    """1F1B steady state: the activation is right, the gradient has the wrong dtype; the
+    receiving stage 0 raises in the call, stage 1 at its next receive from stage 0."""
+    comm = _comm()
+    try:
+        if comm.is_first_stage:
+            comm.send_forward_recv_backward(torch.ones(2), (2,), microbatch=3)
+        else:
+            comm.send_backward_recv_forward(torch.ones(2, dtype=torch.float64), (2,), microbatch=3)
+            comm.recv_forward((2,), microbatch=4)
+    except P2PMismatchError as error:
+        return [str(error), error.operation, error.microbatch]
+    return ["no error"]
+
+
+@pytest.mark.reliability
+def test_a_mismatch_inside_a_combined_operation_raises_on_both_sides() -> None:
+    first, second = run_distributed(_combined, 2, timeout=60)
+    assert first == [
+        "rank 0 (stage 0) in send_forward_recv_backward (microbatch 3): expected a float32 "
+        "tensor of shape (2,) from rank 1 (stage 1), but it sent a float64 tensor of shape (2,)",
+        "send_forward_recv_backward",
+        3,
+    ]
+    assert second == [
+        "rank 1 (stage 1) in send_backward_recv_forward (microbatch 3): sent a float64 tensor "
+        "of shape (2,) to rank 0 (stage 0), but it expected a float32 tensor of shape (2,) "
+        "(reported to recv_forward (microbatch 4))",
+        "send_backward_recv_forward",
+        3,
+    ]
+
+
+def _mixed() -> list[list[float]]:
+    """Large and inline messages on one stream, waited for out of order, of every dtype kind."""
+    comm = _comm()
+    values = [torch.arange(float(LARGE)), torch.arange(5.0), torch.arange(float(LARGE)) * 2]
+    mask = torch.tensor([True, False, True])
+    if comm.is_first_stage:
+        messages = [P2PMessage(slot="send_next", tensors=[v]) for v in values]
+        messages.append(P2PMessage(slot="send_next", tensors=[mask, torch.arange(3)]))
+        comm.exchange(messages[:2])
+        comm.exchange(messages[2:])
+        return []
+    shapes = [(LARGE,), (5,), (LARGE,)]
+    receives = [P2PMessage(slot="recv_prev", shapes=shape) for shape in shapes]
+    receives.append(
+        P2PMessage(slot="recv_prev", shapes=[(3,), (3,)], dtypes=[torch.bool, torch.int64])
+    )
+    received, handle = comm.exchange(receives, async_op=True)
+    handle.wait_recv(messages=[2])  # finishes the receives posted before it first
+    handle.wait()
+    tensors = [t for message in received if message is not None for t in message]
+    assert [t.dtype for t in tensors[3:]] == [torch.bool, torch.int64]
+    return [[float(t[0]), float(t[-1]), float(t.sum())] for t in tensors]
+
+
+def test_inline_and_following_payloads_arrive_in_order() -> None:
+    _, received = run_distributed(_mixed, 2, timeout=60)
+    total = float(LARGE * (LARGE - 1) / 2)
+    assert received == [
+        [0.0, LARGE - 1.0, total],
+        [0.0, 4.0, 10.0],
+        [0.0, 2.0 * (LARGE - 1), 2 * total],
+        [1.0, 1.0, 2.0],
+        [0.0, 2.0, 3.0],
+    ]
+
+
+def _unframeable() -> str:
+    comm = _comm()
+    try:
+        if comm.is_first_stage:
+            comm.send_forward(torch.ones(2, dtype=torch.complex64))
+        else:
+            comm.recv_forward((2,), dtypes=torch.complex64)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_dtype_a_header_cannot_describe_is_refused_before_posting() -> None:
+    sender, receiver = run_distributed(_unframeable, 2, timeout=60)
+    for operation, text in (("send_forward", sender), ("recv_forward", receiver)):
+        assert text.startswith(f"{operation}: dtype torch.complex64 cannot travel; use one of")
+        assert text.endswith("(or turn off CommConfig.check_contracts)")
