@@ -28,6 +28,7 @@ from pp_train.checkpoint.torch_dist import (
     iteration_directory,
     publish,
     save_content,
+    save_operation,
     write_torch_dist,
 )
 from pp_train.checkpointing import (
@@ -175,6 +176,8 @@ def _content_on_every_rank(
         error,
         "cannot collect its torch_dist checkpoint state",
         f"iteration {iteration} was not saved",
+        operation=save_operation(iteration),
+        iteration=iteration,
     )
     return content
 
@@ -191,6 +194,8 @@ def _publish_on_rank_0(root: Path, iteration: int, state: ParallelState) -> None
         error,
         f"could not publish iteration {iteration} in {root}",
         f"the tracker in {root} was not moved to iteration {iteration}",
+        operation=save_operation(iteration),
+        iteration=iteration,
     )
 
 
