@@ -142,6 +142,8 @@ class AsyncCheckpointSaver:
         Raises:
             CheckpointError: On every rank when any rank's write or the publishing failed
                 (the tracker then still names the previous checkpoint), or a wait timed out.
+            CollectiveError: A rank died or stopped answering during the save (every
+                survivor, naming the save and its iteration); nothing was published.
         """
         if not self._unsettled:
             return

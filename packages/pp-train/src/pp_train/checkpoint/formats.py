@@ -116,8 +116,8 @@ def save_checkpoint(
             (torch_dist; raised on every rank as a `CheckpointError`).
         ValueError: A bad count, an empty model, an unknown format, or an async saver with
             the torch format.
-        CheckpointError: A rank could not write; the tracker still names the checkpoint
-            before.
+        CheckpointError: A rank could not write; the tracker names the checkpoint before.
+        CollectiveError: A rank died or hung (on every survivor, naming the save); as above.
     """
     _check_format(ckpt_format)
     if async_saver is not None and ckpt_format != "torch_dist":
@@ -234,6 +234,8 @@ def load_checkpoint(
         ValueError: An unknown format or an empty model.
         CheckpointError: On every rank when any rank cannot load (a format other than asked,
             another model shape, a missing shard, ...); nothing was changed.
+        CollectiveError: A rank died or stopped answering during the load (every survivor,
+            naming the load and its iteration); nothing was changed.
     """
     _check_format(ckpt_format)
     _check_load_arguments(model, args, strict_args)

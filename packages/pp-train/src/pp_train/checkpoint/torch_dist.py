@@ -184,6 +184,7 @@ def write_torch_dist(
 
     Raises:
         CheckpointError: On every rank when any rank failed (DCP reports failures to all).
+        CollectiveError: On every survivor when a rank died or stopped answering.
     """
     prepare(staging, content, state, iteration)
     writer, planner = writer_and_planner(staging)
