@@ -7,7 +7,7 @@ name iteration 2.
 
 Read-only disk: the disk is a real one, a tmpfs mounted in a private user and mount namespace
 (``unshare -rm``, no root needed) and remounted read-only by rank 1 just before it writes its
-part of iteration 2. Running as root does not help a writer here (the kernel refuses every
+part of iteration 2 (after the common files of a torch_dist save). Running as root does not help a writer here (the kernel refuses every
 write to a read-only mount), unlike a read-only directory. Every rank must raise one
 `CheckpointError` naming a path on that disk and the OS error, the tracker must still name
 iteration 1, and iteration 1's files must be unchanged. The ranks run in a child process
@@ -39,6 +39,8 @@ from pp_state import CollectiveError, ParallelConfig, ParallelState
 from pp_testing import DistributedTestError, run_distributed
 from pp_train import checkpointing as legacy
 from pp_train.checkpoint import AsyncCheckpointSaver, CkptFormat, load_checkpoint, save_checkpoint
+from pp_train.checkpoint import async_save as async_save_module
+from pp_train.checkpoint import torch_dist as torch_dist_module
 from pp_train.checkpointing import CheckpointError, read_tracker
 
 pytestmark = pytest.mark.reliability
@@ -155,11 +157,17 @@ def _save_pp2(root: str, iteration: int, fmt: CkptFormat, saver: Any = None) -> 
 
 
 def _remounting(original: Any, mountpoint: str) -> Any:
-    """`original`, but rank 1 first makes `mountpoint` read-only."""
+    """`original`, but first rank 1 makes `mountpoint` read-only while no rank writes.
+
+    A remount to read-only fails (EBUSY) while any file there is open for writing: every
+    rank waits at a barrier before and after it, at a moment when none has a file open.
+    """
 
     def patched(*args: Any, **kwargs: Any) -> Any:
+        dist.barrier()
         if dist.get_rank() == 1:
             subprocess.run(["mount", "-o", "remount,ro", mountpoint], check=True)
+        dist.barrier()
         return original(*args, **kwargs)
 
     return patched
@@ -167,11 +175,11 @@ def _remounting(original: Any, mountpoint: str) -> Any:
 
 def _case(root: str, case: str) -> tuple[str, str]:
     fmt, background = _CASES[case]
-    if fmt == "torch":
-        patch = mock.patch.object(legacy, "_atomic_write", _remounting(legacy._atomic_write, root))
-    else:
-        writer = _remounting(FileSystemWriter.write_data, root)
-        patch = mock.patch.object(FileSystemWriter, "write_data", writer)
+    # torch: before each rank writes its stage's file; torch_dist: after the common files,
+    # before DCP writes the shards (the same function in the blocking and the async path).
+    owner = legacy if fmt == "torch" else async_save_module if background else torch_dist_module
+    name = "_atomic_write" if fmt == "torch" else "writer_and_planner"
+    patch = mock.patch.object(owner, name, _remounting(getattr(owner, name), root))
     try:
         with patch:
             _save_pp2(root, 2, fmt, AsyncCheckpointSaver() if background else None)
