@@ -98,9 +98,16 @@ def test_interleaved_on_two_processes(torchrun: Torchrun) -> None:
     ("flags", "world", "message"),
     [
         (
-            ["--num-layers", "6", "--pipeline-model-parallel-size", "4"],
+            [
+                "--num-layers",
+                "6",
+                "--pipeline-model-parallel-size",
+                "4",
+                "--pipeline-model-parallel-layout",
+                "Ett|tt|tt|tL",
+            ],
             4,
-            "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4",
+            "--pipeline-model-parallel-layout: layout 'Ett|tt|tt|tL': the layout holds 7",
         ),
         (
             ["--global-batch-size", "10", "--micro-batch-size", "2"],

@@ -23,8 +23,15 @@ CASES: list[tuple[list[str], str]] = [
         "--pipeline-model-parallel-size must be an integer 1 or more, got 0",
     ),
     (
-        ["--num-layers", "6", "--pipeline-model-parallel-size", "4"],
-        "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4; use a multiple of 4 l",
+        [
+            "--num-layers",
+            "6",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ],
+        "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4 (--num-layers-per-vi",
     ),
     (["--num-layers", "0"], "--num-layers must be an integer 1 or more, got 0"),
     (
@@ -113,6 +120,40 @@ CASES: list[tuple[list[str], str]] = [
     (
         ["--num-layers-per-virtual-pipeline-stage", "1"],
         "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size 2 or more",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tttL"],
+        "--pipeline-model-parallel-layout: layout 'Ettt|tttL': the layout holds 6 transformer lay",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "tEtt|ttttL"],
+        "--pipeline-model-parallel-layout: layout 'tEtt|ttttL': E at character 1 is in stage 0 of",
+    ),
+    (
+        ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "Ett|ttt|ttL"],
+        "--pipeline-model-parallel-layout: layout 'Ett|ttt|ttL': 3 stages (split by '|') are not ",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-layout",
+            "Etttt|ttttL",
+            "--num-layers-per-virtual-pipeline-stage",
+            "2",
+        ],
+        "--pipeline-model-parallel-layout Etttt|ttttL says which layers each stage holds, so --nu",
+    ),
+    (
+        [
+            "--pipeline-model-parallel-size",
+            "4",
+            "--decoder-first-pipeline-num-layers",
+            "6",
+            "--decoder-last-pipeline-num-layers",
+            "4",
+        ],
+        "--decoder-first-pipeline-num-layers 6 and --decoder-last-pipeline-num-layers 4 with --nu",
     ),
     (
         ["--pipeline-schedule", "interleaved_1f1b", "--pipeline-model-parallel-size", "2"],

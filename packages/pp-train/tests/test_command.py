@@ -314,6 +314,22 @@ def test_auto_schedule_prints_its_candidates_and_picks_zero_bubble() -> None:
     assert "data parallel 1, zero-bubble ZB-H1;" in run
 
 
+def test_layers_that_do_not_divide_are_balanced_with_measured_costs() -> None:
+    """4 layers on 3 ranks: the command weighs the embedding and the loss in a warm-up, prints
+    the balanced layout it trains, and gives pp 1's losses."""
+    one = _train_on(1, [*TINY, "--pipeline-model-parallel-size", "1"])
+    split = _train_on(3, [*TINY, "--pipeline-model-parallel-size", "3"])
+    found = re.search(
+        r"layer layout (E\S*L), chosen by simulation \(1f1b, \d+ microbatches; embedding "
+        r"[\d.]+ and loss [\d.]+ transformer layers, measured\): step [\d.]+",
+        split,
+    )
+    assert found, split
+    assert found.group(1).count("t") == 4
+    assert found.group(1).count("|") == 2
+    assert _losses(split) == pytest.approx(_losses(one), rel=2e-5)
+
+
 def _spans(path: Path) -> dict[int, set[int]]:
     """Process (0 measured, 1 simulated) -> the pipeline ranks it has spans for."""
     events = json.loads(path.read_text())["traceEvents"]

@@ -16,7 +16,13 @@ SEED = 1234
 
 
 def _layout_chunks(
-    config: GPTConfig, pp: int, vp: int, *, seed: int = SEED, share: bool = True
+    config: GPTConfig,
+    pp: int,
+    vp: int,
+    *,
+    seed: int = SEED,
+    share: bool = True,
+    counts: tuple[int, ...] | None = None,
 ) -> list[GPTChunk]:
     """Every chunk of a layout, in virtual-stage order (the order the data flows)."""
     placement = Placement.looped(pp, vp)
@@ -26,7 +32,7 @@ def _layout_chunks(
         chunks.append(
             GPTChunk(
                 config,
-                layers=chunk_layers(config.num_layers, pp, vp, rank, chunk),
+                layers=chunk_layers(config.num_layers, pp, vp, rank, chunk, layer_counts=counts),
                 pre_process=placement.is_first(rank, chunk),
                 post_process=placement.is_last(rank, chunk),
                 seed=seed,
@@ -139,6 +145,33 @@ def test_chunk_layers_follow_the_v_placement() -> None:
         range(4, 6),
     ]
     assert chunk_layers(8, 2, 2, 1, 1, placement=Placement.looped(2, 2)) == range(6, 8)
+
+
+def test_chunk_layers_follow_uneven_counts() -> None:
+    counts = (0, 3, 3, 2)
+    assert [chunk_layers(8, 4, 1, r, 0, layer_counts=counts) for r in range(4)] == [
+        range(0, 0),
+        range(0, 3),
+        range(3, 6),
+        range(6, 8),
+    ]
+    v = Placement.v_shape(2, 2)
+    assert chunk_layers(8, 2, 2, 0, 1, placement=v, layer_counts=(1, 3, 4, 0)) == range(8, 8)
+    with pytest.raises(ValueError, match=r"add up to 9 layers, but the model has 8"):
+        chunk_layers(8, 2, 1, 0, 0, layer_counts=(4, 5))
+    with pytest.raises(ValueError, match=r"stage 1 of 4 holds nothing"):
+        chunk_layers(8, 2, 2, 0, 0, layer_counts=(4, 0, 2, 2))
+
+
+def test_empty_end_chunks_hold_only_the_embedding_or_the_output_layer() -> None:
+    first = GPTChunk(CONFIG, layers=range(0, 0), pre_process=True, post_process=False, seed=1)
+    last = GPTChunk(CONFIG, layers=range(8, 8), pre_process=False, post_process=True, seed=1)
+    assert {name.split(".")[0] for name, _ in first.named_parameters()} == {"embedding"}
+    assert {name.split(".")[0] for name, _ in last.named_parameters()} == {
+        "final_layernorm",
+        "output_layer",
+    }
+    assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)  # type: ignore[union-attr]
 
 
 def test_chunk_layers_refuse_a_placement_of_another_size() -> None:
@@ -307,10 +340,14 @@ def _run_single(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _run_chain(
-    tokens: torch.Tensor, labels: torch.Tensor, pp: int, vp: int
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    pp: int,
+    vp: int,
+    counts: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, list[GPTChunk]]:
     """Runs the chunks as a pipeline does: detached activations, backward chunk by chunk."""
-    chunks = _layout_chunks(CONFIG, pp, vp)
+    chunks = _layout_chunks(CONFIG, pp, vp, counts=counts)
     inputs: list[torch.Tensor | None] = [None]
     outputs = []
     for chunk in chunks:
@@ -329,11 +366,24 @@ def _run_chain(
     return loss.detach(), chunks
 
 
-@pytest.mark.parametrize(("pp", "vp"), [(2, 1), (4, 1), (2, 2)])
-def test_pipelined_chunks_match_the_single_chunk(pp: int, vp: int) -> None:
+@pytest.mark.parametrize(
+    ("pp", "vp", "counts"),
+    [
+        (2, 1, None),
+        (4, 1, None),
+        (2, 2, None),
+        (2, 1, (3, 5)),
+        (4, 1, (0, 3, 3, 2)),  # E|ttt|ttt|ttL
+        (4, 1, (3, 3, 2, 0)),  # Ettt|ttt|tt|L
+        (2, 2, (0, 4, 4, 0)),  # E|tttt|tttt|L
+    ],
+)
+def test_pipelined_chunks_match_the_single_chunk(
+    pp: int, vp: int, counts: tuple[int, ...] | None
+) -> None:
     tokens, labels = _tokens()
     loss_a, single = _run_single(tokens, labels)
-    loss_b, chunks = _run_chain(tokens, labels, pp, vp)
+    loss_b, chunks = _run_chain(tokens, labels, pp, vp, counts)
     assert torch.allclose(loss_a, loss_b, atol=1e-5, rtol=1e-5)
 
     grads_b: dict[str, torch.Tensor] = {}

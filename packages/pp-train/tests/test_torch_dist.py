@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from pp_optim import LRScheduleConfig, OptimizerConfig
 from pp_state import ParallelConfig, ParallelState, Placement
@@ -43,6 +44,7 @@ from pp_train.app import gpt_forward_step as forward_step
 from pp_train.checkpoint import ShardedStateKeys, detect_format, load_checkpoint
 from pp_train.checkpoint.__main__ import main as checkpoint_main
 from pp_train.checkpoint.keys import chunk_global_keys
+from pp_train.checkpoint.torch_dist import write_common, writer_and_planner
 from pp_train.checkpointing import CheckpointError, read_tracker
 
 GPT = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -358,6 +360,13 @@ def test_torch_dist_load_into_a_model_without_global_keys_is_refused(tmp_path: P
 
 
 # ----------------------------------------------------------------------------- conversion
+@pytest.fixture(scope="module")
+def unbroken_pp2() -> list[float]:
+    """The losses of an unbroken 6-iteration pp-2 run (fp32)."""
+    losses: list[float] = _last(run_distributed(_train, 2, Run(pp=2, iters=6)))["losses"]
+    return losses
+
+
 def _convert(run: Run, to: str, target: str) -> tuple[str, str]:
     """`pretrain` with --ckpt-convert-format: the same model, optimizer and schedule as _setup."""
     gpt = _gpt(run)
@@ -406,10 +415,12 @@ def _converted(source: Path, target: Path, to: str, fp16: bool = False) -> str:
     return "".join(stdout for _, stdout in results)
 
 
-def test_a_torch_checkpoint_converted_to_torch_dist_resumes_exactly(tmp_path: Path) -> None:
-    """About 90 s on 2 busy cores: five 2-rank runs (the unbroken reference, the save, the
-    conversion, and resumes at two layouts) are the claim itself; none can be dropped."""
-    unbroken = _last(run_distributed(_train, 2, Run(pp=2, iters=6)))["losses"]
+def test_a_torch_checkpoint_converted_to_torch_dist_resumes_exactly(
+    tmp_path: Path, unbroken_pp2: list[float]
+) -> None:
+    """About 70 s on 2 busy cores: four 2-rank runs (the save, the conversion, and resumes
+    at two layouts) are the claim itself; none can be dropped."""
+    unbroken = unbroken_pp2
     source, target = tmp_path / "torch", tmp_path / "dist"
     run_distributed(_train, 2, Run(pp=2, iters=3, ckpt_format="torch", save=str(source)))
     printed = _converted(source, target, "torch_dist")
@@ -448,17 +459,123 @@ def test_converting_an_empty_load_directory_is_refused(tmp_path: Path) -> None:
     assert not target.exists()
 
 
-def test_the_convert_command_points_to_the_training_flags(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+# ----------------------------------------------------------------------------- the command
+def _command(*args: str) -> tuple[int, str]:
+    """`python -m pp_train.checkpoint` in this process (no process group): status, stderr."""
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            status = checkpoint_main(list(args))
+        except SystemExit as stopped:
+            status = int(stopped.code or 0)
+    return status, errors.getvalue()
+
+
+def _convert_command(source: Path, target: Path, to: str) -> None:
+    before = _files(source)
+    assert _command("convert", "--input", str(source), "--output", str(target), "--to", to) == (
+        0,
+        "",
+    )
+    assert _files(source) == before  # the input is only read
+    assert read_tracker(target) == 3
+    assert detect_format(target / "iter_0000003") == to
+    assert sorted(p.name for p in target.iterdir()) == [
+        "iter_0000003",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert not list(target.parent.glob("*.tmp-*"))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def test_the_command_converts_torch_to_torch_dist_that_reshards(
+    tmp_path: Path, unbroken_pp2: list[float]
 ) -> None:
-    source = tmp_path / "ckpt"
-    source.mkdir()
-    with pytest.raises(SystemExit) as stopped:
-        checkpoint_main(["convert", "--input", str(source), "--output", "out", "--to", "torch"])
-    assert stopped.value.code == 2
-    message = capsys.readouterr().err
-    assert "usage: python -m pp_train.checkpoint convert" in message
-    assert f"--load {source} --ckpt-convert-format torch --ckpt-convert-save out" in message
-    assert "nothing was read or written" in message
-    assert list(source.iterdir()) == []
-    assert not (tmp_path / "out").exists()
+    """About 100 s on 2 busy cores: the save and resumes at two layouts are the claim; the
+    round trip back to torch is compared file by file instead of by a fourth run."""
+    source, dist_dir, back = tmp_path / "torch", tmp_path / "dist", tmp_path / "back"
+    run_distributed(_train, 2, Run(pp=2, iters=3, ckpt_format="torch", save=str(source)))
+    _convert_command(source, dist_dir, "torch_dist")
+    resumed = _last(run_distributed(_train, 2, Run(pp=2, iters=6, load=str(dist_dir))))
+    assert resumed["notes"] == []  # the recorded layout: RNG restored too
+    assert resumed["losses"] == pytest.approx(unbroken_pp2[3:], rel=1e-6)
+    other = _last(run_distributed(_train, 2, Run(pp=1, iters=6, load=str(dist_dir))))
+    assert other["losses"] == pytest.approx(unbroken_pp2[3:], abs=1e-4)
+    _convert_command(dist_dir, back, "torch")  # the round trip gives the same files
+    for name in ("mp_rank_00_000", "mp_rank_00_001"):
+        files = [root / "iter_0000003" / name / "model_optim_rng.pt" for root in (source, back)]
+        original, returned = (torch.load(f, weights_only=True) for f in files)
+        assert _same(original, returned), name
+
+
+def test_the_command_converts_torch_dist_to_torch_at_the_saved_layout(tmp_path: Path) -> None:
+    """About 80 s on 2 busy cores: an fp16 reference run, the save and the resume."""
+    unbroken = _last(run_distributed(_train, 2, Run(pp=2, iters=5, fp16=True)))["losses"]
+    source, target = tmp_path / "dist", tmp_path / "torch"
+    run_distributed(_train, 2, Run(pp=2, iters=3, fp16=True, save=str(source)))
+    _convert_command(source, target, "torch")
+    run = Run(pp=2, iters=5, fp16=True, ckpt_format="torch", load=str(target))
+    resumed = _last(run_distributed(_train, 2, run))
+    assert resumed["losses"] == pytest.approx(unbroken[3:], rel=1e-6)
+
+
+def _old_torch_checkpoint(root: Path) -> None:
+    """A torch checkpoint as saved before files recorded their global names."""
+    path = root / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True)
+    torch.save({"checkpoint_version": 3.0, "iteration": 1, "args": {}, "model": {},
+                "consumed_train_samples": 0, "consumed_valid_samples": 0}, path)  # fmt: skip
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+
+
+def _old_torch_dist_checkpoint(root: Path) -> None:
+    """A torch_dist checkpoint as saved before it recorded each position's names."""
+    directory = root / "iter_0000001"
+    directory.mkdir(parents=True)
+    common = {"checkpoint_version": 3.0, "iteration": 1, "args": {},
+              "consumed_train_samples": 0, "consumed_valid_samples": 0}  # fmt: skip
+    write_common(directory, common)
+    writer, planner = writer_and_planner(directory)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model.w": torch.ones(2)}, storage_writer=writer, planner=planner, no_dist=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+
+
+@pytest.mark.reliability
+def test_the_command_refuses_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    old, full, out = tmp_path / "old", tmp_path / "full", str(tmp_path / "out")
+    _old_torch_checkpoint(old)
+    _old_torch_dist_checkpoint(tmp_path / "old_dist")
+    full.mkdir()
+    (full / "keep").write_text("x")
+    cases = {
+        "missing": (["--input", str(tmp_path / "absent"), "--output", out, "--to", "torch"],
+                    "is not a directory"),
+        "old": (["--input", str(old), "--output", out, "--to", "torch_dist"],
+                "records no global tensor names"),
+        "old torch_dist": (["--input", str(tmp_path / "old_dist"), "--output", out, "--to",
+                            "torch"], "records no global tensor names"),
+        "output": (["--input", str(old), "--output", str(full), "--to", "torch_dist"],
+                   "exists and is not an empty directory"),
+        "to": (["--input", str(old), "--output", out, "--to", "zarr"], "invalid choice: 'zarr'"),
+        "iteration": (["--input", str(old), "--output", out, "--to", "torch_dist",
+                       "--iteration", "7"], "has no iter_0000007"),
+    }  # fmt: skip
+    before = _files(tmp_path)
+    for name, (args, expected) in cases.items():
+        status, error = _command("convert", *args)
+        assert status == 2, name
+        assert error.endswith("\n"), (name, error)
+        assert error.count("\n") == 1, (name, error)  # one line
+        assert expected in error, (name, error)
+    assert "--ckpt-convert-format" in _command("convert", *cases["old"][0])[1]
+    assert _files(tmp_path) == before

@@ -3,10 +3,12 @@
 - `plan(name, ...)`: per-rank forward/backward order of no-pipelining, GPipe, 1F1B and
   interleaved 1F1B, equal to Megatron-LM's where Megatron accepts the configuration, and of
   the zero-bubble ZB-H1 and ZB-V (backwards split into I and W); `choose_schedule` (and
-  ``plan("auto")``) picks the shortest simulated schedule within a memory limit.
+  ``plan("auto")``) picks the shortest simulated schedule within a memory limit;
+  `balanced_counts` splits layers unevenly over the virtual stages where that runs faster.
 - `validate(...)`: completeness, order, matching transfers and freedom from deadlock, with a
   rank x step grid on failure; `simulate(...)`: makespan, bubbles, activation memory, ASCII
-  and Chrome-trace timelines.
+  and Chrome-trace timelines, with the same costs on every stage (`Costs`) or per virtual
+  stage (`StageCosts`).
 
 - `Plan`, `parse_schedule`, `format_schedule`: a plan as data (actions, placement, and its
   own exchanges if written), read from and written to text (torch's action strings too).
@@ -33,6 +35,7 @@ from pp_schedules.actions import (
     parse_plan,
 )
 from pp_schedules.auto import Candidate, Choice, candidates_for, choose_schedule
+from pp_schedules.balance import LayerBalance, balance_layers, balanced_counts, even_counts
 from pp_schedules.generators import (
     SCHEDULES,
     ScheduleConfigError,
@@ -56,6 +59,7 @@ from pp_schedules.simulation import (
     Costs,
     Simulation,
     Span,
+    StageCosts,
     bubble_formula,
     ideal_makespan,
     simulate,
@@ -125,6 +129,7 @@ __all__ = [
     "Costs",
     "Exchange",
     "ForwardStepFunc",
+    "LayerBalance",
     "MeasuredSpan",
     "Message",
     "PipelineExecutor",
@@ -138,10 +143,13 @@ __all__ = [
     "ScheduleConfigError",
     "Simulation",
     "Span",
+    "StageCosts",
     "Step",
     "TimelineRecorder",
     "__version__",
     "as_plan",
+    "balance_layers",
+    "balanced_counts",
     "bubble_formula",
     "candidates_for",
     "check_trace_path",
@@ -149,6 +157,7 @@ __all__ = [
     "chrome_trace",
     "custom_backward",
     "deallocate_output_tensor",
+    "even_counts",
     "format_plan",
     "format_schedule",
     "gather_timeline",

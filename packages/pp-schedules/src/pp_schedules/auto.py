@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from pp_schedules.generators import plan
 from pp_schedules.plans import Plan
-from pp_schedules.simulation import Costs, simulate
+from pp_schedules.simulation import Costs, StageCosts, simulate
 from pp_schedules.validation import validate
 
 __all__ = ["Candidate", "Choice", "candidates_for", "choose_schedule"]
@@ -53,7 +53,9 @@ class Choice:
     chosen: Candidate
     candidates: list[Candidate]
     costs: Costs | None = None
-    """The costs simulated with."""
+    """The costs simulated with, when the same on every stage."""
+    stage_costs: StageCosts | None = None
+    """The costs simulated with, when given per virtual stage."""
 
     @property
     def plan(self) -> Plan:
@@ -89,7 +91,11 @@ def candidates_for(vp_size: int) -> list[tuple[str, str]]:
 
 
 def _candidate(
-    name: str, placement: str, sizes: tuple[int, int, int], costs: Costs, limit: float | None
+    name: str,
+    placement: str,
+    sizes: tuple[int, int, int],
+    costs: Costs | StageCosts,
+    limit: float | None,
 ) -> Candidate:
     pp_size, num_microbatches, vp_size = sizes
     try:
@@ -122,7 +128,7 @@ def choose_schedule(
     pp_size: int,
     num_microbatches: int,
     vp_size: int = 1,
-    costs: Costs | None = None,
+    costs: Costs | StageCosts | None = None,
     memory_limit: float | None = None,
     placement: str | None = None,
     names: Sequence[str] | None = None,
@@ -134,7 +140,8 @@ def choose_schedule(
         num_microbatches: Microbatches per step.
         vp_size: Model chunks per rank (which schedules apply depends on it).
         costs: Per chunk step; F:B = 1:2 with I = W = B / 2 by default. Measured costs come
-            from `measured_costs` of a recorded step.
+            from `measured_costs` of a recorded step. `StageCosts` (one per virtual stage,
+            e.g. of an uneven layout) time each step with its stage's cost.
         memory_limit: Most activations a rank may hold, in stage-sized units (1F1B's
             first rank holds `pp_size`); no limit by default.
         placement: Consider only schedules on this placement (the model is built for it).
@@ -145,9 +152,15 @@ def choose_schedule(
 
     Raises:
         ValueError: No schedule runs the configuration within the memory limit; the message
-            lists each candidate's memory and why it was left out.
+            lists each candidate's memory and why it was left out. Stage costs for another
+            number of virtual stages than ``pp_size * vp_size``.
     """
     unit = costs or Costs(forward=1.0, backward=2.0)
+    if isinstance(unit, StageCosts) and unit.num_stages != pp_size * vp_size:
+        raise ValueError(
+            f"stage costs cover {unit.num_stages} virtual stages, but {pp_size} ranks x "
+            f"{vp_size} chunks make {pp_size * vp_size}"
+        )
     sizes = (pp_size, num_microbatches, vp_size)
     considered = [
         _candidate(name, where, sizes, unit, memory_limit)
@@ -167,4 +180,6 @@ def choose_schedule(
             "the limit or use more microbatches"
         )
     best = min(fitting, key=lambda c: (c.makespan, c.peak_memory))
+    if isinstance(unit, StageCosts):
+        return Choice(best, considered, stage_costs=unit)
     return Choice(best, considered, unit)

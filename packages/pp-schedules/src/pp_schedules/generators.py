@@ -17,7 +17,7 @@ from pp_schedules.zero_bubble import zb_h1, zbv
 from pp_state.placement import Placement
 
 if TYPE_CHECKING:
-    from pp_schedules.simulation import Costs
+    from pp_schedules.simulation import Costs, StageCosts
 
 __all__ = [
     "SCHEDULES",
@@ -276,7 +276,7 @@ def plan(
     microbatch_group_size_per_vp_stage: int | None = None,
     forward_only: bool = False,
     placement: Placement | str | None = None,
-    costs: Costs | None = None,
+    costs: Costs | StageCosts | None = None,
     memory_limit: float | None = None,
 ) -> Plan:
     """One list of compute actions per pipeline rank, in execution order.

@@ -12,11 +12,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 
 from pp_schedules.actions import CATEGORIES, Action
 from pp_schedules.validation import PlanReport, _Links
 
-__all__ = ["Costs", "Simulation", "Span", "bubble_formula", "ideal_makespan", "simulate"]
+__all__ = [
+    "Costs",
+    "Simulation",
+    "Span",
+    "StageCosts",
+    "bubble_formula",
+    "ideal_makespan",
+    "simulate",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +70,145 @@ class Costs:
         if kind == "W":
             return self.backward / 2 if self.backward_weight is None else self.backward_weight
         return self.backward
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCosts:
+    """Compute time of each virtual stage, for pipelines whose stages differ.
+
+    An uneven layout (the embedding on the first stage, the output layer and loss on the last,
+    layer counts that do not divide) makes some stages slower than others; the simulator
+    times each compute step with the cost of the virtual stage its (rank, chunk) holds, as
+    the plan's `pp_state.Placement` says. Index ``s`` of each tuple is virtual stage ``s``.
+    Build one with `from_layers` (per-layer costs and layer counts) or `from_stages`.
+    """
+
+    forward: tuple[float, ...]
+    """One forward of one microbatch on each virtual stage."""
+    backward: tuple[float, ...]
+    """One backward of one microbatch on each virtual stage."""
+    backward_input: tuple[float, ...] | None = None
+    """The input-gradient half (``I``) on each stage; half of `backward` by default."""
+    backward_weight: tuple[float, ...] | None = None
+    """The weight-gradient half (``W``) on each stage; half of `backward` by default."""
+    transfer: float = 0.0
+    """One transfer between neighbouring stages, from posting the send to arrival."""
+    exchange: float = 0.0
+    """The fixed time a rank spends posting one exchange."""
+
+    def __post_init__(self) -> None:
+        """One cost per stage in every tuple, none negative.
+
+        Raises:
+            ValueError: No stages, tuples of different lengths, or a negative cost.
+        """
+        columns = [self.forward, self.backward, self.backward_input, self.backward_weight]
+        lengths = {len(column) for column in columns if column is not None}
+        if not self.forward or len(lengths) != 1:
+            raise ValueError(
+                "stage costs need one forward, backward (and backward half, if given) per "
+                f"virtual stage, got lengths {[None if c is None else len(c) for c in columns]}"
+            )
+        values = [v for column in columns if column is not None for v in column]
+        if min(values) < 0 or min(self.transfer, self.exchange) < 0:
+            raise ValueError(
+                f"stage costs must not be negative, got forward={self.forward}, "
+                f"backward={self.backward}, backward_input={self.backward_input}, "
+                f"backward_weight={self.backward_weight}, transfer={self.transfer}, "
+                f"exchange={self.exchange}"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual stages costed."""
+        return len(self.forward)
+
+    def of(self, kind: str, stage: int) -> float:
+        """The cost of one compute step of `kind` ("F", "B", "I" or "W") on virtual `stage`."""
+        if kind == "F":
+            return self.forward[stage]
+        if kind == "I":
+            halves = self.backward_input
+        elif kind == "W":
+            halves = self.backward_weight
+        else:
+            return self.backward[stage]
+        return self.backward[stage] / 2 if halves is None else halves[stage]
+
+    @classmethod
+    def from_stages(cls, stages: Sequence[Costs]) -> StageCosts:
+        """One `Costs` per virtual stage; all must agree on transfer and exchange.
+
+        Raises:
+            ValueError: No stages, or stages with different transfer or exchange costs.
+        """
+        links = {(c.transfer, c.exchange) for c in stages}
+        if len(links) > 1:
+            raise ValueError(
+                "every stage's costs must have the same transfer and exchange, got "
+                f"(transfer, exchange) {sorted(links)}"
+            )
+        transfer, exchange = links.pop() if links else (0.0, 0.0)
+        forward, backward, backward_input, backward_weight = (
+            tuple(c.of(kind) for c in stages) for kind in "FBIW"
+        )
+        return cls(
+            forward=forward,
+            backward=backward,
+            backward_input=backward_input,
+            backward_weight=backward_weight,
+            transfer=transfer,
+            exchange=exchange,
+        )
+
+    @classmethod
+    def from_layers(
+        cls,
+        counts: Sequence[int],
+        *,
+        layer: Costs,
+        embedding: Costs | None = None,
+        loss: Costs | None = None,
+    ) -> StageCosts:
+        """The costs of a layout: `counts[s]` transformer layers on virtual stage ``s``.
+
+        Stage 0 also runs the embedding and the last stage the output layer and loss (see
+        `pp_state`'s layer layouts); each step's cost is the sum of what the stage holds.
+        Transfer and exchange costs are the layer's.
+
+        Args:
+            counts: Transformer layers of each virtual stage, in pipeline order.
+            layer: One transformer layer's costs.
+            embedding: The embedding's costs; none by default.
+            loss: The output layer's and loss's costs; none by default.
+
+        Raises:
+            ValueError: No stages, or a negative count.
+        """
+        if not counts or min(counts) < 0:
+            raise ValueError(
+                f"layer counts must name at least one stage and none below 0, got {tuple(counts)}"
+            )
+        last = len(counts) - 1
+        extras = [
+            [part for part, here in ((embedding, s == 0), (loss, s == last)) if here and part]
+            for s in range(len(counts))
+        ]
+        forward, backward, backward_input, backward_weight = (
+            tuple(
+                n * layer.of(kind) + sum(part.of(kind) for part in extra)
+                for n, extra in zip(counts, extras, strict=True)
+            )
+            for kind in "FBIW"
+        )
+        return cls(
+            forward=forward,
+            backward=backward,
+            backward_input=backward_input,
+            backward_weight=backward_weight,
+            transfer=layer.transfer,
+            exchange=layer.exchange,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +302,11 @@ _Link = tuple[int, int, str]
 class _Simulator:
     """The clocks of every rank while the lowered plan is run with `costs`."""
 
-    def __init__(self, report: PlanReport, costs: Costs) -> None:
+    def __init__(self, report: PlanReport, costs: Costs | StageCosts) -> None:
         self.steps = report.steps
         self.links = _Links(report.steps)
         self.costs = costs
+        self.placement = report.placement
         pp_size = len(self.steps)
         self.clock = [0.0] * pp_size
         self.cursor = [0] * pp_size
@@ -208,23 +357,38 @@ class _Simulator:
         if arrivals is None:
             return False
         start = max([self.clock[rank], *arrivals])
-        cost = self.costs.of(step.compute.kind)
+        cost = self._cost(rank, step.compute)
         self.spans[rank].append(Span(rank, step.compute, start, start + cost))
         self.clock[rank] = start + cost
         self.busy[rank] += cost
         return True
 
+    def _cost(self, rank: int, action: Action) -> float:
+        """The time `action` takes on `rank`: its virtual stage's cost with stage costs."""
+        if isinstance(self.costs, Costs):
+            return self.costs.of(action.kind)
+        assert self.placement is not None
+        return self.costs.of(action.kind, self.placement.stage(rank, action.chunk))
 
-def simulate(report: PlanReport, costs: Costs | None = None) -> Simulation:
+
+def simulate(report: PlanReport, costs: Costs | StageCosts | None = None) -> Simulation:
     """Time a validated plan.
 
     Args:
         report: What `pp_schedules.validate` returned for the plan.
-        costs: Cost of a forward, a backward, a transfer and an exchange's posting.
+        costs: Cost of a forward, a backward, a transfer and an exchange's posting: the same
+            on every stage (`Costs`), or per virtual stage (`StageCosts`, looked up through
+            the plan's placement).
 
     Returns:
         The timeline, makespan, bubble fraction and peak activations of each rank.
+
+    Raises:
+        ValueError: Stage costs for another number of virtual stages than the plan's, or
+            for a report that carries no placement.
     """
+    if isinstance(costs, StageCosts):
+        _check_stages(report, costs)
     simulator = _Simulator(report, costs or Costs())
     simulator.run()
     makespan = max(simulator.clock) if simulator.clock else 0.0
@@ -235,6 +399,19 @@ def simulate(report: PlanReport, costs: Costs | None = None) -> Simulation:
         bubble_fraction=bubbles,
         peak_activations=list(report.peak_in_flight),
     )
+
+
+def _check_stages(report: PlanReport, costs: StageCosts) -> None:
+    if report.placement is None:
+        raise ValueError(
+            "stage costs need the plan's placement: simulate the report `validate` returned"
+        )
+    if report.placement.num_stages != costs.num_stages:
+        raise ValueError(
+            f"stage costs cover {costs.num_stages} virtual stages, but the plan has "
+            f"{report.placement.num_stages} ({report.placement.pp_size} ranks x "
+            f"{report.placement.vp_size} chunks)"
+        )
 
 
 def ideal_makespan(

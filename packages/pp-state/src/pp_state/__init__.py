@@ -5,12 +5,15 @@
   class of that name.
 - `ParallelConfig` / `ParallelState`: every group of a job, built once and passed down.
 - `Placement`: which virtual stage each (rank, chunk) holds (looped, V-shape, or a table).
+- `PipelineLayerLayout`: how many transformer layers each virtual stage holds (Megatron's
+  layout string "Ettt|tttL", first/last counts, or the even split), and which global layers,
+  embedding or loss each (rank, chunk) holds; `LayerLayoutError` for a layout that cannot be.
 - `collective`: wrap a collective so a dead or silent peer raises one `CollectiveError`
   naming the rank, the peer, the operation and the iteration.
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
 
-Importing the package and calling `rank_layout`, `expert_rank_layout` or `RankGenerator` does
-not import torch; the names that need it
+Importing the package and using `rank_layout`, `expert_rank_layout`, `RankGenerator`,
+`Placement` or `PipelineLayerLayout` does not import torch; the names that need it
 load on first use.
 """
 
@@ -24,9 +27,11 @@ from pp_state.errors import (
     AlreadyInitializedError,
     DistributedNotInitializedError,
     InvalidArgumentError,
+    LayerLayoutError,
     ParallelSizeAssertionError,
     ParallelSizeError,
 )
+from pp_state.layer_layout import PipelineLayerLayout
 from pp_state.layout import (
     ALL_KINDS,
     AXES,
@@ -112,11 +117,13 @@ __all__ = [
     "ExpertGroupKind",
     "GroupKind",
     "InvalidArgumentError",
+    "LayerLayoutError",
     "NotInitializedError",
     "ParallelConfig",
     "ParallelSizeAssertionError",
     "ParallelSizeError",
     "ParallelState",
+    "PipelineLayerLayout",
     "Placement",
     "RankGenerator",
     "StateDestroyedError",

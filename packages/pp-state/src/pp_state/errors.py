@@ -11,6 +11,7 @@ __all__ = [
     "AlreadyInitializedError",
     "DistributedNotInitializedError",
     "InvalidArgumentError",
+    "LayerLayoutError",
     "ParallelSizeAssertionError",
     "ParallelSizeError",
 ]
@@ -43,3 +44,42 @@ class InvalidArgumentError(ValueError, AssertionError):
 
     ``partial_data_parallel`` without ``with_context_parallel``, for instance.
     """
+
+
+class LayerLayoutError(ValueError):
+    """A pipeline layer layout that cannot be built.
+
+    The message names the layout text, where in it the problem lies (a character index or a
+    stage number, both counted from 0) and the rule it breaks.
+
+    Attributes:
+        layout: The layout text as given (or as the counts would write it), None when the
+            problem is in arguments that describe no layout yet (first/last counts).
+        position: The character index in `layout`, when the problem has one.
+        stage: The virtual stage, when the problem is one stage.
+        rule: The rule, without the layout text in front.
+    """
+
+    def __init__(
+        self,
+        layout: str | None,
+        rule: str,
+        *,
+        position: int | None = None,
+        stage: int | None = None,
+    ) -> None:
+        self.layout = layout
+        self.rule = rule
+        self.position = position
+        self.stage = stage
+        super().__init__(rule if layout is None else f"layout {layout!r}: {rule}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickles with every attribute (errors cross process boundaries in tests and runs)."""
+        return (_layer_layout_error, (self.layout, self.rule, self.position, self.stage))
+
+
+def _layer_layout_error(
+    layout: str | None, rule: str, position: int | None, stage: int | None
+) -> LayerLayoutError:
+    return LayerLayoutError(layout, rule, position=position, stage=stage)

@@ -39,6 +39,7 @@ from pp_train.data import (
     build_train_valid_test_datasets,
     microbatches,
 )
+from pp_train.layer_split import LayerSplit
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator,
@@ -56,6 +57,7 @@ from pp_train.reporting import (
     format_log_line,
     memory_report,
 )
+from pp_train.stage_layers import get_num_layers_to_build, get_transformer_layer_offset
 from pp_train.training import (
     EncoderDecoderModelProvider,
     ExitReason,
@@ -94,6 +96,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "LRScheduleArgs",
+    "LayerSplit",
     "LoadedCheckpoint",
     "LoggingArgs",
     "ModelArgs",
@@ -128,7 +131,9 @@ __all__ = [
     "finetune",
     "format_log_line",
     "get_model",
+    "get_num_layers_to_build",
     "get_rng_state",
+    "get_transformer_layer_offset",
     "load_checkpoint",
     "memory_report",
     "microbatches",

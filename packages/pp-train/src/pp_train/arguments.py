@@ -61,6 +61,40 @@ def _check_positive_real(config: object, names: tuple[str, ...]) -> None:
             raise ValueError(f"{_flag(name)} must be a positive finite number, got {value!r}")
 
 
+def _check_costs(config: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+            raise ValueError(f"{_flag(name)} must be a finite number 0 or more, got {value!r}")
+
+
+def _check_layout_flags(parallel: ParallelArgs) -> None:
+    """A layout, first/last layer counts and layers per virtual stage each describe the split."""
+    layout = parallel.pipeline_model_parallel_layout
+    given = [
+        f"{_flag(name)} {value}"
+        for name in (
+            "pipeline_model_parallel_layout",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+            "num_layers_per_virtual_pipeline_stage",
+        )
+        if (value := getattr(parallel, name)) is not None
+    ]
+    if layout is not None and len(given) > 1:
+        raise ValueError(
+            f"{given[0]} says which layers each stage holds, so {', '.join(given[1:])} "
+            "cannot be given with it; give the layout alone"
+        )
+    decoder = [flag for flag in given if flag.startswith("--decoder")]
+    if decoder and parallel.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError(
+            f"{' and '.join(decoder)} with --num-layers-per-virtual-pipeline-stage "
+            f"{parallel.num_layers_per_virtual_pipeline_stage}: with virtual stages, write the "
+            "split as --pipeline-model-parallel-layout (e.g. 'Et|tt|tt|tL')"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelArgs:
     """Parallelism and the pipeline schedule."""
@@ -71,6 +105,28 @@ class ParallelArgs:
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per model chunk; fewer than layers / pipeline size gives each rank several chunks
     (interleaved 1F1B by default)."""
+
+    pipeline_model_parallel_layout: str | None = None
+    """Which layers each virtual stage holds, in Megatron's layout syntax (E embedding, t
+    transformer layer, L output layer and loss, '|' between virtual stages, '*N' repeats,
+    e.g. 'Ettt|tttL' or 'E|t*3|t*3|L'); the number of stages over the pipeline size gives the
+    virtual size. 'auto': the split whose simulated step is shortest (the default when the
+    layers do not divide over the pipeline)."""
+
+    decoder_first_pipeline_num_layers: int | None = None
+    """Transformer layers of the first pipeline stage (Megatron's shorthand for a layout); the
+    stages between the first and the last share the rest evenly."""
+
+    decoder_last_pipeline_num_layers: int | None = None
+    """Transformer layers of the last pipeline stage (Megatron's shorthand for a layout)."""
+
+    pipeline_layout_embedding_cost: float | None = None
+    """For 'auto' layouts: the embedding's time in transformer layers (e.g. 0.5); measured in a
+    short warm-up by the command, and 1 in the library, when not given."""
+
+    pipeline_layout_loss_cost: float | None = None
+    """For 'auto' layouts: the output layer's and loss's time in transformer layers; measured in
+    a short warm-up by the command, and 1 in the library, when not given."""
 
     pipeline_schedule: PipelineScheduleName | None = None
     """The schedule; by default interleaved_1f1b with virtual stages, 1f1b otherwise
@@ -94,6 +150,11 @@ class ParallelArgs:
             self, ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
         )
         _check_positive_real(self, ("distributed_timeout_minutes",))
+        _check_at_least(
+            self, ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"), 0
+        )
+        _check_costs(self, ("pipeline_layout_embedding_cost", "pipeline_layout_loss_cost"))
+        _check_layout_flags(self)
         if self.pipeline_schedule is not None and self.pipeline_schedule_file is not None:
             raise ValueError(
                 f"--pipeline-schedule {self.pipeline_schedule} and --pipeline-schedule-file "

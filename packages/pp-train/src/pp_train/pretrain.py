@@ -1,9 +1,11 @@
 """`pretrain`: a whole training run from three providers and a configuration, as Megatron's.
 
 Megatron's contracts: ``model_provider(pre_process, post_process, vp_stage)`` builds one
-model chunk (it may also take ``state`` and ``placement`` keywords to learn the parallel state
-and which stage each chunk holds), ``train_valid_test_datasets_provider(num_samples)`` builds
-the three datasets for ``(train, valid, test)`` sample counts (None for one it has not), and
+model chunk (it may also take ``state``, ``placement``, ``layers`` and ``layer_counts``
+keywords to learn the parallel state, which stage each chunk holds, the global transformer
+layers of the chunk it builds (a range, maybe empty) and the layers of every stage),
+``train_valid_test_datasets_provider(num_samples)`` builds the three datasets for
+``(train, valid, test)`` sample counts (None for one it has not), and
 ``forward_step_func(data_iterator, model)`` returns ``(output, loss_func)``. Everything the
 configuration can get wrong is refused before any process group starts.
 """
@@ -24,13 +26,14 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
-from pp_schedules import Choice
-from pp_state import ParallelConfig, ParallelState, Placement
+from pp_schedules import Choice, Costs
+from pp_state import ParallelConfig, ParallelState
 from pp_train.arguments import PretrainConfig
 from pp_train.checkpoint import detect_format, save_checkpoint
 from pp_train.checkpoint.torch_dist import iteration_directory
 from pp_train.checkpointing import TRACKER_FILENAME, CheckpointError, LoadedCheckpoint
 from pp_train.data import SampleDataset, microbatches
+from pp_train.layer_split import rebalanced
 from pp_train.reporting import Timers, TrainingLogger, memory_report
 from pp_train.training import (
     EncoderDecoderModelProvider,
@@ -64,6 +67,10 @@ DatasetsProvider = Callable[
 ScheduleMeasure = Callable[[Choice, tuple[int, int, int]], Choice]
 """Chooses again with measured costs: ``(guess, (pp, microbatches, vp)) -> choice``."""
 
+LayoutMeasure = Callable[[], tuple[Costs, float, float]]
+"""Measures, the same on every rank: one transformer layer's step costs, and the embedding's
+and the loss's time in transformer layers (for balancing an uneven split)."""
+
 _SCHEDULE_TITLES = {
     "no_pipelining": "no pipelining",
     "gpipe": "GPipe",
@@ -83,7 +90,9 @@ def pretrain(
     model_type: ModelType = ModelType.encoder_or_decoder,
     checkpoint_args: Mapping[str, Any] | None = None,
     measure_schedule: ScheduleMeasure | None = None,
+    measure_layout: LayoutMeasure | None = None,
     model_name: str = "model",
+    layer_counts: Sequence[int] | None = None,
 ) -> ExitReason:
     """Trains a model as `config` says, on the processes torchrun started (or this one).
 
@@ -104,7 +113,10 @@ def pretrain(
             vocabulary size).
         measure_schedule: With ``--pipeline-schedule auto``, chooses again with measured
             costs (the default choice simulates equal costs).
+        measure_layout: For a split balanced by simulation whose end costs are not both
+            configured: balances again with measured costs before the model is built.
         model_name: Names the model in the first line printed.
+        layer_counts: Transformer layers of each virtual stage (see `check_world`).
 
     Returns:
         Why training stopped (see `train`).
@@ -113,20 +125,15 @@ def pretrain(
         ValueError: The configuration does not fit the world (nothing was started).
         CheckpointError: ``--load`` holds a checkpoint this run cannot load.
     """
-    layout = check_world(config, _world_size())
+    layout = check_world(config, _world_size(), layer_counts=layer_counts)
     with _process_group(config) as device:
-        state = ParallelState.create(
-            ParallelConfig(
-                pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-                timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes),
-            )
-        )
+        state = _parallel_state(config, layout)
         try:
+            layout = _measured_layout(layout, config, measure_layout)
             if measured := layout.schedule_choice is not None and measure_schedule is not None:
                 layout = _measured(layout, config, measure_schedule)
             run = _Run(config, layout, state, device, model_name, measured)
-            model = _with_context(model_provider, state, layout.placement)
+            model = _with_context(model_provider, state, layout)
             extra = checkpoint_args or {}
             return run.train(
                 train_valid_test_datasets_provider, model, forward_step_func,
@@ -134,6 +141,17 @@ def pretrain(
             )  # fmt: skip
         finally:
             state.destroy()
+
+
+def _parallel_state(config: PretrainConfig, layout: RunLayout) -> ParallelState:
+    """The run's parallel state (pipeline and virtual sizes, the collectives' timeout)."""
+    return ParallelState.create(
+        ParallelConfig(
+            pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+            timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes),
+        )
+    )
 
 
 def _world_size() -> int:
@@ -184,6 +202,18 @@ def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
             dist.destroy_process_group()
 
 
+def _measured_layout(
+    layout: RunLayout, config: PretrainConfig, measure: LayoutMeasure | None
+) -> RunLayout:
+    """A balanced split whose end costs are not both configured, balanced with measured ones."""
+    parallel = config.parallel
+    ends = (parallel.pipeline_layout_embedding_cost, parallel.pipeline_layout_loss_cost)
+    if measure is None or layout.layer_split.balance is None or None not in ends:
+        return layout
+    split = rebalanced(layout.layer_split, parallel, measure())
+    return dataclasses.replace(layout, layer_split=split)
+
+
 def _measured(layout: RunLayout, config: PretrainConfig, measure: ScheduleMeasure) -> RunLayout:
     assert layout.schedule_choice is not None
     pp = config.parallel.pipeline_model_parallel_size
@@ -193,18 +223,28 @@ def _measured(layout: RunLayout, config: PretrainConfig, measure: ScheduleMeasur
 
 
 def _with_context(
-    provider: Callable[..., torch.nn.Module], state: ParallelState, placement: Placement
+    provider: Callable[..., torch.nn.Module],
+    state: ParallelState,
+    layout: RunLayout,
 ) -> Callable[..., torch.nn.Module]:
-    """The provider, handed ``state`` and ``placement`` too when it takes them."""
+    """The provider, also handed those of the run's context keywords that it takes."""
     accepted = inspect.signature(provider).parameters
+    layers = layout.layer_layout
     extra = {
         name: value
-        for name, value in (("state", state), ("placement", placement))
+        for name, value in (
+            ("state", state), ("placement", layout.placement),
+            ("layer_counts", layout.layer_counts), ("layer_layout", layers),
+        )
         if name in accepted
-    }
+    }  # fmt: skip
 
     def build(**where: Any) -> torch.nn.Module:
-        return provider(**where, **extra)
+        chunk: dict[str, Any] = {}
+        if "layers" in accepted:
+            rank = state.pipeline_model_parallel_rank
+            chunk["layers"] = layers.layers(rank, where.get("vp_stage", 0))
+        return provider(**where, **extra, **chunk)
 
     return build
 
@@ -497,15 +537,17 @@ class _Run:
             f"data parallel {state.group_size('dp_cp')}, {title}"
             + ("" if epoch is None else f"; {epoch} training samples per epoch")
         )
+        split = layout.layer_split.summary(layout.layer_layout)
+        lines = [line] if split is None else [line, split]
         choice = layout.schedule_choice
         if choice is None:
-            return [line]
+            return lines
         costs = choice.costs
         text = "-" if costs is None else (
             f"F {costs.forward:.2f}, I {costs.of('I'):.2f}, W {costs.of('W'):.2f}"
         )  # fmt: skip
         how = " with step costs measured in a warm-up" if self.measured else ""
-        return [line, f"pipeline schedule chosen by simulation{how} (ms per chunk: {text}):\n"
+        return [*lines, f"pipeline schedule chosen by simulation{how} (ms per chunk: {text}):\n"
                 + choice.table()]  # fmt: skip
 
     def _final_validation(

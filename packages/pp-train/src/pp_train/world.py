@@ -9,6 +9,7 @@ the numbers that would work.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from pp_schedules import (
     Choice,
@@ -20,9 +21,10 @@ from pp_schedules import (
     plan,
     validate,
 )
-from pp_state import Placement
+from pp_state import PipelineLayerLayout, Placement
 from pp_train.arguments import PretrainConfig
 from pp_train.data import check_data
+from pp_train.layer_split import LayerSplit, layer_split
 from pp_train.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
@@ -48,6 +50,13 @@ class RunLayout:
     """The plan of ``--pipeline-schedule-file``, validated."""
     schedule_choice: Choice | None
     """With ``--pipeline-schedule auto``: the choice and its table."""
+    layer_split: LayerSplit
+    """Transformer layers of each virtual stage, and where that split came from."""
+
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        """Transformer layers of each virtual stage, in pipeline order."""
+        return self.layer_split.counts
 
     @property
     def placement(self) -> Placement:
@@ -58,22 +67,46 @@ class RunLayout:
         vp = self.virtual_pipeline_model_parallel_size or 1
         return Placement.named("v" if self.schedule == "zbv" else "looped", pp, vp)
 
+    @property
+    def layer_layout(self) -> PipelineLayerLayout:
+        """Which transformer layers, and whether the embedding or the loss, each chunk holds."""
+        placement = self.placement
+        return PipelineLayerLayout.from_counts(
+            self.layer_counts, placement.pp_size, placement=placement
+        )
+
 
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
-def check_world(config: PretrainConfig, world_size: int) -> RunLayout:
+def check_world(
+    config: PretrainConfig, world_size: int, *, layer_counts: Sequence[int] | None = None
+) -> RunLayout:
     """The run's layout on `world_size` processes; with ``--data-path``, the data checked too.
+
+    Args:
+        config: The run's configuration.
+        world_size: The number of processes.
+        layer_counts: Transformer layers of each virtual stage, in pipeline order (uneven
+            stages; the first or last may hold none). Their number over the pipeline size is
+            the virtual size. None: the even split of ``--num-layers`` (with
+            ``--num-layers-per-virtual-pipeline-stage``).
 
     Raises:
         ValueError: The sizes do not fit the world, the batches do not divide, the schedule
             cannot run them, or the plan file is unreadable, invalid or for other sizes; the
             message names the flags and what would work.
     """
-    dp, vp = _check_layout(config, world_size)
+    dp = _check_world_size(config, world_size)
     _check_batches(config, dp)
     counts = _microbatch_counts(config, dp)
+    split = layer_split(
+        config.parallel, config.model.num_layers, given=layer_counts,
+        num_microbatches=max(counts),
+    )  # fmt: skip
+    chunks = len(split.counts) // config.parallel.pipeline_model_parallel_size
+    vp = chunks if chunks > 1 else None
     schedule: str | None = config.parallel.pipeline_schedule
     choice, read = None, None
     if config.parallel.pipeline_schedule_file is not None:
@@ -96,35 +129,18 @@ def check_world(config: PretrainConfig, world_size: int) -> RunLayout:
             seed=config.training.seed,
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
-    return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice)
+    return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice, split)
 
 
-def _check_layout(config: PretrainConfig, world: int) -> tuple[int, int | None]:
-    """Pipeline and virtual stages; returns the data-parallel and the virtual size."""
-    pp, layers = config.parallel.pipeline_model_parallel_size, config.model.num_layers
+def _check_world_size(config: PretrainConfig, world: int) -> int:
+    """The data-parallel size: the processes over the pipeline size."""
+    pp = config.parallel.pipeline_model_parallel_size
     if world % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the {world} processes; "
             f"use one of {_divisors(world)}"
         )
-    if layers % pp:
-        raise ValueError(
-            f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-            f"use a multiple of {pp} layers, or a pipeline size among {_divisors(layers)}"
-        )
-    per_chunk, per_stage = config.parallel.num_layers_per_virtual_pipeline_stage, layers // pp
-    if per_chunk is None or (per_stage // per_chunk == 1 and per_stage % per_chunk == 0):
-        return world // pp, None
-    if per_stage % per_chunk:
-        raise ValueError(
-            f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
-            f"{per_stage} layers of each pipeline stage; use one of {_divisors(per_stage)}"
-        )
-    if pp == 1:
-        raise ValueError(
-            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size 2 or more"
-        )
-    return world // pp, per_stage // per_chunk
+    return world // pp
 
 
 def _check_batches(config: PretrainConfig, dp: int) -> None:

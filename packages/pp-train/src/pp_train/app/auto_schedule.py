@@ -1,4 +1,7 @@
-"""``--pipeline-schedule auto``: step costs measured in a short warm-up, then the simulator's pick.
+"""Step costs measured in a short warm-up, for the simulator's two picks.
+
+``--pipeline-schedule auto`` and the balanced split of layers that do not divide
+(``--pipeline-model-parallel-layout auto``) both simulate with measured costs.
 
 Before the model is built, each rank times one microbatch through a throwaway chunk of the
 run's size (its transformer layers, no embedding or head): the forward, the input half and the
@@ -19,7 +22,7 @@ from pp_schedules.split_backward import backward_input
 from pp_state.collectives import collective
 from pp_train.app.gpt import GPTChunk, GPTConfig
 
-__all__ = ["choose_measured", "warmup_costs"]
+__all__ = ["choose_measured", "layout_costs", "warmup_costs"]
 
 
 def warmup_costs(
@@ -83,3 +86,51 @@ def choose_measured(
         pp_size=pp, num_microbatches=m, vp_size=vp, costs=costs,
         memory_limit=float(min(pp, m)), names=runnable,
     )  # fmt: skip
+
+
+def layout_costs(
+    config: GPTConfig, *, micro_batch_size: int, seed: int, rounds: int = 3
+) -> tuple[Costs, float, float]:
+    """One transformer layer's F and B (ms), and the embedding's and the loss's time in layers.
+
+    Each part (a layer, the embedding, the output layer with the loss) runs a forward and a
+    backward of one microbatch; medians of `rounds` timed rounds after one untimed count, and
+    the slowest rank's.
+
+    Args:
+        config: The model's shape.
+        micro_batch_size: Sequences per microbatch.
+        seed: Seeds the throwaway chunks' weights.
+        rounds: Timed rounds after one untimed; the medians count.
+    """
+    tokens = torch.randint(config.vocab_size, (micro_batch_size, config.seq_length))
+    medians: list[float] = []
+    for pre, post, layers in ((False, False, 1), (True, False, 0), (False, True, 0)):
+        part = GPTChunk(config, layers=range(layers), pre_process=pre, post_process=post, seed=seed)
+        times = [_step(part, tokens, pre=pre, post=post) for _ in range(rounds + 1)][1:]
+        medians += [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
+    measured = torch.tensor(medians)
+    if dist.is_initialized():
+        with collective("layout cost all-reduce"):
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    f, b, *ends = (max(float(v), 1e-3) for v in measured)
+    return (
+        Costs(forward=f, backward=b),
+        (ends[0] + ends[1]) / (f + b),
+        (ends[2] + ends[3]) / (f + b),
+    )
+
+
+def _step(part: GPTChunk, tokens: torch.Tensor, *, pre: bool, post: bool) -> tuple[float, float]:
+    """Milliseconds of one forward and one backward through `part`."""
+    config = part.config
+    given = torch.randn(config.seq_length, tokens.shape[0], config.hidden_size, requires_grad=True)
+    part.set_input_tensor([None if pre else given])
+    start = time.perf_counter()
+    output = part(tokens if pre else None, tokens if post else None)
+    forward = time.perf_counter()
+    if post:
+        output.float().mean().backward()
+    else:
+        output.backward(torch.ones_like(output))
+    return (forward - start) * 1e3, (time.perf_counter() - forward) * 1e3

@@ -17,11 +17,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from pp_schedules import Choice
-from pp_state import ParallelState, Placement
-from pp_train.app.auto_schedule import choose_measured
+from pp_schedules import Choice, Costs
+from pp_train.app.auto_schedule import choose_measured, layout_costs
 from pp_train.app.corpus import CorpusDataset, corpus_tokens, split_corpus
-from pp_train.app.gpt import GPTChunk, GPTConfig, chunk_layers
+from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_config_from_args
 from pp_train.checkpointing import CheckpointError
 from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test_datasets
@@ -128,13 +127,9 @@ def run(args: argparse.Namespace) -> str:
     gpt, seed = _gpt_config(config), config.training.seed
 
     def model_provider(
-        *, pre_process: bool, post_process: bool, vp_stage: int, state: ParallelState,
-        placement: Placement,
-    ) -> torch.nn.Module:  # fmt: skip
-        layers = chunk_layers(
-            gpt.num_layers, placement.pp_size, placement.vp_size,
-            state.pipeline_model_parallel_rank, vp_stage, placement=placement,
-        )  # fmt: skip
+        *, pre_process: bool, post_process: bool, vp_stage: int, layers: range
+    ) -> torch.nn.Module:
+        # `layers`: this chunk's global layers, from the run's per-stage layer counts.
         return GPTChunk(
             gpt, layers=layers, pre_process=pre_process, post_process=post_process, seed=seed
         )
@@ -156,9 +151,13 @@ def run(args: argparse.Namespace) -> str:
         batch = config.training.micro_batch_size
         return choose_measured(gpt, guess, sizes=sizes, micro_batch_size=batch, seed=seed)
 
+    def measure_layout() -> tuple[Costs, float, float]:
+        return layout_costs(gpt, micro_batch_size=config.training.micro_batch_size, seed=seed)
+
     return pretrain(
         datasets_provider, model_provider, gpt_forward_step, config=config,
         checkpoint_args={"vocab_size": gpt.vocab_size}, measure_schedule=measure,
+        measure_layout=measure_layout,
         model_name=f"GPT with {gpt.num_layers} layers, hidden {gpt.hidden_size},",
     )  # fmt: skip
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 
 import torch
 
-from pp_state import Placement
+from pp_state import PipelineLayerLayout, Placement
 
 __all__ = ["GPTChunk", "GPTConfig", "chunk_layers", "init_parameter_"]
 
@@ -125,14 +126,17 @@ def chunk_layers(
     vp_stage: int,
     *,
     placement: Placement | None = None,
+    layer_counts: Sequence[int] | None = None,
 ) -> range:
     """Global indices of the layers that one model chunk holds.
 
-    The layers split evenly over the ``pp_size * vp_size`` virtual stages, in order: stage
-    ``s`` holds layers ``[s * per, (s + 1) * per)`` with ``per = num_layers // (pp_size *
-    vp_size)``. Which stage a chunk holds is the placement's answer: with Megatron's looped
-    placement (the default) chunk ``c`` of rank ``r`` holds stage ``c * pp_size + r``; with the
-    V placement rank ``r`` holds stages ``r`` and ``2 * pp_size - 1 - r``.
+    Without `layer_counts` the layers split evenly over the ``pp_size * vp_size`` virtual
+    stages, in order: stage ``s`` holds layers ``[s * per, (s + 1) * per)`` with ``per =
+    num_layers // (pp_size * vp_size)``; with them stage ``s`` holds the next
+    ``layer_counts[s]`` layers. Which stage a chunk holds is the placement's answer: with
+    Megatron's looped placement (the default) chunk ``c`` of rank ``r`` holds stage
+    ``c * pp_size + r``; with the V placement rank ``r`` holds stages ``r`` and
+    ``2 * pp_size - 1 - r``.
 
     Args:
         num_layers: Transformer layers of the whole model.
@@ -141,23 +145,29 @@ def chunk_layers(
         pp_rank: This rank's pipeline stage, ``0 .. pp_size - 1``.
         vp_stage: The chunk on this rank, ``0 .. vp_size - 1``.
         placement: Which virtual stage each (rank, chunk) holds; looped when None.
+        layer_counts: The layers of each virtual stage for an uneven split (see
+            `pp_state.PipelineLayerLayout`); they must add up to `num_layers`. None: the even split.
 
     Returns:
-        The global layer indices of the chunk.
+        The global layer indices of the chunk (empty for a stage of the embedding or the
+        output layer alone).
 
     Raises:
         TypeError: An argument is not an int.
         ValueError: A size is below 1, the layers do not split evenly over
-            ``pp_size * vp_size`` virtual stages, the rank or stage is out of range, or the
-            placement is for another pipeline size.
+            ``pp_size * vp_size`` virtual stages (without `layer_counts`), the counts do not
+            fit, the rank or stage is out of range, or the placement is for another pipeline
+            size.
     """
-    for name, value in (("num_layers", num_layers), ("pp_size", pp_size), ("vp_size", vp_size)):
-        _check_positive_int(name, value)
-    for name, value, size in (("pp_rank", pp_rank, pp_size), ("vp_stage", vp_stage, vp_size)):
-        if not _is_int(value):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if not 0 <= value < size:
-            raise ValueError(f"{name} {value} is out of range; valid: 0 .. {size - 1}")
+    where = _checked_placement(num_layers, pp_size, vp_size, pp_rank, vp_stage, placement=placement)
+    if layer_counts is not None:
+        layout = PipelineLayerLayout.from_counts(layer_counts, pp_size, placement=where)
+        if layout.num_layers != num_layers:
+            raise ValueError(
+                f"layer counts {layout.counts} add up to {layout.num_layers} layers, but the "
+                f"model has {num_layers}"
+            )
+        return layout.layers(pp_rank, vp_stage)
     stages = pp_size * vp_size
     if num_layers % stages:
         raise ValueError(
@@ -165,13 +175,33 @@ def chunk_layers(
             f"size {vp_size} = {stages} virtual stages; pipeline size times virtual size must "
             f"be one of {_joined(_divisors(num_layers))}"
         )
+    return where.layers(pp_rank, vp_stage, num_layers)
+
+
+def _checked_placement(
+    num_layers: int,
+    pp_size: int,
+    vp_size: int,
+    pp_rank: int,
+    vp_stage: int,
+    *,
+    placement: Placement | None,
+) -> Placement:
+    """`chunk_layers`' sizes and position checked; the placement, looped when None."""
+    for name, value in (("num_layers", num_layers), ("pp_size", pp_size), ("vp_size", vp_size)):
+        _check_positive_int(name, value)
+    for name, value, size in (("pp_rank", pp_rank, pp_size), ("vp_stage", vp_stage, vp_size)):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if not 0 <= value < size:
+            raise ValueError(f"{name} {value} is out of range; valid: 0 .. {size - 1}")
     where = Placement.looped(pp_size, vp_size) if placement is None else placement
     if (where.pp_size, where.vp_size) != (pp_size, vp_size):
         raise ValueError(
             f"placement {where} covers {where.pp_size} ranks x {where.vp_size} chunks, but the "
             f"pipeline has {pp_size} x {vp_size}"
         )
-    return where.layers(pp_rank, vp_stage, num_layers)
+    return where
 
 
 def _generator_seed(seed: int, name: str) -> int:

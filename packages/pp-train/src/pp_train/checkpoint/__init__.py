@@ -3,9 +3,9 @@
 `save_checkpoint` / `load_checkpoint` take the format (``ckpt_format=``); ``torch_dist``
 checkpoints (torch.distributed.checkpoint directories with layout-independent keys) reshard
 on load and can be written in the background (`AsyncCheckpointSaver`). Model chunks name
-their state by global keys through `ShardedStateKeys`. Conversion between the formats needs
-the model: `pretrain` with ``--ckpt-convert-format`` / ``--ckpt-convert-save``
-(``python -m pp_train.checkpoint convert`` prints those flags).
+their state by global keys through `ShardedStateKeys`. ``python -m pp_train.checkpoint
+convert`` converts between the formats without the model (`pp_train.checkpoint.convert`);
+`pretrain` with ``--ckpt-convert-format`` / ``--ckpt-convert-save`` does it with the model.
 """
 
 from __future__ import annotations

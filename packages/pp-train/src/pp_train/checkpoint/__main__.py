@@ -1,58 +1,67 @@
-"""``python -m pp_train.checkpoint convert``: points to the training command's conversion flags.
+"""``python -m pp_train.checkpoint convert``: converts a checkpoint between the formats.
 
-A checkpoint does not record the global names of its tensors (the model's
-``sharded_state_keys()`` gives them), so a conversion needs the model that wrote it. This
-command therefore converts nothing: it refuses with the equivalent command line, which
-loads ``--input`` with the model and writes ``--output`` (Megatron's ``--ckpt-convert-format``
-and ``--ckpt-convert-save``). Nothing is read or written.
+One process, no model, no process group (`pp_train.checkpoint.convert`)::
+
+    python -m pp_train.checkpoint convert --input DIR --output DIR --to {torch,torch_dist}
+        [--iteration N]
+
+Every refusal (a missing input, a file without conversion records, an existing output, an
+unknown format) is one line on stderr and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from pp_train.checkpoint.convert import convert_checkpoint
 from pp_train.checkpoint.formats import CKPT_FORMATS
+from pp_train.checkpointing import CheckpointError
 
 __all__ = ["main"]
 
+_PROG = "python -m pp_train.checkpoint"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (prog: error: ...), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m pp_train.checkpoint",
-        description="Checkpoint tools. Conversion runs in the training command (see convert).",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog=_PROG, description="Checkpoint tools.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     convert = commands.add_parser(
         "convert",
-        help="convert a checkpoint between torch and torch_dist (prints the command that does)",
-        description="Conversion needs the model that wrote the checkpoint; this prints the "
-        "training command that converts it (--ckpt-convert-format / --ckpt-convert-save).",
+        help="convert a checkpoint between torch and torch_dist (no model needed)",
+        description="Converts one iteration of a checkpoint directory into a new directory "
+        "in the other format; torch_dist -> torch writes the layout that saved it.",
     )
     convert.add_argument("--input", required=True, help="checkpoint directory to convert")
-    convert.add_argument("--output", required=True, help="directory to write the conversion to")
+    convert.add_argument(
+        "--output", required=True, help="new (or empty) directory to write the conversion to"
+    )
     convert.add_argument("--to", required=True, choices=CKPT_FORMATS, help="the output format")
-    convert.set_defaults(parser=convert)
+    convert.add_argument(
+        "--iteration", type=int, default=None, help="iteration to convert (default: latest)"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parses `argv`; ``convert`` always ends in a usage error (exit status 2)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    flags = shlex.join(
-        ["--load", args.input, "--ckpt-convert-format", args.to, "--ckpt-convert-save", args.output]
-    )
-    convert: argparse.ArgumentParser = args.parser
-    convert.error(
-        "cannot run without the model: a checkpoint does not record its tensors' global "
-        "names. Convert with the training command, using the flags of the run that saved it "
-        f"(model, layout, optimizer, schedule) and:\n  {flags}\ne.g. torchrun "
-        f"--nproc-per-node N -m pp_train ... {flags}\n(see docs/checkpoints.md, 'Converting "
-        "between the formats'); nothing was read or written"
-    )
+    """Runs the command; 0 on success, 2 (one line on stderr) on a refusal."""
+    args = _parser().parse_args(argv)
+    try:
+        written = convert_checkpoint(args.input, args.output, args.to, iteration=args.iteration)
+    except (CheckpointError, OSError) as error:
+        print(f"{_PROG} convert: error: {error}", file=sys.stderr)
+        return 2
+    print(f"converted {args.input} to {args.to} in {written}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

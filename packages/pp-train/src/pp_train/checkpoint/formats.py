@@ -23,8 +23,10 @@ from pp_train import checkpointing as legacy
 from pp_train.checkpoint.async_save import AsyncCheckpointSaver
 from pp_train.checkpoint.loading import load_torch_dist
 from pp_train.checkpoint.torch_dist import (
+    CONVERSION_KEY,
     FORMAT_METADATA_FILENAME,
     PARTIAL_SUFFIX,
+    conversion_record,
     iteration_directory,
     publish,
     save_content,
@@ -96,7 +98,8 @@ def save_checkpoint(
 ) -> Path:
     """Saves iteration `iteration` under `root` in `ckpt_format`; every rank calls it.
 
-    ``torch``: as `pp_train.checkpointing.save_checkpoint`. ``torch_dist``: every rank writes
+    ``torch``: as `pp_train.checkpointing.save_checkpoint`, plus a `conversion_record`
+    in each file. ``torch_dist``: every rank writes
     its tensors under global keys into ``iter_000000N.partial``; when all are written, global
     rank 0 renames it ``iter_000000N`` and then moves the tracker. With `async_saver` the
     write runs in the background (it returns after copying the tensors) and is published by
@@ -123,20 +126,41 @@ def save_checkpoint(
     if async_saver is not None and ckpt_format != "torch_dist":
         raise ValueError("asynchronous saving needs ckpt_format='torch_dist' (Megatron's too)")
     _remove_stale_on_rank_0(Path(root), state, report)
-    if ckpt_format == "torch":
-        return legacy.save_checkpoint(
-            root, iteration, state=state, model=model, optimizer=optimizer, scheduler=scheduler,
-            args=args, consumed_train_samples=consumed_train_samples,
-            consumed_valid_samples=consumed_valid_samples, save_optim=save_optim,
-            save_rng=save_rng,
-        )  # fmt: skip
     consumed = (consumed_train_samples, consumed_valid_samples)
+    if ckpt_format == "torch":
+        optimizer, scheduler = (optimizer, scheduler) if save_optim else (None, None)
+        parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "args": args}
+        return _save_torch(
+            Path(root), iteration, state, parts, consumed=consumed, save_rng=save_rng
+        )
     _check_save_arguments(iteration, consumed, model, args)
     content = _content_on_every_rank(
         iteration, state, consumed, save_rng, model=model, args=args,
         optimizer=optimizer if save_optim else None, scheduler=scheduler if save_optim else None,
     )  # fmt: skip
     return _save_torch_dist(Path(root), iteration, content, state, async_saver)
+
+
+def _save_torch(
+    root: Path,
+    iteration: int,
+    state: ParallelState,
+    parts: dict[str, Any],
+    *,
+    consumed: tuple[int, int],
+    save_rng: bool,
+) -> Path:
+    """`pp_train.checkpointing.save_checkpoint`, each file adding its `conversion_record`."""
+    _check_save_arguments(iteration, consumed, parts["model"], parts["args"])
+
+    def content() -> dict[str, Any]:
+        saved = legacy._checkpoint_content(iteration, consumed=consumed, save_rng=save_rng, **parts)
+        record = conversion_record(state, parts["model"], parts["optimizer"])
+        if record is not None:
+            saved[CONVERSION_KEY] = record
+        return saved
+
+    return legacy._write_checkpoint(root, iteration, state, content)
 
 
 def _save_torch_dist(

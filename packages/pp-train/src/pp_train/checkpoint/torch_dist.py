@@ -32,10 +32,19 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from pp_optim import MegatronOptimizer, OptimizerParamScheduler
+from pp_optim import (
+    Float16OptimizerWithFloat16Params,
+    MegatronOptimizer,
+    OptimizerParamScheduler,
+)
 from pp_state import CollectiveError, ParallelState
 from pp_state.collectives import collective_error, is_lost_peer
-from pp_train.checkpoint.keys import model_targets, optimizer_tensors
+from pp_train.checkpoint.keys import (
+    chunk_global_keys,
+    main_params,
+    model_targets,
+    optimizer_tensors,
+)
 from pp_train.checkpointing import (
     CHECKPOINT_VERSION,
     TRACKER_FILENAME,
@@ -46,18 +55,24 @@ from pp_train.checkpointing import (
     get_rng_state,
 )
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
+from pp_train.wrappers import unwrap_model
 
 __all__ = [
     "COMMON_FILENAME",
+    "CONVERSION_KEY",
     "FORMAT_METADATA_FILENAME",
     "PARTIAL_SUFFIX",
+    "RECORD_PREFIX",
     "SaveContent",
+    "conversion_record",
     "dcp_failure",
     "iteration_directory",
     "layout_of",
     "publish",
+    "record_key",
     "remove_failed_save",
     "save_content",
+    "write_common",
     "write_torch_dist",
 ]
 
@@ -66,6 +81,14 @@ COMMON_FILENAME = "common.pt"
 
 FORMAT_METADATA_FILENAME = "metadata.json"
 """Megatron's mark of a distributed checkpoint directory, naming its backend."""
+
+CONVERSION_KEY = "conversion"
+"""The entry of a torch-format file holding its `conversion_record`."""
+
+RECORD_PREFIX = "conversion."
+"""torch_dist keys ``conversion.tp<TT>.pp<PPP>``: each position's `conversion_record`."""
+
+CONVERSION_RECORD_VERSION = 1
 
 _FORMAT_METADATA = {
     "sharded_backend": "torch_dist",
@@ -89,6 +112,44 @@ def layout_of(state: ParallelState, chunks: int) -> dict[str, int]:
         "data_parallel_size": state.group_size("dp_cp"),
         "world_size": state.world_size,
     }
+
+
+def record_key(tensor_rank: int, pipeline_rank: int) -> str:
+    """The torch_dist key of one (tensor, pipeline) position's `conversion_record`."""
+    return f"{RECORD_PREFIX}tp{tensor_rank:02d}.pp{pipeline_rank:03d}"
+
+
+def conversion_record(
+    state: ParallelState, model: list[torch.nn.Module], optimizer: MegatronOptimizer | None
+) -> dict[str, Any] | None:
+    """What a converter needs to move this position's state between the formats, or None.
+
+    Plain data (``weights_only`` loads it): the layout; this (tensor, pipeline) position and
+    the global ranks holding it (the writer first); each chunk's ``state_dict`` keys mapped to
+    global names; and, with an optimizer, its parameters in torch's state-dict order as
+    ``[global name, group, is fp32 copy]``, its ``param_groups`` and whether it keeps fp32
+    copies (``fp32_from_fp16_params``). None when a chunk lacks ``sharded_state_keys``.
+    """
+    if not all(callable(getattr(unwrap_model(c), "sharded_state_keys", None)) for c in model):
+        return None
+    record: dict[str, Any] = {
+        "version": CONVERSION_RECORD_VERSION,
+        "layout": layout_of(state, len(model)),
+        "tensor_rank": state.tensor_model_parallel_rank,
+        "pipeline_rank": state.pipeline_model_parallel_rank,
+        "ranks": state.group_ranks("dp_cp"),
+        "chunks": [chunk_global_keys(chunk, index) for index, chunk in enumerate(model)],
+        "optimizer_params": None,
+        "param_groups": None,
+        "fp32_copies": False,
+    }
+    if optimizer is not None:
+        record["optimizer_params"] = [
+            [main.name, main.group, main.is_copy] for main in main_params(model, optimizer)
+        ]
+        record["param_groups"] = optimizer.optimizer.state_dict()["param_groups"]
+        record["fp32_copies"] = isinstance(optimizer, Float16OptimizerWithFloat16Params)
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +192,10 @@ def save_content(
         common["opt_param_scheduler"] = scheduler.state_dict()
     if save_rng:
         tensors[f"rng_state.rank{state.rank}"] = get_rng_state()
+    if state.group_rank("dp_cp") == 0:
+        record = conversion_record(state, model, optimizer)
+        if record is not None:
+            tensors[record_key(record["tensor_rank"], record["pipeline_rank"])] = record
     return SaveContent({k: _detached(v) for k, v in tensors.items()}, common)
 
 
@@ -151,9 +216,7 @@ def prepare(staging: Path, content: SaveContent, state: ParallelState, iteration
                 shutil.rmtree(staging)  # a crashed save's leftovers
             staging.mkdir(parents=True)
             mark_writer(staging)
-            _atomic_write(staging / COMMON_FILENAME, lambda f: torch.save(content.common, f))
-            metadata = json.dumps(_FORMAT_METADATA).encode("utf-8")
-            _atomic_write(staging / FORMAT_METADATA_FILENAME, lambda f: f.write(metadata))
+            write_common(staging, content.common)
         except Exception as caught:
             error = caught
             shutil.rmtree(staging, ignore_errors=True)
@@ -170,6 +233,13 @@ def prepare(staging: Path, content: SaveContent, state: ParallelState, iteration
 def save_operation(iteration: int, *, background: bool = False) -> str:
     """The operation a lost peer's `CollectiveError` names for the save of `iteration`."""
     return f"{'asynchronous ' if background else ''}torch_dist save of iteration {iteration}"
+
+
+def write_common(directory: Path, common: dict[str, Any]) -> None:
+    """Writes ``common.pt`` and ``metadata.json`` into `directory`, each atomically."""
+    _atomic_write(directory / COMMON_FILENAME, lambda f: torch.save(common, f))
+    metadata = json.dumps(_FORMAT_METADATA).encode("utf-8")
+    _atomic_write(directory / FORMAT_METADATA_FILENAME, lambda f: f.write(metadata))
 
 
 def writer_and_planner(staging: Path) -> tuple[FileSystemWriter, DefaultSavePlanner]:

@@ -1,0 +1,355 @@
+"""Converting a checkpoint between the ``torch`` and ``torch_dist`` formats without the model.
+
+One process, no process group, no model: every file says where its tensors go. A torch file
+carries a `conversion_record` under ``"conversion"`` (each chunk's global names, the
+optimizer's parameter order, the layout); a torch_dist checkpoint carries one record per
+(tensor, pipeline) position under ``conversion.tp<TT>.pp<PPP>``. Both are written by every
+save through `pp_train.checkpoint.save_checkpoint` whose chunks implement
+`ShardedStateKeys`; files without them are refused (the training command's
+``--ckpt-convert-format`` converts those, with the model).
+
+``torch`` -> ``torch_dist`` keys every tensor by its global name, as a torch_dist save does.
+``torch_dist`` -> ``torch`` writes the layout that saved the checkpoint (one file per
+recorded position). The output is written into a temporary sibling directory, its tracker
+last, and renamed into place; the input is only read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from pp_train.checkpoint.formats import CKPT_FORMATS, CkptFormat, detect_format
+from pp_train.checkpoint.keys import FP32_PARAM_PREFIX, MODEL_PREFIX, OPTIMIZER_STATE_PREFIX
+from pp_train.checkpoint.loading import _planner, _read_common, _read_metadata
+from pp_train.checkpoint.torch_dist import (
+    CONVERSION_KEY,
+    RECORD_PREFIX,
+    iteration_directory,
+    record_key,
+    write_common,
+    writer_and_planner,
+)
+from pp_train.checkpointing import (
+    CHECKPOINT_FILENAME,
+    CHECKPOINT_VERSION,
+    TRACKER_FILENAME,
+    CheckpointError,
+    _atomic_write,
+    _fsync_directory,
+    _header_problem,
+    _model_keys,
+    checkpoint_path,
+    read_tracker,
+)
+from pp_train.temporaries import temporary_path
+
+__all__ = ["convert_checkpoint"]
+
+
+def convert_checkpoint(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    to: CkptFormat,
+    *,
+    iteration: int | None = None,
+) -> Path:
+    """Converts iteration `iteration` (the tracker's when None) of `source` into `target`.
+
+    `target` gets Megatron's layout (``iter_N/...`` and a tracker naming N); it must not
+    exist or be empty, and is complete or absent: written beside it under a temporary name
+    and renamed. `source` is only read. Needs no model and no process group.
+
+    Returns:
+        The iteration's directory in `target`.
+
+    Raises:
+        CheckpointError: `to` is not a format, `source` holds no such iteration, it is in
+            `to` already, its files lack the conversion records (saved before they were
+            written; convert with the training command's ``--ckpt-convert-format``), or
+            `target` is not empty. Nothing was written.
+    """
+    source, target = Path(source), Path(target)
+    if to not in CKPT_FORMATS:
+        raise CheckpointError(f"--to must be one of {list(CKPT_FORMATS)}, got {to!r}")
+    _check_target(source, target)
+    iteration = _source_iteration(source, iteration)
+    directory = iteration_directory(source, iteration)
+    found = detect_format(directory)
+    if found is None or found == to:
+        what = "holds neither format" if found is None else f"is in the {to!r} format already"
+        raise CheckpointError(f"checkpoint {directory} {what}; nothing was written")
+    if to == "torch_dist":
+        write = _torch_writer(_read_torch(directory, iteration), iteration)
+    else:
+        write = _dist_writer(directory, iteration)
+    return _publish(target, iteration, write)
+
+
+def _check_target(source: Path, target: Path) -> None:
+    if not source.is_dir():
+        raise CheckpointError(f"input {source} is not a directory; nothing was written")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(
+            f"output {target} exists and is not an empty directory; choose a new one "
+            "(nothing was written)"
+        )
+    resolved = target.resolve()
+    if resolved == source.resolve() or source.resolve() in resolved.parents:
+        raise CheckpointError(
+            f"output {target} is inside input {source}; the input is never written to"
+        )
+
+
+def _source_iteration(source: Path, iteration: int | None) -> int:
+    if iteration is None:
+        iteration = read_tracker(source)
+        if iteration is None:
+            raise CheckpointError(
+                f"input {source} has no {TRACKER_FILENAME}; pass --iteration N to name the "
+                "iteration to convert (nothing was written)"
+            )
+    if not iteration_directory(source, iteration).is_dir():
+        present = sorted(p.name for p in source.glob("iter_*"))
+        raise CheckpointError(
+            f"input {source} has no {iteration_directory(source, iteration).name}; found "
+            f"{present[:5]} (nothing was written)"
+        )
+    return iteration
+
+
+def _publish(target: Path, iteration: int, write: Any) -> Path:
+    """Runs `write` into a temporary directory, writes the tracker, renames it to `target`."""
+    staging = temporary_path(target)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+        write(staging)
+        tracker = staging / TRACKER_FILENAME
+        _atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
+        _fsync_directory(staging)
+        if target.exists():
+            target.rmdir()  # checked empty
+        os.replace(staging, target)
+        _fsync_directory(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return iteration_directory(target, iteration)
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP without a process group, without its warning that this is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _old_file(what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{what} records no global tensor names (saved before conversion records were "
+        "written, or by a model without sharded_state_keys()); convert it with the training "
+        "command and the flags of the run that saved it: --load IN --ckpt-convert-format "
+        "FORMAT --ckpt-convert-save OUT (docs/checkpoints.md); nothing was written"
+    )
+
+
+# ----------------------------------------------------------------------------- torch -> dist
+def _read_torch(directory: Path, iteration: int) -> list[dict[str, Any]]:
+    """Every position's file of a torch checkpoint, checked to hold one whole layout."""
+    files = []
+    for path in sorted(directory.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}")):
+        content = _load(path)
+        problem = _header_problem(content, iteration)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} {problem}; nothing was written")
+        if not isinstance(content.get(CONVERSION_KEY), dict):
+            raise _old_file(f"checkpoint {path}")
+        files.append(content)
+    records = [content[CONVERSION_KEY] for content in files]
+    layout = records[0]["layout"] if records else None
+    positions = {(r["tensor_rank"], r["pipeline_rank"]) for r in records if r["layout"] == layout}
+    expected = (
+        0
+        if layout is None
+        else layout["tensor_model_parallel_size"] * layout["pipeline_model_parallel_size"]
+    )
+    if not files or len(positions) != len(files) or len(files) != expected:
+        raise CheckpointError(
+            f"checkpoint {directory} holds {len(files)} files of {len(positions)} positions; "
+            f"its layout {layout} needs {expected}; nothing was written"
+        )
+    return files
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or unsafe: {type(error).__name__}: {first}; "
+            "nothing was written"
+        ) from error
+    if not isinstance(content, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(content).__name__}, not a dict")
+    return content
+
+
+def _torch_writer(files: list[dict[str, Any]], iteration: int) -> Any:
+    """What writes the torch_dist iteration directory of the torch `files`."""
+    tensors: dict[str, Any] = {}
+    for content in files:
+        record = content[CONVERSION_KEY]
+        chunk_keys = _model_keys(len(record["chunks"]))
+        for key, names in zip(chunk_keys, record["chunks"], strict=True):
+            for local, name in names.items():
+                tensors.setdefault(MODEL_PREFIX + name, content[key][local])
+        if "optimizer" in content and record["optimizer_params"] is not None:
+            for key, value in _optimizer_entries(content["optimizer"], record).items():
+                tensors.setdefault(key, value)
+        if "rng_state" in content:
+            tensors.update({f"rng_state.rank{r}": content["rng_state"] for r in record["ranks"]})
+        tensors[record_key(record["tensor_rank"], record["pipeline_rank"])] = record
+    common = _common(files[0], iteration)
+
+    def write(staging: Path) -> None:
+        directory = iteration_directory(staging, iteration)
+        directory.mkdir()
+        write_common(directory, common)
+        writer, planner = writer_and_planner(directory)
+        with _single_process():
+            dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=True)
+
+    return write
+
+
+def _optimizer_entries(optimizer: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """A torch file's optimizer state under the global keys (`pp_train.checkpoint.keys`)."""
+    state = optimizer["optimizer"]["state"]
+    copies = optimizer.get("fp32_from_fp16_params")
+    taken = [0] * len(record["param_groups"])
+    entries: dict[str, Any] = {}
+    for index, (name, group, is_copy) in enumerate(record["optimizer_params"]):
+        for entry, value in state.get(index, {}).items():
+            if isinstance(value, torch.Tensor):
+                entries.setdefault(f"{OPTIMIZER_STATE_PREFIX}{name}.{entry}", value)
+        if is_copy and copies is not None:
+            entries.setdefault(FP32_PARAM_PREFIX + name, copies[group][taken[group]])
+            taken[group] += 1
+    return entries
+
+
+def _common(content: dict[str, Any], iteration: int) -> dict[str, Any]:
+    """``common.pt`` of the torch_dist checkpoint made of a torch file's shared state."""
+    common: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "ckpt_format": "torch_dist",
+        "iteration": iteration,
+        "args": content["args"],
+        "consumed_train_samples": content["consumed_train_samples"],
+        "consumed_valid_samples": content["consumed_valid_samples"],
+        "layout": content[CONVERSION_KEY]["layout"],
+    }
+    if "optimizer" in content:
+        common["grad_scaler"] = content["optimizer"]["grad_scaler"]
+    if "opt_param_scheduler" in content:
+        common["opt_param_scheduler"] = content["opt_param_scheduler"]
+    return common
+
+
+# ----------------------------------------------------------------------------- dist -> torch
+def _dist_writer(directory: Path, iteration: int) -> Any:
+    """What writes the torch files of the torch_dist `directory`, at its recorded layout."""
+    where = f"torch_dist checkpoint {directory}"
+    common = _read_common(directory, iteration, where)
+    metadata = _read_metadata(directory, where)
+    records = sorted(key for key in metadata.state_dict_metadata if key.startswith(RECORD_PREFIX))
+    if not records:
+        raise _old_file(where)
+    buffers: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            buffers[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        elif key.startswith((RECORD_PREFIX, "rng_state.")):
+            buffers[key] = None
+    with _single_process():
+        reader = FileSystemReader(directory)
+        dcp.load(buffers, storage_reader=reader, planner=_planner(), no_dist=True)
+
+    def write(staging: Path) -> None:
+        for key in records:
+            record = buffers[key]
+            path = checkpoint_path(
+                staging, iteration, tensor_rank=record["tensor_rank"],
+                pipeline_rank=record["pipeline_rank"],
+                pipeline_size=record["layout"]["pipeline_model_parallel_size"],
+            )  # fmt: skip
+            _save(path, _torch_file(record, buffers, common, iteration))
+
+    return write
+
+
+def _save(path: Path, content: dict[str, Any]) -> None:
+    _atomic_write(path, lambda f: torch.save(content, f))
+
+
+def _torch_file(
+    record: dict[str, Any], buffers: dict[str, Any], common: dict[str, Any], iteration: int
+) -> dict[str, Any]:
+    """One position's torch file, as `pp_train.checkpointing.save_checkpoint` writes it."""
+    content: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "args": common["args"],
+        "consumed_train_samples": common["consumed_train_samples"],
+        "consumed_valid_samples": common["consumed_valid_samples"],
+    }
+    for key, names in zip(_model_keys(len(record["chunks"])), record["chunks"], strict=True):
+        content[key] = {local: buffers[MODEL_PREFIX + name] for local, name in names.items()}
+    if record["optimizer_params"] is not None and "grad_scaler" in common:
+        content["optimizer"] = _torch_optimizer(record, buffers, common["grad_scaler"])
+    if "opt_param_scheduler" in common:
+        content["opt_param_scheduler"] = common["opt_param_scheduler"]
+    rng = buffers.get(f"rng_state.rank{record['ranks'][0]}")
+    if rng is not None:
+        content["rng_state"] = rng
+    content[CONVERSION_KEY] = record
+    return content
+
+
+def _torch_optimizer(
+    record: dict[str, Any], buffers: dict[str, Any], grad_scaler: Any
+) -> dict[str, Any]:
+    """pp-optim's ``state_dict()`` of one position, from the global keys."""
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in buffers.items():
+        if key.startswith(OPTIMIZER_STATE_PREFIX) and isinstance(value, torch.Tensor):
+            name, entry = key[len(OPTIMIZER_STATE_PREFIX) :].rsplit(".", 1)
+            by_name.setdefault(name, {})[entry] = value
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    copies: list[list[torch.Tensor]] = [[] for _ in record["param_groups"]]
+    for index, (name, group, is_copy) in enumerate(record["optimizer_params"]):
+        if name in by_name:  # a copy each: tied parameters must not share one state tensor
+            state[index] = {entry: value.clone() for entry, value in by_name[name].items()}
+        if is_copy:
+            copies[group].append(buffers[FP32_PARAM_PREFIX + name])
+    optimizer: dict[str, Any] = {
+        "optimizer": {"state": state, "param_groups": record["param_groups"]},
+        "grad_scaler": grad_scaler,
+    }
+    if record["fp32_copies"]:
+        optimizer["fp32_from_fp16_params"] = copies
+    return optimizer
