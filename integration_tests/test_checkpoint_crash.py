@@ -1,13 +1,18 @@
-"""kill -9 of one rank at several moments of a torch_dist save (blocking and async).
+"""kill -9 of one rank at 20 moments of a save: torch, torch_dist, asynchronous torch_dist.
 
 Each case saves iteration 1, changes every weight, then saves iteration 2 while a patched
-step of the save kills one rank with SIGKILL. The tracker must still name iteration 1, a new
-run must load exactly the iteration-1 weights, and a new save of iteration 2 must succeed over
-what the crash left behind. The load removes the killed writers' temporaries and names them.
+step of the save (`MOMENTS`: before or after a file write, a rename, the tracker, DCP's shard
+write or ``.metadata``, the asynchronous finalisation) kills one rank with SIGKILL. The tracker
+must name the last complete checkpoint (iteration 1, or 2 when the kill came after the
+tracker moved), a new run must load exactly that iteration's weights, and a new save of
+iteration 2 must succeed over what the crash left behind. The load removes the killed
+writers' temporaries and names them. 20 cases of two 2-rank runs each: about 20-50 s a case
+on a loaded 2-core machine, almost all of it starting ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -23,11 +28,13 @@ from pp_optim import LRScheduleConfig, OptimizerConfig
 from pp_state import ParallelConfig, ParallelState
 from pp_testing import run_distributed
 from pp_testing.distributed import DistributedTestError
+from pp_train import checkpointing as legacy
 from pp_train import save_checkpoint, setup_model_and_optimizer
 from pp_train.app import GPTChunk, GPTConfig, chunk_layers
-from pp_train.checkpoint import AsyncCheckpointSaver, load_checkpoint
+from pp_train.checkpoint import AsyncCheckpointSaver, CkptFormat, load_checkpoint
+from pp_train.checkpoint import async_save as async_save_module
 from pp_train.checkpoint import torch_dist as torch_dist_module
-from pp_train.checkpointing import read_tracker
+from pp_train.checkpointing import CHECKPOINT_FILENAME, TRACKER_FILENAME, read_tracker
 
 pytestmark = pytest.mark.reliability
 
@@ -52,49 +59,121 @@ def _build(load: str | None = None) -> tuple[Any, ...]:
     return state, model, optimizer, scheduler, loaded
 
 
-def _save(root: str, iteration: int, parts: tuple[Any, ...], saver: Any = None) -> None:
+def _save(
+    root: str, iteration: int, parts: tuple[Any, ...], fmt: CkptFormat, saver: Any = None
+) -> None:
     state, model, optimizer, scheduler, _ = parts
     save_checkpoint(root, iteration, state=state, model=model, optimizer=optimizer,
                     scheduler=scheduler, args={}, consumed_train_samples=iteration,
-                    ckpt_format="torch_dist", async_saver=saver)  # fmt: skip
+                    ckpt_format=fmt, async_saver=saver)  # fmt: skip
     if saver is not None:
         saver.wait(state)
 
 
-def _killer(original: Any, rank: int, when: Any = None) -> Any:
+def _killer(original: Any, rank: int, when: Any = None, *, after: bool = False) -> Any:
+    """`original`, but rank `rank` dies by SIGKILL before (or `after`) a call `when` accepts."""
+
     def patched(*args: Any, **kwargs: Any) -> Any:
-        if dist.get_rank() == rank and (when is None or when(*args)):
+        hit = dist.get_rank() == rank and (when is None or when(*args))
+        if hit and not after:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if hit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
 
     return patched
 
 
-def _patch(moment: str) -> Any:
-    if moment == "after_common_files":
-        return mock.patch.object(torch_dist_module, "writer_and_planner",
-                                 _killer(torch_dist_module.writer_and_planner, 1))  # fmt: skip
-    if moment in ("shard_write", "async_shard_write"):
-        return mock.patch.object(FileSystemWriter, "write_data",
-                                 _killer(FileSystemWriter.write_data, 1))  # fmt: skip
-    if moment in ("before_metadata", "async_before_metadata"):
-        return mock.patch.object(FileSystemWriter, "finish", _killer(FileSystemWriter.finish, 0))
-    assert moment == "before_tracker"
-    is_tracker = lambda path, write: path.name == "latest_checkpointed_iteration.txt"  # noqa: E731
-    return mock.patch.object(torch_dist_module, "_atomic_write",
-                             _killer(vars(torch_dist_module)["_atomic_write"], 0, is_tracker))  # fmt: skip
+def _named(name: str) -> Any:
+    return lambda path, *rest: Path(path).name == name
 
 
-def _crash(root: str, moment: str) -> None:
+def _renamed_to(name: str) -> Any:
+    return lambda source, target: Path(target).name == name
+
+
+def _root_only(directory: Path) -> bool:  # publish syncs the .partial directory, then the root
+    return not directory.name.endswith(".partial")
+
+
+@dataclasses.dataclass(frozen=True)
+class Moment:
+    """Where one rank dies: `owner.attribute` replaced by a killer; what a new run resumes."""
+
+    fmt: CkptFormat
+    owner: Any
+    attribute: str
+    rank: int
+    when: Any = None
+    after: bool = False
+    background: bool = False
+    resumes: int = 1
+
+    def patch(self) -> Any:
+        original = getattr(self.owner, self.attribute)
+        killer = _killer(original, self.rank, self.when, after=self.after)
+        return mock.patch.object(self.owner, self.attribute, killer)
+
+
+_TRACKER, _FILE = TRACKER_FILENAME, CHECKPOINT_FILENAME
+_WRITER, _DIST, _ASYNC = FileSystemWriter, torch_dist_module, async_save_module
+MOMENTS = {
+    # torch format: rank 1 writes its stage's file, rank 0 the tracker.
+    "torch_before_file": Moment("torch", legacy, "_atomic_write", 1, _named(_FILE)),
+    "torch_file_written": Moment("torch", torch, "save", 1, after=True),
+    "torch_before_file_rename": Moment("torch", os, "replace", 1, _renamed_to(_FILE)),
+    "torch_after_file_rename": Moment(
+        "torch", legacy, "_fsync_directory", 1, lambda d: d.name.startswith("mp_rank")
+    ),
+    "torch_before_tracker": Moment("torch", legacy, "_atomic_write", 0, _named(_TRACKER)),
+    "torch_before_tracker_rename": Moment("torch", os, "replace", 0, _renamed_to(_TRACKER)),
+    "torch_after_tracker": Moment(
+        "torch", os, "replace", 0, _renamed_to(_TRACKER), after=True, resumes=2
+    ),
+    # torch_dist, blocking: every rank writes its shard, rank 0 the rest.
+    "before_common_files": Moment("torch_dist", _DIST, "_atomic_write", 0, _named("common.pt")),
+    "after_common_files": Moment("torch_dist", _DIST, "writer_and_planner", 1),
+    "shard_write": Moment("torch_dist", _WRITER, "write_data", 1),
+    "after_shard_write": Moment("torch_dist", _WRITER, "write_data", 1, after=True),
+    "before_metadata": Moment("torch_dist", _WRITER, "finish", 0),
+    "after_metadata": Moment("torch_dist", _WRITER, "finish", 0, after=True),
+    "after_directory_rename": Moment("torch_dist", _DIST, "_fsync_directory", 0, _root_only),
+    "before_tracker": Moment("torch_dist", _DIST, "_atomic_write", 0, _named(_TRACKER)),
+    "after_tracker": Moment(
+        "torch_dist", os, "replace", 0, _renamed_to(_TRACKER), after=True, resumes=2
+    ),
+    # torch_dist, asynchronous: the shards are written in a background thread.
+    "async_shard_write": Moment("torch_dist", _WRITER, "write_data", 1, background=True),
+    "async_before_metadata": Moment("torch_dist", _WRITER, "finish", 0, background=True),
+    "async_finalize_before_rename": Moment("torch_dist", _ASYNC, "publish", 0, background=True),
+    "async_finalize_after_rename": Moment(
+        "torch_dist", _DIST, "_fsync_directory", 0, _root_only, background=True
+    ),
+    "async_after_tracker": Moment(
+        "torch_dist",
+        os,
+        "replace",
+        0,
+        _renamed_to(_TRACKER),
+        after=True,
+        background=True,
+        resumes=2,
+    ),
+}
+
+
+def _crash(root: str, name: str) -> None:
+    moment = MOMENTS[name]  # looked up here: its functions do not pickle
     parts = _build()
-    _save(root, 1, parts)
+    _save(root, 1, parts, moment.fmt)
     with torch.no_grad():
         for chunk in parts[1]:
             for param in chunk.parameters():
                 param.add_(1.0)
-    saver = AsyncCheckpointSaver() if moment.startswith("async") else None
-    with _patch(moment):
-        _save(root, 2, parts, saver)
+    saver = AsyncCheckpointSaver() if moment.background else None
+    with moment.patch():
+        _save(root, 2, parts, moment.fmt, saver)
 
 
 def _leftovers(root: str) -> list[str]:
@@ -102,44 +181,38 @@ def _leftovers(root: str) -> list[str]:
     return sorted(p.name for p in found if ".tmp-" in p.name or p.name.endswith(".partial"))
 
 
-def _resume(root: str) -> dict[str, Any]:
+def _resume(root: str, fmt: CkptFormat) -> dict[str, Any]:
     fresh = [p.detach().clone() for c in _build()[1] for p in c.parameters()]
     state, model, optimizer, scheduler, _ = _build()
     lines: list[str] = []
     result = load_checkpoint(root, state=state, model=model, optimizer=optimizer,
-                             scheduler=scheduler, args={}, ckpt_format="torch_dist",
+                             scheduler=scheduler, args={}, ckpt_format=fmt,
                              report=lines.append)  # fmt: skip
     left = _leftovers(root) if state.rank == 0 else []  # rank 0 removed them during the load
+    dist.barrier()  # before rank 1's save below writes its temporaries
     loaded = [p.detach().clone() for c in model for p in c.parameters()]
-    _save(root, 2, (state, model, optimizer, scheduler, result))
+    iteration = None if result is None else result.iteration
+    shift = 0.0 if iteration is None else iteration - 1.0  # iteration 2's weights are 1 higher
+    _save(root, 2, (state, model, optimizer, scheduler, result), fmt)
     return {
-        "iteration": None if result is None else result.iteration,
-        "equal": all(torch.equal(a, b) for a, b in zip(fresh, loaded, strict=True)),
+        "iteration": iteration,
+        "equal": all(torch.equal(a + shift, b) for a, b in zip(fresh, loaded, strict=True)),
         "lines": lines,
         "left": left,
     }
 
 
-@pytest.mark.parametrize(
-    "moment",
-    [
-        "after_common_files",
-        "shard_write",
-        "before_metadata",
-        "before_tracker",
-        "async_shard_write",
-        "async_before_metadata",
-    ],
-)
+@pytest.mark.parametrize("name", list(MOMENTS))
 def test_a_killed_rank_never_leaves_the_tracker_on_an_incomplete_checkpoint(
-    tmp_path: Path, moment: str
+    tmp_path: Path, name: str
 ) -> None:
+    moment = MOMENTS[name]
     with pytest.raises(DistributedTestError):
-        run_distributed(_crash, 2, str(tmp_path), moment, pg_timeout=5.0, timeout=60)
-    assert read_tracker(tmp_path) == 1
+        run_distributed(_crash, 2, str(tmp_path), name, pg_timeout=5.0, timeout=60)
+    assert read_tracker(tmp_path) == moment.resumes
     crashed = _leftovers(str(tmp_path))
-    results = run_distributed(_resume, 2, str(tmp_path))
-    assert [r["iteration"] for r in results] == [1, 1]
+    results = run_distributed(_resume, 2, str(tmp_path), moment.fmt)
+    assert [r["iteration"] for r in results] == [moment.resumes] * 2
     assert all(r["equal"] for r in results)
     assert results[0]["left"] == []
     if crashed:  # the killed writer's temporaries, named in one line by the load

@@ -422,6 +422,8 @@ def _write_checkpoint(
         f"could not write checkpoint file {path}",
         f"checkpoint files of iteration {iteration} were not all written; the tracker in "
         f"{root} was not moved",
+        operation=f"torch save of iteration {iteration}",
+        iteration=iteration,
     )
     if state.rank == 0:
         try:
@@ -435,6 +437,8 @@ def _write_checkpoint(
         error,
         f"could not write tracker file {root / TRACKER_FILENAME}",
         f"the tracker in {root} was not moved to iteration {iteration}",
+        operation=f"torch save of iteration {iteration}",
+        iteration=iteration,
     )
     return path
 
@@ -616,6 +620,8 @@ def _load_latest(request: _LoadRequest) -> LoadedCheckpoint | None:
         error,
         f"cannot load checkpoint file {path}",
         f"checkpoint iteration {iteration} in {root} was not loaded; nothing was changed",
+        operation=f"torch load of iteration {iteration}",
+        iteration=iteration,
     )
     assert plan is not None
     try:
@@ -628,6 +634,8 @@ def _load_latest(request: _LoadRequest) -> LoadedCheckpoint | None:
         error,
         f"failed while applying checkpoint file {path}; its state may be partly loaded",
         f"checkpoint iteration {iteration} in {root} was not applied on every rank: restart",
+        operation=f"torch load of iteration {iteration}",
+        iteration=iteration,
     )
     return plan.result
 
@@ -847,12 +855,19 @@ def gather_ints(
 
 
 def _raise_if_any_failed(
-    rank: int, error: BaseException | None, own_failure: str, consequence: str
+    rank: int,
+    error: BaseException | None,
+    own_failure: str,
+    consequence: str,
+    *,
+    operation: str = "checkpoint agreement",
+    iteration: int | None = None,
 ) -> None:
     """A collective: raises `CheckpointError` on every rank when any rank has an error.
 
     The failing rank's message is its own error; the others name the ranks that failed and
-    repeat the first failure's message, so any one rank's report says what went wrong.
+    repeat the first failure's message, so any one rank's report says what went wrong. A
+    peer lost meanwhile raises a `CollectiveError` naming `operation` and `iteration`.
     """
     own: str | None = None
     if error is not None:
@@ -862,7 +877,7 @@ def _raise_if_any_failed(
             else f"rank {rank} {own_failure}: {type(error).__name__}: {error}; {consequence}"
         )
     messages: list[str | None] = [None] * dist.get_world_size()
-    with collective("checkpoint agreement"):
+    with collective(operation, iteration=iteration):
         dist.all_gather_object(messages, own)
     failed = [r for r, message in enumerate(messages) if message is not None]
     if error is not None:

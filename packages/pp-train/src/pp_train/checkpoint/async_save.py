@@ -7,6 +7,11 @@ checkpoint (renames its directory, then moves the tracker) as soon as its write 
 which is after every rank's: DCP's coordinator writes ``.metadata`` only once all ranks
 reported their data written. `wait` (before the next save, at the end of training, on an
 early exit) blocks until the save is done and raises on every rank if any rank failed.
+
+Every wait follows one timeout, by default the run's (`ParallelConfig.timeout`, which
+``pretrain`` sets from ``--distributed-timeout-minutes``): the save's group gives up after it,
+and `wait` after one and a half times it, so a peer that died mid-save surfaces as the group's
+`CollectiveError` (naming the save and its iteration) rather than as a bare wait that ran out.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from pp_state import ParallelState
+from pp_state import CollectiveError, ParallelState
 from pp_train.checkpoint.torch_dist import (
     SaveContent,
+    dcp_failure,
     describe_dcp_error,
     prepare,
     publish,
     remove_failed_save,
+    save_operation,
     writer_and_planner,
 )
 from pp_train.checkpointing import CheckpointError, _raise_if_any_failed
@@ -51,20 +58,27 @@ class AsyncCheckpointSaver:
     collectives, `poll` is not.
     """
 
-    def __init__(self, *, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
-        """A saver whose waits (and its process group's collectives) give up after `timeout`.
+    def __init__(self, *, timeout: datetime.timedelta | None = None) -> None:
+        """A saver whose process group's collectives give up after `timeout`.
+
+        Args:
+            timeout: None takes the run's, ``state.config.timeout`` of the first save
+                (``pretrain``: ``--distributed-timeout-minutes``). `wait` gives up on a
+                write after one and a half times it.
 
         Raises:
             ValueError: `timeout` is not positive.
         """
-        if timeout.total_seconds() <= 0:
+        if timeout is not None and timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.timeout = timeout
+        """The timeout of the saver's collectives (None until the first save sets the run's)."""
         self._group: dist.ProcessGroup | None = None
         self._in_flight: _InFlight | None = None
         self._error: BaseException | None = None
         self._unsettled = False  # a save started since the last wait (the same on every rank)
         self._staging: Path | None = None  # the directory of the save since the last wait
+        self._iteration: int | None = None  # the iteration of that save
         self.published: list[int] = []
         """Iterations this rank published (global rank 0 only), in order."""
 
@@ -73,10 +87,14 @@ class AsyncCheckpointSaver:
         """Whether this rank's share of a save is still being written."""
         return self._in_flight is not None
 
+    def _timeout(self) -> datetime.timedelta:
+        assert self.timeout is not None  # set by the first `start`
+        return self.timeout
+
     def _process_group(self) -> dist.ProcessGroup:
         if self._group is None:
             # Made at the first save, which every rank reaches together.
-            group = dist.new_group(backend="gloo", timeout=self.timeout)
+            group = dist.new_group(backend="gloo", timeout=self._timeout())
             assert group is not None
             self._group = group
         return self._group
@@ -98,6 +116,8 @@ class AsyncCheckpointSaver:
             CheckpointError: On every rank when the previous save or the set-up failed.
         """
         self.wait(state)
+        if self.timeout is None:
+            self.timeout = state.config.timeout
         prepare(staging, content, state, iteration)
         writer, planner = writer_and_planner(staging)
         future = dcp.async_save(
@@ -108,7 +128,7 @@ class AsyncCheckpointSaver:
         )
         assert isinstance(future, Future)
         self._in_flight = _InFlight(future, root, iteration, staging)
-        self._staging = staging
+        self._staging, self._iteration = staging, iteration
         self._unsettled = True
 
     def poll(self, state: ParallelState) -> None:
@@ -122,20 +142,28 @@ class AsyncCheckpointSaver:
         Raises:
             CheckpointError: On every rank when any rank's write or the publishing failed
                 (the tracker then still names the previous checkpoint), or a wait timed out.
+            CollectiveError: A rank died or stopped answering during the save (every
+                survivor, naming the save and its iteration); nothing was published.
         """
         if not self._unsettled:
             return
         if self._in_flight is not None:
             self._settle(state, block=True)
         error, self._error, self._unsettled = self._error, None, False
+        iteration = self._iteration
+        assert iteration is not None
         try:
+            if isinstance(error, CollectiveError):
+                raise error  # a peer is lost: an agreement would only wait for it
             _raise_if_any_failed(
                 state.rank,
                 error,
                 "could not finish an asynchronous torch_dist save",
                 "the asynchronous save was not published; the tracker names the checkpoint before",
+                operation=save_operation(iteration, background=True),
+                iteration=iteration,
             )
-        except CheckpointError:
+        except (CheckpointError, CollectiveError):
             if self._staging is not None:  # every rank knows now: nobody writes there
                 remove_failed_save(self._staging, state.rank)
             raise
@@ -145,22 +173,26 @@ class AsyncCheckpointSaver:
         assert in_flight is not None
         self._in_flight = None
         try:
-            in_flight.future.result(timeout=self.timeout.total_seconds() if block else 0)
+            # Longer than the group's timeout, so a lost peer surfaces as the group's error.
+            in_flight.future.result(timeout=1.5 * self._timeout().total_seconds() if block else 0)
             if state.rank == 0:
                 publish(in_flight.root, in_flight.iteration)
                 self.published.append(in_flight.iteration)
         except FutureTimeout as error:
             self._error = CheckpointError(
                 f"rank {state.rank}: the asynchronous save of iteration {in_flight.iteration} "
-                f"to {in_flight.staging} did not finish within {self.timeout}"
+                f"to {in_flight.staging} did not finish within {1.5 * self._timeout()}"
             )
             self._error.__cause__ = error
         except CheckpointError as error:
             self._error = error
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-            self._error = CheckpointError(
+            self._error = dcp_failure(
+                error,
+                save_operation(in_flight.iteration, background=True),
+                in_flight.iteration,
                 f"rank {state.rank} could not finish the asynchronous save of iteration "
                 f"{in_flight.iteration} to {in_flight.staging}: {describe_dcp_error(error)}; "
-                "the asynchronous save was not published; the tracker names the checkpoint before"
+                "the asynchronous save was not published; the tracker names the checkpoint before",
             )
             self._error.__cause__ = error

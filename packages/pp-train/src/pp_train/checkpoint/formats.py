@@ -30,6 +30,7 @@ from pp_train.checkpoint.torch_dist import (
     iteration_directory,
     publish,
     save_content,
+    save_operation,
     write_torch_dist,
 )
 from pp_train.checkpointing import (
@@ -118,8 +119,8 @@ def save_checkpoint(
             (torch_dist; raised on every rank as a `CheckpointError`).
         ValueError: A bad count, an empty model, an unknown format, or an async saver with
             the torch format.
-        CheckpointError: A rank could not write; the tracker still names the checkpoint
-            before.
+        CheckpointError: A rank could not write; the tracker names the checkpoint before.
+        CollectiveError: A rank died or hung (on every survivor, naming the save); as above.
     """
     _check_format(ckpt_format)
     if async_saver is not None and ckpt_format != "torch_dist":
@@ -199,6 +200,8 @@ def _content_on_every_rank(
         error,
         "cannot collect its torch_dist checkpoint state",
         f"iteration {iteration} was not saved",
+        operation=save_operation(iteration),
+        iteration=iteration,
     )
     return content
 
@@ -215,6 +218,8 @@ def _publish_on_rank_0(root: Path, iteration: int, state: ParallelState) -> None
         error,
         f"could not publish iteration {iteration} in {root}",
         f"the tracker in {root} was not moved to iteration {iteration}",
+        operation=save_operation(iteration),
+        iteration=iteration,
     )
 
 
@@ -253,6 +258,8 @@ def load_checkpoint(
         ValueError: An unknown format or an empty model.
         CheckpointError: On every rank when any rank cannot load (a format other than asked,
             another model shape, a missing shard, ...); nothing was changed.
+        CollectiveError: A rank died or stopped answering during the load (every survivor,
+            naming the load and its iteration); nothing was changed.
     """
     _check_format(ckpt_format)
     _check_load_arguments(model, args, strict_args)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -31,7 +32,13 @@ from pp_train.checkpoint.keys import (
     main_params,
     model_targets,
 )
-from pp_train.checkpoint.torch_dist import COMMON_FILENAME, iteration_directory, layout_of
+from pp_train.checkpoint.torch_dist import (
+    COMMON_FILENAME,
+    dcp_failure,
+    describe_dcp_error,
+    iteration_directory,
+    layout_of,
+)
 from pp_train.checkpointing import (
     CHECKPOINT_VERSION,
     CheckpointError,
@@ -84,36 +91,52 @@ def load_torch_dist(request: _LoadRequest, iteration: int) -> LoadedCheckpoint:
     """
     rank, directory = request.state.rank, iteration_directory(request.root, iteration)
     unchanged = f"torch_dist checkpoint {directory} was not loaded; nothing was changed"
+    named = _Named(f"torch_dist load of iteration {iteration}", iteration)
     plan: _Plan | None = None
     error: BaseException | None = None
     try:
         plan = _plan(request, directory, iteration)
     except Exception as caught:
         error = caught
-    _raise_if_any_failed(rank, error, f"cannot load {directory}", unchanged)
+    named.agree(rank, error, f"cannot load {directory}", unchanged)
     assert plan is not None
     try:
         dcp.load(plan.buffers, storage_reader=FileSystemReader(directory), planner=_planner())
-    except Exception as caught:
-        raise CheckpointError(
-            f"rank {rank}: reading {directory} failed: {type(caught).__name__}: "
-            f"{str(caught)[:400]}; {unchanged}"
+    except (Exception, CheckpointException) as caught:  # DCP's is a BaseException
+        raise dcp_failure(
+            caught,
+            named.operation,
+            iteration,
+            f"rank {rank}: reading {directory} failed: {describe_dcp_error(caught)}; {unchanged}",
         ) from caught
     staged: tuple[dict[str, Any] | None, _RngState | None] | None = None
     try:
         staged = _check_states(plan, request)
     except Exception as caught:
         error = caught
-    _raise_if_any_failed(rank, error, f"cannot load {directory}", unchanged)
+    named.agree(rank, error, f"cannot load {directory}", unchanged)
     assert staged is not None
     try:
         _apply(plan, request, *staged)
     except Exception as caught:
         error = caught
-    _raise_if_any_failed(
+    named.agree(
         rank, error, f"failed while applying {directory}", f"{directory} was not applied: restart"
     )
     return _result(plan, request, iteration)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Named:
+    """The operation and iteration a lost peer's error names during one load."""
+
+    operation: str
+    iteration: int
+
+    def agree(self, rank: int, error: BaseException | None, failure: str, result: str) -> None:
+        _raise_if_any_failed(
+            rank, error, failure, result, operation=self.operation, iteration=self.iteration
+        )
 
 
 def _planner() -> DefaultLoadPlanner:

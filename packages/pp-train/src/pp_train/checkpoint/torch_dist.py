@@ -37,7 +37,8 @@ from pp_optim import (
     MegatronOptimizer,
     OptimizerParamScheduler,
 )
-from pp_state import ParallelState
+from pp_state import CollectiveError, ParallelState
+from pp_state.collectives import collective_error, is_lost_peer
 from pp_train.checkpoint.keys import (
     chunk_global_keys,
     main_params,
@@ -64,6 +65,7 @@ __all__ = [
     "RECORD_PREFIX",
     "SaveContent",
     "conversion_record",
+    "dcp_failure",
     "iteration_directory",
     "layout_of",
     "publish",
@@ -223,7 +225,14 @@ def prepare(staging: Path, content: SaveContent, state: ParallelState, iteration
         error,
         f"could not write torch_dist checkpoint directory {staging}",
         f"iteration {iteration} was not saved; the tracker in {staging.parent} was not moved",
+        operation=save_operation(iteration),
+        iteration=iteration,
     )
+
+
+def save_operation(iteration: int, *, background: bool = False) -> str:
+    """The operation a lost peer's `CollectiveError` names for the save of `iteration`."""
+    return f"{'asynchronous ' if background else ''}torch_dist save of iteration {iteration}"
 
 
 def write_common(directory: Path, common: dict[str, Any]) -> None:
@@ -245,6 +254,7 @@ def write_torch_dist(
 
     Raises:
         CheckpointError: On every rank when any rank failed (DCP reports failures to all).
+        CollectiveError: On every survivor when a rank died or stopped answering.
     """
     prepare(staging, content, state, iteration)
     writer, planner = writer_and_planner(staging)
@@ -252,10 +262,47 @@ def write_torch_dist(
         dcp.save(content.tensors, storage_writer=writer, planner=planner)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
         remove_failed_save(staging, state.rank)
-        raise CheckpointError(
+        raise dcp_failure(
+            error,
+            save_operation(iteration),
+            iteration,
             f"rank {state.rank}: could not write torch_dist checkpoint {staging}: "
-            f"{describe_dcp_error(error)}; the tracker in {staging.parent} was not moved"
+            f"{describe_dcp_error(error)}; the tracker in {staging.parent} was not moved",
         ) from error
+
+
+def dcp_failure(
+    error: BaseException, operation: str, iteration: int, message: str
+) -> CollectiveError | CheckpointError:
+    """What a failed DCP save or load raises: a lost peer's `CollectiveError`, else `message`.
+
+    DCP reports a peer that died as the backend's bare error, or inside its
+    ``CheckpointException`` among each rank's failures; either becomes one `CollectiveError`
+    naming this rank, `operation` and `iteration`.
+    """
+    lost = _lost_peer_in(error)
+    if isinstance(lost, CollectiveError):
+        return lost if lost.iteration is not None else lost.with_iteration(iteration)
+    if lost is not None:
+        return collective_error(lost, operation, iteration=iteration)
+    return CheckpointError(message)
+
+
+def _lost_peer_in(error: BaseException) -> BaseException | None:
+    """The backend's lost-peer error in `error`, its causes or DCP's per-rank failures."""
+    failures = getattr(error, "failures", None)
+    candidates = [error]
+    if isinstance(failures, dict):
+        candidates += [failure[0] for failure in failures.values()]
+    for candidate in candidates:
+        seen: BaseException | None = candidate
+        for _ in range(8):  # a chain of causes is short; a cycle must not loop forever
+            if seen is None:
+                break
+            if isinstance(seen, CollectiveError) or is_lost_peer(seen):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def describe_dcp_error(error: BaseException) -> str:
