@@ -164,7 +164,11 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """A package's unit tests, with only that package and its declared lower layers."""
     _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()))
-    session.run("pytest", str(PACKAGES / package / "tests"), *session.posargs, env=TEST_ENV)
+    # The ten slowest tests are listed, so the growth of the run shows where it comes from.
+    session.run(
+        "pytest", str(PACKAGES / package / "tests"), "--durations=10", *session.posargs,
+        env=TEST_ENV,
+    )  # fmt: skip
 
 
 @nox.session
@@ -236,6 +240,7 @@ def integration(session: nox.Session) -> None:
         str(ROOT / "docs"),
         *readmes,
         "--doctest-glob=*.md",
+        "--durations=10",
         *session.posargs,
         env=TEST_ENV,
     )

@@ -180,7 +180,14 @@ def test_a_corrupt_checkpoint_is_refused_with_one_clear_line(
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        [
+            "--num-layers",
+            "3",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-layout",
+            "Ett|ttL",
+        ],
         ["--distributed-timeout-minutes", "0"],
     ],
     ids=["layers", "timeout"],
