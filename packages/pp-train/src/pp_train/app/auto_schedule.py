@@ -51,12 +51,18 @@ def warmup_costs(
         inputs = time.perf_counter()
         weights.run()
         times.append((forward - start, inputs - forward, time.perf_counter() - inputs))
-    medians = torch.tensor([statistics.median(t[k] for t in times[1:]) * 1e3 for k in range(3)])
-    if dist.is_initialized():
-        with collective("schedule cost all-reduce"):
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    f, i, w = (max(float(v), 1e-3) for v in medians)
+    seconds = [statistics.median(t[k] for t in times[1:]) for k in range(3)]
+    f, i, w = _slowest([value * 1e3 for value in seconds], "schedule cost all-reduce")
     return Costs(forward=f, backward=i + w, backward_input=i, backward_weight=w)
+
+
+def _slowest(medians: list[float], operation: str) -> list[float]:
+    """Each median's largest value over the ranks (at least 1 µs), so every rank agrees."""
+    measured = torch.tensor(medians)
+    if dist.is_initialized():
+        with collective(operation):
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    return [max(float(value), 1e-3) for value in measured]
 
 
 def choose_measured(
@@ -109,11 +115,7 @@ def layout_costs(
         part = GPTChunk(config, layers=range(layers), pre_process=pre, post_process=post, seed=seed)
         times = [_step(part, tokens, pre=pre, post=post) for _ in range(rounds + 1)][1:]
         medians += [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
-    measured = torch.tensor(medians)
-    if dist.is_initialized():
-        with collective("layout cost all-reduce"):
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    f, b, *ends = (max(float(v), 1e-3) for v in measured)
+    f, b, *ends = _slowest(medians, "layout cost all-reduce")
     return (
         Costs(forward=f, backward=b),
         (ends[0] + ends[1]) / (f + b),
