@@ -109,6 +109,8 @@ class Moment:
     after: bool = False
     background: bool = False
     resumes: int = 1
+    resave: bool = False
+    """Iteration 2 is complete and tracked before the killed save writes it again."""
 
     def patch(self) -> Any:
         original = getattr(self.owner, self.attribute)
@@ -118,6 +120,7 @@ class Moment:
 
 _TRACKER, _FILE = TRACKER_FILENAME, CHECKPOINT_FILENAME
 _WRITER, _DIST, _ASYNC = FileSystemWriter, torch_dist_module, async_save_module
+_ASIDE = _renamed_to("iter_0000002.replaced")  # the old iter_0000002 moved aside, new not in
 MOMENTS = {
     # torch format: rank 1 writes its stage's file, rank 0 the tracker.
     "torch_before_file": Moment("torch", legacy, "_atomic_write", 1, _named(_FILE)),
@@ -140,6 +143,9 @@ MOMENTS = {
     "after_metadata": Moment("torch_dist", _WRITER, "finish", 0, after=True),
     "after_directory_rename": Moment("torch_dist", _DIST, "_fsync_directory", 0, _root_only),
     "before_tracker": Moment("torch_dist", _DIST, "_atomic_write", 0, _named(_TRACKER)),
+    "resave_between_renames": Moment(
+        "torch_dist", os, "replace", 0, _ASIDE, after=True, resumes=2, resave=True
+    ),
     "after_tracker": Moment(
         "torch_dist", os, "replace", 0, _renamed_to(_TRACKER), after=True, resumes=2
     ),
@@ -149,6 +155,9 @@ MOMENTS = {
     "async_finalize_before_rename": Moment("torch_dist", _ASYNC, "publish", 0, background=True),
     "async_finalize_after_rename": Moment(
         "torch_dist", _DIST, "_fsync_directory", 0, _root_only, background=True
+    ),
+    "async_resave_between_renames": Moment(
+        "torch_dist", os, "replace", 0, _ASIDE, after=True, background=True, resumes=2, resave=True
     ),
     "async_after_tracker": Moment(
         "torch_dist",
@@ -163,14 +172,21 @@ MOMENTS = {
 }
 
 
+def _add_one(model: list[torch.nn.Module]) -> None:
+    with torch.no_grad():
+        for chunk in model:
+            for param in chunk.parameters():
+                param.add_(1.0)
+
+
 def _crash(root: str, name: str) -> None:
     moment = MOMENTS[name]  # looked up here: its functions do not pickle
     parts = _build()
     _save(root, 1, parts, moment.fmt)
-    with torch.no_grad():
-        for chunk in parts[1]:
-            for param in chunk.parameters():
-                param.add_(1.0)
+    _add_one(parts[1])
+    if moment.resave:  # iteration 2 holds weights 1 higher than 1; the killed save 2 higher
+        _save(root, 2, parts, moment.fmt)
+        _add_one(parts[1])
     saver = AsyncCheckpointSaver() if moment.background else None
     with moment.patch():
         _save(root, 2, parts, moment.fmt, saver)
@@ -178,7 +194,8 @@ def _crash(root: str, name: str) -> None:
 
 def _leftovers(root: str) -> list[str]:
     found = Path(root).rglob("*")
-    return sorted(p.name for p in found if ".tmp-" in p.name or p.name.endswith(".partial"))
+    leftover = (".partial", ".replaced")
+    return sorted(p.name for p in found if ".tmp-" in p.name or p.name.endswith(leftover))
 
 
 def _resume(root: str, fmt: CkptFormat) -> dict[str, Any]:
@@ -211,13 +228,22 @@ def test_a_killed_rank_never_leaves_the_tracker_on_an_incomplete_checkpoint(
         run_distributed(_crash, 2, str(tmp_path), name, pg_timeout=5.0, timeout=60)
     assert read_tracker(tmp_path) == moment.resumes
     crashed = _leftovers(str(tmp_path))
+    # A directory moved aside whose replacement never came in: the load puts it back.
+    aside = [n for n in crashed if n.endswith(".replaced") and not (tmp_path / n[:-9]).exists()]
+    removed = [n for n in crashed if n not in aside]
     results = run_distributed(_resume, 2, str(tmp_path), moment.fmt)
     assert [r["iteration"] for r in results] == [moment.resumes] * 2
     assert all(r["equal"] for r in results)
     assert results[0]["left"] == []
-    if crashed:  # the killed writer's temporaries, named in one line by the load
-        (line,) = results[0]["lines"]
-        assert line.startswith(f"removed {len(crashed)} stale checkpoint temporaries"), line
-        assert all(name in line for name in crashed), line
+    lines = results[0]["lines"]  # one line for what was put back, one for what was removed
+    assert [line.split()[0] for line in lines] == ["restored"] * bool(aside) + ["removed"] * bool(
+        removed
+    ), lines
+    if aside:
+        assert lines[0].startswith(f"restored {len(aside)} checkpoint"), lines[0]
+        assert all(f"{name} -> {name[:-9]}" in lines[0] for name in aside), lines[0]
+    if removed:  # the killed writer's temporaries, named in one line by the load
+        assert lines[-1].startswith(f"removed {len(removed)} stale checkpoint temporaries")
+        assert all(name in lines[-1] for name in removed), lines[-1]
     assert read_tracker(tmp_path) == 2
     assert _leftovers(str(tmp_path)) == []

@@ -22,8 +22,9 @@ from pp_testing import run_distributed
 from pp_train import save_checkpoint, setup_model_and_optimizer
 from pp_train.app import GPTChunk, GPTConfig, chunk_layers
 from pp_train.checkpoint import AsyncCheckpointSaver, CkptFormat
+from pp_train.checkpoint.torch_dist import publish
 from pp_train.checkpointing import CheckpointError, read_tracker
-from pp_train.temporaries import STALE_AFTER, remove_stale_temporaries
+from pp_train.temporaries import STALE_AFTER, remove_stale_temporaries, restore_moved_aside
 
 pytestmark = pytest.mark.reliability
 
@@ -94,6 +95,51 @@ def test_another_hosts_temporaries_are_removed_only_when_unchanged_for_long(
     later = time.time() + STALE_AFTER + 60
     assert len(remove_stale_temporaries(tmp_path, None, now=later)) == 3
     assert not any(p.exists() for p in (other, legacy, unknown))
+
+
+def test_a_directory_moved_aside_without_its_replacement_is_put_back(tmp_path: Path) -> None:
+    _file(tmp_path / "iter_0000002.replaced/.metadata", 10)  # the tracked iteration 2
+    _partial(tmp_path, 2, f"{HOST} {_dead_pid()}")  # its unpublished replacement
+    lines: list[str] = []
+    assert restore_moved_aside(tmp_path, lines.append) == ["iter_0000002"]
+    assert lines == [
+        "restored 1 checkpoint(s) moved aside by a save killed before renaming their "
+        "replacement in: iter_0000002.replaced -> iter_0000002"
+    ]
+    assert (tmp_path / "iter_0000002/.metadata").is_file()
+    assert remove_stale_temporaries(tmp_path, None) == ["iter_0000002.partial/"]
+    assert restore_moved_aside(tmp_path, lines.append) == []
+    assert len(lines) == 1
+
+
+def test_a_directory_moved_aside_whose_replacement_came_in_is_removed(tmp_path: Path) -> None:
+    new = _file(tmp_path / "iter_0000002/.metadata", 10)
+    _file(tmp_path / "iter_0000002.replaced/.metadata", 10)
+    assert restore_moved_aside(tmp_path, None) == []
+    lines: list[str] = []
+    assert remove_stale_temporaries(tmp_path, lines.append) == ["iter_0000002.replaced/"]
+    assert lines == [
+        "removed 1 stale checkpoint temporaries of dead writers (0.0 MB): iter_0000002.replaced/"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002"]
+    assert new.is_file()
+
+
+def test_a_failed_rename_in_puts_the_directory_moved_aside_back(tmp_path: Path) -> None:
+    old = _file(tmp_path / "iter_0000002/.metadata", 10)
+    _file(tmp_path / "iter_0000002.partial/.metadata", 20)
+    original = os.replace
+
+    def refuse_rename_in(source: Any, target: Any) -> None:
+        if Path(source).name.endswith(".partial"):
+            raise OSError("input/output error (injected)")
+        original(source, target)
+
+    with mock.patch.object(os, "replace", refuse_rename_in), pytest.raises(OSError, match="injected"):
+        publish(tmp_path, 2)
+    assert old.stat().st_size == 10  # the tracked iteration 2, under its own name again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000002.partial"]
+    assert read_tracker(tmp_path) is None
 
 
 def _build(fmt: CkptFormat) -> tuple[Any, ...]:

@@ -10,9 +10,16 @@ rank 0 when a save or load starts) removes those whose writer is dead:
 - written on another host, or of an unknown writer: dead when nothing in it changed for
   `STALE_AFTER` (a writer's pid cannot be checked from here; a live save keeps writing).
 
+Saving again an iteration that exists moves the published ``iter_N`` aside as
+``iter_N.replaced``, renames the new one in and deletes the aside copy. Only global rank 0
+does this, within one call, so an ``iter_N.replaced`` seen when a save or load starts is a
+killed save's: `restore_moved_aside` renames it back when ``iter_N`` is missing (the
+tracker named it; the unpublished ``iter_N.partial`` is then a dead writer's temporary), and
+`remove_stale_temporaries` removes it when ``iter_N`` is there (the rename in had happened).
+
 Limits: a pid reused by an unrelated process keeps a temporary until that process ends; a
 save on another host that stalls for longer than `STALE_AFTER` loses its temporary (and
-fails when it renames it).
+fails when it renames it); two jobs saving into one directory are not told apart.
 """
 
 from __future__ import annotations
@@ -28,15 +35,20 @@ from pathlib import Path
 
 __all__ = [
     "PARTIAL_SUFFIX",
+    "REPLACED_SUFFIX",
     "STALE_AFTER",
     "WRITER_FILENAME",
     "mark_writer",
     "remove_stale_temporaries",
+    "restore_moved_aside",
     "temporary_path",
 ]
 
 PARTIAL_SUFFIX = ".partial"
 """Suffix of the directory a torch_dist save writes into before it is complete."""
+
+REPLACED_SUFFIX = ".replaced"
+"""Suffix of a published iteration directory moved aside while that iteration is saved again."""
 
 WRITER_FILENAME = ".writer"
 """The file in a ``.partial`` directory naming its writer (``<host> <pid>``)."""
@@ -51,6 +63,10 @@ _TEMPORARY = re.compile(r"\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
 class _Writer:
     host: str | None
     pid: int | None
+    gone: bool = False  # known to have no live writer (an aside copy already replaced)
+
+
+_GONE = _Writer(None, None, gone=True)
 
 
 def temporary_path(path: Path) -> Path:
@@ -94,13 +110,46 @@ def remove_stale_temporaries(
             continue
         total += size
         name = path.relative_to(root).as_posix()
-        removed.append(name + "/" if path.suffix == PARTIAL_SUFFIX else name)
+        removed.append(name + "/" if path.suffix in (PARTIAL_SUFFIX, REPLACED_SUFFIX) else name)
     if removed and report is not None:
         report(
             f"removed {len(removed)} stale checkpoint temporaries of dead writers "
             f"({total / 1e6:.1f} MB): {', '.join(removed)}"
         )
     return removed
+
+
+def restore_moved_aside(root: Path, report: Callable[[str], None] | None = print) -> list[str]:
+    """Renames each ``iter_N.replaced`` back to ``iter_N`` where ``iter_N`` is missing.
+
+    A save of an iteration that exists killed between moving the old directory aside and
+    renaming the new one in leaves the tracker naming ``iter_N`` while only the aside copy,
+    complete and published before, holds it. Never raises: one that cannot be renamed is
+    left (the load then names the missing directory).
+
+    Args:
+        root: A checkpoint directory (may be missing).
+        report: Gets one line naming what was put back (nothing when nothing was).
+
+    Returns:
+        The restored directories' names (``iter_N``).
+    """
+    restored: list[str] = []
+    for path in sorted(root.glob(f"iter_*{REPLACED_SUFFIX}")) if root.is_dir() else []:
+        final = path.with_suffix("")
+        if not path.is_dir() or final.exists():
+            continue
+        try:
+            os.replace(path, final)
+        except OSError:
+            continue
+        restored.append(f"{path.name} -> {final.name}")
+    if restored and report is not None:
+        report(
+            f"restored {len(restored)} checkpoint(s) moved aside by a save killed before "
+            f"renaming their replacement in: {', '.join(restored)}"
+        )
+    return [name.split(" -> ")[1] for name in restored]
 
 
 def _temporaries(root: Path) -> Iterator[tuple[Path, _Writer]]:
@@ -115,6 +164,9 @@ def _temporaries(root: Path) -> Iterator[tuple[Path, _Writer]]:
     for path in sorted(root.glob(f"iter_*{PARTIAL_SUFFIX}")):
         if path.is_dir():
             yield path, _partial_writer(path)
+    for path in sorted(root.glob(f"iter_*{REPLACED_SUFFIX}")):
+        if path.is_dir() and path.with_suffix("").is_dir():  # its replacement is in place
+            yield path, _GONE
 
 
 def _partial_writer(directory: Path) -> _Writer:
@@ -126,6 +178,8 @@ def _partial_writer(directory: Path) -> _Writer:
 
 
 def _is_dead(writer: _Writer, age: float) -> bool:
+    if writer.gone:
+        return True
     if writer.host != socket.gethostname() or writer.pid is None:
         return age > STALE_AFTER
     if writer.pid == os.getpid():

@@ -43,7 +43,7 @@ from pp_train.checkpointing import (
     _LoadRequest,
     _raise_if_any_failed,
 )
-from pp_train.temporaries import remove_stale_temporaries
+from pp_train.temporaries import remove_stale_temporaries, restore_moved_aside
 
 __all__ = [
     "CKPT_FORMATS",
@@ -247,8 +247,10 @@ def load_checkpoint(
     any layout holding the same model; `strict_args` minus the layout sizes are compared;
     RNG states are restored only when the layout (tensor, pipeline, virtual, data sizes) is
     the saved one, else they keep this run's seeding and `LoadedCheckpoint.notes` says so.
-    Once every rank read the tracker, global rank 0 removes the stale temporaries of dead
-    writers and hands `report` one line naming them (`pp_train.temporaries`).
+    Before any rank reads the tracker, global rank 0 renames back an ``iter_N.replaced``
+    whose ``iter_N`` is missing (a save of an existing iteration killed between its two
+    renames); once every rank read it, the stale temporaries of dead writers are removed.
+    Each hands `report` one line naming what it did (`pp_train.temporaries`).
 
     Returns:
         What was loaded; None on every rank when `root` holds no tracker.
@@ -268,6 +270,8 @@ def load_checkpoint(
         args=args, strict_args=strict_args, finetune=finetune,
         load_optim=not (finetune or no_load_optim), load_rng=not (finetune or no_load_rng),
     )  # fmt: skip
+    if state.rank == 0:  # before any rank looks at the directory the tracker names
+        restore_moved_aside(request.root, report)
     iteration = _agree_on_iteration(request.root, state.rank)
     _remove_stale_on_rank_0(request.root, state, report)  # no save of this run in flight
     if iteration is None:
@@ -282,6 +286,7 @@ def _remove_stale_on_rank_0(
     root: Path, state: ParallelState, report: Callable[[str], None] | None
 ) -> None:
     if state.rank == 0:
+        restore_moved_aside(root, report)
         remove_stale_temporaries(root, report)
 
 
