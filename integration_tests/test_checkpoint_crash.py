@@ -131,6 +131,13 @@ MOMENTS = {
     ),
     "torch_before_tracker": Moment("torch", legacy, "_atomic_write", 0, _named(_TRACKER)),
     "torch_before_tracker_rename": Moment("torch", os, "replace", 0, _renamed_to(_TRACKER)),
+    "torch_resave_file_renamed": Moment(
+        "torch", legacy, "_fsync_directory", 0, lambda d: d.name.startswith("mp_rank"),
+        resumes=2, resave=True,
+    ),  # fmt: skip
+    "torch_resave_between_renames": Moment(
+        "torch", os, "replace", 0, _ASIDE, after=True, resumes=2, resave=True
+    ),
     "torch_after_tracker": Moment(
         "torch", os, "replace", 0, _renamed_to(_TRACKER), after=True, resumes=2
     ),

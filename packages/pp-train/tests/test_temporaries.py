@@ -135,7 +135,10 @@ def test_a_failed_rename_in_puts_the_directory_moved_aside_back(tmp_path: Path) 
             raise OSError("input/output error (injected)")
         original(source, target)
 
-    with mock.patch.object(os, "replace", refuse_rename_in), pytest.raises(OSError, match="injected"):
+    with (
+        mock.patch.object(os, "replace", refuse_rename_in),
+        pytest.raises(OSError, match="injected"),
+    ):
         publish(tmp_path, 2)
     assert old.stat().st_size == 10  # the tracked iteration 2, under its own name again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000002.partial"]

@@ -22,6 +22,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from pp_optim import Float16OptimizerWithFloat16Params, MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
 from pp_state.collectives import collective
-from pp_train.temporaries import temporary_path
+from pp_train.temporaries import PARTIAL_SUFFIX, REPLACED_SUFFIX, mark_writer, temporary_path
 from pp_train.wrappers import unwrap_model
 
 __all__ = [
@@ -346,7 +347,8 @@ def save_checkpoint(
     atomically; once every file is in place, global rank 0 points the tracker at
     `iteration`. A failure anywhere raises `CheckpointError` on every rank and leaves the
     tracker, and so the checkpoint that loads, as it was. Saving again an iteration that
-    already exists replaces its files one by one: a crash then can mix old and new files.
+    already exists writes into ``iter_N.partial`` and renames it in whole (the old directory
+    moved aside first, deleted once the tracker moved), so a crash never mixes old and new.
 
     Args:
         root: The checkpoint directory; created when missing.
@@ -403,15 +405,20 @@ def _write_checkpoint(
     """Writes every position's file, then moves the tracker; a collective (`save_checkpoint`).
 
     Only data-parallel rank 0 of each position calls `content` and writes its file (at the
-    path returned); only global rank 0 writes the tracker.
+    path returned); only global rank 0 writes the tracker. When the iteration's directory
+    exists the files go into ``iter_N.partial``, renamed in whole before the tracker moves.
     """
+    operation = f"torch save of iteration {iteration}"
     path = _own_path(root, iteration, state)
+    final = path.parent.parent
+    staging = _staging_for_resave(final, state, operation, iteration)
     error: BaseException | None = None
     if state.group_rank("dp_cp") == 0:
+        written = path if staging is None else staging / path.relative_to(final)
         try:
             saved = content()
-            _atomic_write(path, lambda file: torch.save(saved, file))
-            _fsync_directory(path.parent.parent)
+            _atomic_write(written, lambda file: torch.save(saved, file))
+            _fsync_directory(written.parent.parent)
         except Exception as caught:
             error = caught
     # Stands in for a barrier and also tells every rank whether any file failed, so no rank
@@ -422,14 +429,12 @@ def _write_checkpoint(
         f"could not write checkpoint file {path}",
         f"checkpoint files of iteration {iteration} were not all written; the tracker in "
         f"{root} was not moved",
-        operation=f"torch save of iteration {iteration}",
+        operation=operation,
         iteration=iteration,
     )
     if state.rank == 0:
         try:
-            _fsync_directory(root)
-            tracker = root / TRACKER_FILENAME
-            _atomic_write(tracker, lambda file: file.write(str(iteration).encode("ascii")))
+            _publish_files(root, iteration, staging)
         except Exception as caught:
             error = caught
     _raise_if_any_failed(
@@ -437,10 +442,72 @@ def _write_checkpoint(
         error,
         f"could not write tracker file {root / TRACKER_FILENAME}",
         f"the tracker in {root} was not moved to iteration {iteration}",
-        operation=f"torch save of iteration {iteration}",
+        operation=operation,
         iteration=iteration,
     )
     return path
+
+
+def _staging_for_resave(
+    final: Path, state: ParallelState, operation: str, iteration: int
+) -> Path | None:
+    """``iter_N.partial`` when `final` exists (global rank 0 decides for all), else None.
+
+    Replacing the files of a published iteration one by one would let a crash mix old and
+    new ones under a tracker that names it; a collective.
+    """
+    staging = final.with_name(final.name + PARTIAL_SUFFIX)
+    error: BaseException | None = None
+    resave = 0
+    if state.rank == 0 and final.exists():
+        try:
+            if staging.exists():
+                shutil.rmtree(staging)  # a crashed save's leftovers
+            staging.mkdir()
+            mark_writer(staging)
+            resave = 1
+        except OSError as caught:
+            error = caught
+    _raise_if_any_failed(
+        state.rank,
+        error,
+        f"could not make {staging}",
+        f"iteration {iteration} was not saved; the tracker in {final.parent} was not moved",
+        operation=operation,
+        iteration=iteration,
+    )
+    return staging if gather_ints(resave, operation, iteration=iteration)[0] else None
+
+
+def _publish_files(root: Path, iteration: int, staging: Path | None) -> None:
+    """Global rank 0: renames a complete `staging` in (if any), then moves the tracker."""
+    replaced = None if staging is None else _move_in(staging, staging.with_suffix(""))
+    _fsync_directory(root)
+    tracker = root / TRACKER_FILENAME
+    _atomic_write(tracker, lambda file: file.write(str(iteration).encode("ascii")))
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _move_in(staging: Path, final: Path) -> Path:
+    """Renames the complete directory `staging` to `final`; an existing `final` is moved aside.
+
+    The aside copy (``iter_N.replaced``) is returned, to be deleted once the tracker moved;
+    a failed rename in puts it back. A kill between the two renames is repaired by the next
+    save or load (`pp_train.temporaries.restore_moved_aside`). The caller syncs the parent.
+    """
+    replaced = final.with_name(final.name + REPLACED_SUFFIX)
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.replace(final, replaced)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if replaced.exists() and not final.exists():
+            os.replace(replaced, final)  # the tracker may name it: keep it loadable
+        raise
+    return replaced
 
 
 def _checkpoint_content(

@@ -53,8 +53,9 @@ from pp_train.checkpointing import (
     _fsync_directory,
     _raise_if_any_failed,
     get_rng_state,
+    _move_in,
 )
-from pp_train.temporaries import PARTIAL_SUFFIX, REPLACED_SUFFIX, mark_writer
+from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
 from pp_train.wrappers import unwrap_model
 
 __all__ = [
@@ -336,26 +337,14 @@ def publish(root: Path, iteration: int) -> None:
 
     Called once DCP's ``.metadata`` is written, that is after every rank's data. A directory
     of the same iteration already there (a run that saves again the iteration it resumed
-    from) is moved aside first (``iter_N.replaced``) and deleted last; a failed rename in
-    puts it back, and a kill between the renames is repaired by the next save or load
-    (`pp_train.temporaries.restore_moved_aside`).
+    from) is moved aside first and deleted last (`pp_train.checkpointing._move_in`).
     """
     final = iteration_directory(root, iteration)
     staging = final.with_name(final.name + PARTIAL_SUFFIX)
     if not (staging / ".metadata").is_file():
         raise CheckpointError(f"rank 0: {staging} has no .metadata; it is not complete")
     _fsync_directory(staging)
-    replaced = final.with_name(final.name + REPLACED_SUFFIX)
-    if final.exists():
-        if replaced.exists():
-            shutil.rmtree(replaced)
-        os.replace(final, replaced)
-    try:
-        os.replace(staging, final)
-    except OSError:
-        if replaced.exists() and not final.exists():
-            os.replace(replaced, final)  # the tracker names it: keep it loadable
-        raise
+    replaced = _move_in(staging, final)
     _fsync_directory(root)
     _atomic_write(root / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode("ascii")))
     with contextlib.suppress(OSError):
