@@ -1,4 +1,4 @@
-"""kill -9 of one rank at 20 moments of a save: torch, torch_dist, asynchronous torch_dist.
+"""kill -9 of one rank at 25 moments of a save: torch, torch_dist, asynchronous torch_dist.
 
 Each case saves iteration 1, changes every weight, then saves iteration 2 while a patched
 step of the save (`MOMENTS`: before or after a file write, a rename, the tracker, DCP's shard
@@ -6,8 +6,12 @@ write or ``.metadata``, the asynchronous finalisation) kills one rank with SIGKI
 must name the last complete checkpoint (iteration 1, or 2 when the kill came after the
 tracker moved), a new run must load exactly that iteration's weights, and a new save of
 iteration 2 must succeed over what the crash left behind. The load removes the killed
-writers' temporaries and names them. 20 cases of two 2-rank runs each: about 20-50 s a case
-on a loaded 2-core machine, almost all of it starting ranks.
+writers' temporaries and names them. In the ``resave`` cases iteration 2 is complete and
+tracked before the killed save writes it again (weights changed once more): the tracker names
+2 throughout and the load must give the first iteration 2's weights, putting back the
+directory moved aside (``iter_N.replaced``) when the kill came between the two renames.
+25 cases of two 2-rank runs each: about 10-50 s a case on a loaded 2-core machine, almost all
+of it starting ranks.
 """
 
 from __future__ import annotations
@@ -93,6 +97,10 @@ def _renamed_to(name: str) -> Any:
     return lambda source, target: Path(target).name == name
 
 
+def _in_stage_directory(directory: Path) -> bool:  # synced after its file's rename
+    return directory.name.startswith("mp_rank")
+
+
 def _root_only(directory: Path) -> bool:  # publish syncs the .partial directory, then the root
     return not directory.name.endswith(".partial")
 
@@ -126,15 +134,12 @@ MOMENTS = {
     "torch_before_file": Moment("torch", legacy, "_atomic_write", 1, _named(_FILE)),
     "torch_file_written": Moment("torch", torch, "save", 1, after=True),
     "torch_before_file_rename": Moment("torch", os, "replace", 1, _renamed_to(_FILE)),
-    "torch_after_file_rename": Moment(
-        "torch", legacy, "_fsync_directory", 1, lambda d: d.name.startswith("mp_rank")
-    ),
+    "torch_after_file_rename": Moment("torch", legacy, "_fsync_directory", 1, _in_stage_directory),
     "torch_before_tracker": Moment("torch", legacy, "_atomic_write", 0, _named(_TRACKER)),
     "torch_before_tracker_rename": Moment("torch", os, "replace", 0, _renamed_to(_TRACKER)),
     "torch_resave_file_renamed": Moment(
-        "torch", legacy, "_fsync_directory", 0, lambda d: d.name.startswith("mp_rank"),
-        resumes=2, resave=True,
-    ),  # fmt: skip
+        "torch", legacy, "_fsync_directory", 0, _in_stage_directory, resumes=2, resave=True
+    ),
     "torch_resave_between_renames": Moment(
         "torch", os, "replace", 0, _ASIDE, after=True, resumes=2, resave=True
     ),

@@ -51,9 +51,9 @@ from pp_train.checkpointing import (
     CheckpointError,
     _atomic_write,
     _fsync_directory,
+    _move_in,
     _raise_if_any_failed,
     get_rng_state,
-    _move_in,
 )
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
 from pp_train.wrappers import unwrap_model
