@@ -772,6 +772,54 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(two_ranks: Results) -> 
     assert (tmp_path / TRACKER_FILENAME).read_text() == "4"
 
 
+def _refusing_rename_in(source: Any, target: Any) -> None:
+    if Path(source).name.endswith(".partial"):
+        raise OSError(5, "Input/output error (simulated)")
+    _REAL_REPLACE(source, target)
+
+
+_REAL_REPLACE = os.replace
+
+
+def _resave(root_name: str) -> dict[str, Any]:
+    """Saves iteration 1 again: the rename in fails, then a kill between the renames."""
+    state, root = _state(pp=2), Path(root_name)
+    job = _Job(state, seed=70 + state.rank)
+    job.train(1, seed=state.rank)
+    _save(root, 1, job, state)
+    first = job.snapshot()
+    job.train(1, seed=9)
+    with mock.patch("os.replace", _refusing_rename_in), pytest.raises(CheckpointError) as caught:
+        _save(root, 1, job, state)
+    after_failure = sorted(p.name for p in root.iterdir())
+    dist.barrier()
+    if state.rank == 0:  # what a kill between moving iter_0000001 aside and renaming in leaves
+        os.replace(root / "iter_0000001", root / "iter_0000001.replaced")
+    dist.barrier()
+    job.train(1, seed=10)
+    loaded = _load(root, job, state)
+    return {
+        "message": str(caught.value),
+        "after_failure": after_failure,
+        "resumed": loaded is not None and loaded.iteration == 1,
+        "restored": _same(job.snapshot()["model"], first["model"]),
+        "left": sorted(p.name for p in root.iterdir()),
+    }
+
+
+def test_saving_an_existing_iteration_again_never_leaves_it_unloadable(
+    two_ranks: Results,
+) -> None:
+    for rank, result in enumerate(two_ranks[1]):
+        outcome = result["resave"]
+        assert f"rank {rank}" in outcome["message"]
+        assert "the tracker" in outcome["message"]
+        assert outcome["after_failure"] == ["iter_0000001", TRACKER_FILENAME]
+        assert outcome["resumed"]
+        assert outcome["restored"]
+    assert two_ranks[1][0]["resave"]["left"] == ["iter_0000001", TRACKER_FILENAME]
+
+
 # ----------------------------------------------------------------------------- options
 def _main_copies_match_model(model: list[torch.nn.Module]) -> bool:
     params = [param for chunk in model for param in chunk.parameters()]
@@ -866,6 +914,7 @@ _TWO_RANK_SCENARIOS: dict[str, Callable[[str], Any]] = {
     "no_tracker": _no_tracker,
     "crash_mid_save": _crash_mid_save,
     "options": _options,
+    "resave": _resave,
 }
 _FOUR_RANK_SCENARIOS: dict[str, Callable[[str], Any]] = {
     "fp16": _fp16_pp2_dp2,

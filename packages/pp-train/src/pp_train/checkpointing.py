@@ -33,7 +33,13 @@ import torch.distributed as dist
 from pp_optim import Float16OptimizerWithFloat16Params, MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
 from pp_state.collectives import collective
-from pp_train.temporaries import PARTIAL_SUFFIX, REPLACED_SUFFIX, mark_writer, temporary_path
+from pp_train.temporaries import (
+    PARTIAL_SUFFIX,
+    REPLACED_SUFFIX,
+    mark_writer,
+    restore_moved_aside,
+    temporary_path,
+)
 from pp_train.wrappers import unwrap_model
 
 __all__ = [
@@ -481,7 +487,13 @@ def _staging_for_resave(
 
 def _publish_files(root: Path, iteration: int, staging: Path | None) -> None:
     """Global rank 0: renames a complete `staging` in (if any), then moves the tracker."""
-    replaced = None if staging is None else _move_in(staging, staging.with_suffix(""))
+    replaced = None
+    if staging is not None:
+        try:
+            replaced = _move_in(staging, staging.with_suffix(""))
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)  # this failed save's own files
+            raise
     _fsync_directory(root)
     tracker = root / TRACKER_FILENAME
     _atomic_write(tracker, lambda file: file.write(str(iteration).encode("ascii")))
@@ -641,20 +653,18 @@ def load_checkpoint(
         CheckpointError: On every rank when any rank cannot load its part: a bad tracker, a
             missing, corrupt or unsafe file, or a checkpoint that does not fit the run. The
             model, optimizer, scheduler and RNG are then unchanged on every rank.
+
+    Global rank 0 first renames back an ``iter_N.replaced`` whose ``iter_N`` is missing (a
+    save of an existing iteration killed between its two renames) and prints a line saying so.
     """
     _check_load_arguments(model, args, strict_args)
     request = _LoadRequest(
-        root=Path(root),
-        state=state,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        args=args,
-        strict_args=strict_args,
-        finetune=finetune,
-        load_optim=not (finetune or no_load_optim),
-        load_rng=not (finetune or no_load_rng),
-    )
+        root=Path(root), state=state, model=model, optimizer=optimizer, scheduler=scheduler,
+        args=args, strict_args=strict_args, finetune=finetune,
+        load_optim=not (finetune or no_load_optim), load_rng=not (finetune or no_load_rng),
+    )  # fmt: skip
+    if state.rank == 0:  # before any rank reads the tracker
+        restore_moved_aside(request.root)
     return _load_latest(request)
 
 
