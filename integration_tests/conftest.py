@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from pp_testing import preload_in_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
+
+# Every rank run_distributed starts begins with pp-train and torch's checkpointing imported.
+preload_in_ranks("pp_train.app", "pp_train.checkpoint", "torch.distributed.checkpoint")
 
 Torchrun = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pp_testing import DistributedTestError, run_distributed
+from pp_testing import DistributedTestError, preload_in_ranks, run_distributed
 
 
 def _sum_of_ranks() -> tuple[int, int, float]:
@@ -158,3 +159,19 @@ def test_an_argument_that_fails_to_unpickle_is_reported_with_its_traceback() -> 
     for failure in caught.value.failures:
         assert failure.status == "raised"
         assert "this argument cannot be unpickled in a rank" in failure.detail
+
+
+def _preloaded() -> list[bool]:
+    # Neither this module nor torch imports these; only the forkserver preload does.
+    return ["xml.dom.minidom" in sys.modules, "torch._dynamo" in sys.modules]
+
+
+def test_ranks_start_with_the_preloaded_modules_imported() -> None:
+    assert "xml.dom.minidom" not in sys.modules  # the test process never imported it
+    assert run_distributed(_preloaded, 2) == [[True, True]] * 2
+
+
+def test_a_preload_after_the_first_run_is_refused() -> None:
+    run_distributed(_sum_of_ranks, 1)  # the forkserver is running from here on
+    with pytest.raises(RuntimeError, match=r"preload_in_ranks\('json',\) came after the first"):
+        preload_in_ranks("json")

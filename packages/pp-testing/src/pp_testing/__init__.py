@@ -6,7 +6,12 @@
 
 from importlib.metadata import version as _version
 
-from pp_testing.distributed import DistributedTestError, RankFailure, run_distributed
+from pp_testing.distributed import (
+    DistributedTestError,
+    RankFailure,
+    preload_in_ranks,
+    run_distributed,
+)
 from pp_testing.markers import cuda_device_count, requires_gpus
 from pp_testing.models import (
     StageStack,
@@ -27,6 +32,7 @@ __all__ = [
     "__version__",
     "check_installed_alone",
     "cuda_device_count",
+    "preload_in_ranks",
     "project_requirements",
     "reference_run",
     "requires_gpus",

@@ -27,9 +27,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["DistributedTestError", "RankFailure", "run_distributed"]
+__all__ = ["DistributedTestError", "RankFailure", "preload_in_ranks", "run_distributed"]
 
-_PRELOAD = ["torch", "torch.distributed"]
+# torch._dynamo is imported by torch itself the first time a tensor is initialised on the meta
+# device (about a second of CPU per process): imported once here, every rank starts with it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 # After the first rank fails, the others get this long to finish or fail on their own before
 # they are killed: long enough to report their side of a broken collective.
 _GRACE_AFTER_FAILURE_S = 5.0
@@ -225,6 +227,29 @@ class _RunSpec:
 
 
 _CONTEXT: multiprocessing.context.ForkServerContext | None = None
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Import `modules` once in the process every rank is forked from.
+
+    Ranks then start with them imported instead of importing them each (a test suite calls
+    this from its ``conftest.py`` with the packages its test bodies import). torch and
+    torch.distributed are always preloaded; a module that fails to import is left to each
+    rank, which then reports the error.
+
+    Args:
+        modules: Dotted module names.
+
+    Raises:
+        RuntimeError: The ranks' forkserver has already started (a run happened before this
+            call); the preload would not reach it.
+    """
+    if _CONTEXT is not None:
+        raise RuntimeError(
+            f"preload_in_ranks{modules} came after the first run_distributed: call it before "
+            "any run (from a conftest.py), while the ranks' forkserver is not started"
+        )
+    _PRELOAD.extend(module for module in modules if module not in _PRELOAD)
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
