@@ -241,30 +241,38 @@ class FramedShapes:
                 tensors or `MAX_DIMS` dimensions); raised before anything is posted.
         """
         self._buffers.fill(transfers, operation)
-        after: list[tuple[Transfer, _Signature]] = []  # tensors that travel after frames
-        for transfer in transfers:  # each travels as its frame first
-            if transfer.sends:
-                signature = _sent_signature(transfer.tensors, operation)
-                transfer.wire = [self._send_frame(transfer, signature, operation)]
-            else:
-                signature = _signature(transfer.requested, operation)
-                transfer.wire = [self._spare.pop() if self._spare else _receive_frame()]
-            if signature.kind == _SIZED or (signature.kind == _FOLLOWS and transfer.sends):
-                after.append((transfer, signature))
+        signatures = [
+            _sent_signature(t.tensors, operation) if t.sends else _signature(t.requested, operation)
+            for t in transfers
+        ]
+        # The tensors after large frames go first (sends first): frames never hold them up.
+        following: dict[int, list[Posted]] = {}
+        for sends in (True, False):
+            for transfer, signature in zip(transfers, signatures, strict=True):
+                if transfer.sends is sends and (
+                    signature.kind == _SIZED or (signature.kind == _FOLLOWS and sends)
+                ):
+                    following[id(transfer)] = self._post_following(transfer, signature, operation)
+        for transfer, signature in zip(transfers, signatures, strict=True):
+            transfer.wire = [
+                self._send_frame(transfer, signature, operation)
+                if transfer.sends
+                else self._spare.pop()
+                if self._spare
+                else _receive_frame()
+            ]
         posted = self._transport.post(transfers, tag=HEADER_TAG, operation=operation)
-        receives: dict[int, _FramedReceive] = {}
         for index, (work, carried) in enumerate(posted):
             transfer = carried[0]
             if not transfer.sends:  # looks like a Work to whoever waits for it
-                receive = receives[id(transfer)] = self._receive(transfer, work, operation)
+                signature = signatures[transfers.index(transfer)]
+                receive = self._receive(transfer, work, signature, operation)
+                receive.following = following.get(id(transfer), [])
                 posted[index] = (typing.cast(dist.Work, receive), carried)
-        for transfer, signature in after:  # a posted send holds on to its frame
-            transfer.wire = transfer.tensors
-            data = self._post_following(transfer, signature, operation)
-            if transfer.sends:
-                posted += data
-            else:  # waited for by the receive, once its frame agrees
-                receives[id(transfer)].following = data
+        for transfer in transfers:
+            if transfer.sends:  # a posted send holds on to its frame
+                posted += following.get(id(transfer), [])
+                transfer.wire = transfer.tensors
         return posted
 
     def mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
@@ -311,13 +319,18 @@ class FramedShapes:
             address += size
         return frame
 
-    def _receive(self, transfer: Transfer, work: dist.Work, operation: str) -> _FramedReceive:
+    def _receive(
+        self, transfer: Transfer, work: dist.Work, signature: _Signature, operation: str
+    ) -> _FramedReceive:
         """The work of a receive: its frame's, then its check, then what follows."""
         frame = transfer.wire[0]
 
         def finish(timeout: datetime.timedelta) -> list[Posted]:
             self._transport.wait([(work, (transfer,))], operation, _deadline(timeout))
-            return self._check(transfer, frame, receive.following, operation, timeout)
+            posted = receive.following
+            return self._check(
+                transfer, signature, frame, posted, operation=operation, timeout=timeout
+            )
 
         receive = _FramedReceive(finish)
         key = (transfer.peer, transfer.slot, transfer.channel)
@@ -328,8 +341,10 @@ class FramedShapes:
     def _check(
         self,
         transfer: Transfer,
+        signature: _Signature,
         frame: torch.Tensor,
         posted: list[Posted],
+        *,
         operation: str,
         timeout: datetime.timedelta,
     ) -> list[Posted]:
@@ -347,7 +362,6 @@ class FramedShapes:
         kind = fields[0]
         if kind == _NOTICE:
             raise self._noticed(transfer, fields, head[_PACKED.size :], operation)
-        signature = _signature(transfer.requested, operation)
         if head.endswith(signature.static):  # the same specs, so the same kind
             if kind == _INLINE:
                 _unpack(transfer.tensors, signature.sizes, frame)
