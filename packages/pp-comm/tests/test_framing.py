@@ -148,8 +148,7 @@ def test_a_mismatch_inside_a_combined_operation_raises_on_both_sides() -> None:
 def _without_sized_tags() -> None:
     """Make every large tensor too large for a sized tag (it follows its frame, data tag)."""
     framing.SIZED_TAG_BYTES = 0
-    framing._BY_SPECS.clear()
-    framing._BY_TENSORS.clear()
+    framing._forget_signatures()
 
 
 def _mixed(sized_tags: bool = True) -> list[list[float]]:

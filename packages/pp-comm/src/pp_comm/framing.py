@@ -126,6 +126,9 @@ class _Signature:
 
 
 _BY_SPECS: dict[tuple[TensorSpec, ...], _Signature] = {}
+# By identity too: a receive's specs are usually the very tuple `normalize_specs_cached`
+# keeps, whose lookup by value would hash every spec on every call.
+_BY_ID: dict[int, tuple[tuple[TensorSpec, ...], _Signature]] = {}
 _BY_TENSORS: dict[tuple[tuple[torch.Size, torch.dtype], ...], _Signature] = {}
 
 
@@ -135,13 +138,27 @@ def _signature(specs: Sequence[TensorSpec], operation: str) -> _Signature:
     Raises:
         ValueError: A header cannot describe `specs`.
     """
+    known = _BY_ID.get(id(specs))
+    if known is not None and known[0] is specs:
+        return known[1]
     key = specs if type(specs) is tuple else tuple(specs)
     found = _BY_SPECS.get(key)
     if found is None:
         if len(_BY_SPECS) >= _CACHED:
             _BY_SPECS.clear()
         found = _BY_SPECS[key] = _Signature(key, operation)
+    if key is specs:  # a tuple, kept alive by the entry: its id cannot be reused meanwhile
+        if len(_BY_ID) >= _CACHED:
+            _BY_ID.clear()
+        _BY_ID[id(key)] = (key, found)
     return found
+
+
+def _forget_signatures() -> None:
+    """Drop every remembered signature (tests that change `SIZED_TAG_BYTES` call it)."""
+    _BY_SPECS.clear()
+    _BY_ID.clear()
+    _BY_TENSORS.clear()
 
 
 def _sent_signature(tensors: Sequence[torch.Tensor], operation: str) -> _Signature:
@@ -194,8 +211,11 @@ class _FramedReceive:
         """Wait for the frame, check it, and post what follows (once)."""
         finish, self._finish = self._finish, None
         if finish is not None:
-            if self in self.queue:
-                self.queue.remove(self)
+            queue = self.queue
+            if queue and queue[0] is self:  # the usual order: the oldest first
+                del queue[0]
+            elif self in queue:
+                queue.remove(self)
             self.following = finish(timeout)
 
     def wait(self, timeout: datetime.timedelta) -> bool:
@@ -245,14 +265,7 @@ class FramedShapes:
             _sent_signature(t.tensors, operation) if t.sends else _signature(t.requested, operation)
             for t in transfers
         ]
-        # The tensors after large frames go first (sends first): frames never hold them up.
-        following: dict[int, list[Posted]] = {}
-        for sends in (True, False):
-            for transfer, signature in zip(transfers, signatures, strict=True):
-                if transfer.sends is sends and (
-                    signature.kind == _SIZED or (signature.kind == _FOLLOWS and sends)
-                ):
-                    following[id(transfer)] = self._post_following(transfer, signature, operation)
+        following = self._post_large(transfers, signatures, operation)
         for transfer, signature in zip(transfers, signatures, strict=True):
             transfer.wire = [
                 self._send_frame(transfer, signature, operation)
@@ -282,6 +295,25 @@ class FramedShapes:
     def sent_mismatch(self, transfers: list[Transfer], operation: str) -> Exception | None:
         """Nothing to compare: a sender learns of a mismatch at its next receive."""
         return None
+
+    def _post_large(
+        self, transfers: list[Transfer], signatures: list[_Signature], operation: str
+    ) -> dict[int, list[Posted]]:
+        """Post the tensors after large frames, sends first, ahead of any frame.
+
+        Frames then never hold them up. The receives of tensors too large for a sized tag
+        are left to post once their frame is read.
+        """
+        following: dict[int, list[Posted]] = {}
+        if all(signature.kind == _INLINE for signature in signatures):
+            return following
+        for sends in (True, False):
+            for transfer, signature in zip(transfers, signatures, strict=True):
+                if transfer.sends is sends and (
+                    signature.kind == _SIZED or (signature.kind == _FOLLOWS and sends)
+                ):
+                    following[id(transfer)] = self._post_following(transfer, signature, operation)
+        return following
 
     def _post_following(
         self, transfer: Transfer, signature: _Signature, operation: str
