@@ -86,7 +86,7 @@ _PACKED = struct.Struct("=4q")  # the fields ahead of the specs, native order as
 _Record: typing.TypeAlias = tuple[int, str, "int | None", Sequence[TensorSpec]]
 
 
-def sized_tag(nbytes: int) -> int:
+def _sized_tag(nbytes: int) -> int:
     """The data tag of a tensor of `nbytes` bytes that follows its frame (even: forward)."""
     return _SIZED_BASE + 2 * nbytes
 
@@ -115,7 +115,7 @@ class _Signature:
         known = all(spec.shape is not None for spec in specs)
         self.sizes = tuple(s.numel * s.dtype.itemsize for s in specs) if known else ()
         self.nbytes = sum(self.sizes)
-        self.tags = tuple(sized_tag(size) for size in self.sizes)
+        self.tags = tuple(_sized_tag(size) for size in self.sizes)
         self.kind = (
             _INLINE
             if self.nbytes <= INLINE_BYTES
@@ -358,7 +358,11 @@ class FramedShapes:
         frame = transfer.wire[0]
 
         def finish(timeout: datetime.timedelta) -> list[Posted]:
-            self._transport.wait([(work, (transfer,))], operation, _deadline(timeout))
+            try:
+                work.wait(timeout)
+            except RuntimeError as error:  # named after this receive, whoever waits for it
+                self._transport.broken = f"{operation} failed"
+                raise self._transport.failure(error, (transfer,), operation, None) from error
             posted = receive.following
             return self._check(
                 transfer, signature, frame, posted, operation=operation, timeout=timeout
@@ -435,7 +439,7 @@ class FramedShapes:
                 landing.remove(size)  # it meets the receive posted for that size
                 continue
             wire.append(torch.empty(spec.shape or (), dtype=spec.dtype, device=self._device))
-            tags.append(sized_tag(size))
+            tags.append(_sized_tag(size))
         drain = Transfer(transfer.slot, transfer.peer, wire, channel=transfer.channel)
         drain.microbatch = transfer.microbatch
         grace = min(timeout.total_seconds(), _NOTICE_GRACE_S)
@@ -496,10 +500,6 @@ class FramedShapes:
 def _receive_frame() -> torch.Tensor:
     """A buffer that any frame fits in (gloo aborts on a message larger than its receive)."""
     return torch.empty(FRAME_HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
-
-
-def _deadline(timeout: datetime.timedelta) -> float:
-    return time.monotonic() + timeout.total_seconds()
 
 
 def _unpack(buffers: Sequence[torch.Tensor], sizes: Sequence[int], frame: torch.Tensor) -> None:
