@@ -6,6 +6,7 @@ matching messages, inline or following their frame, arrive intact and in order."
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -209,3 +210,28 @@ def test_a_dtype_a_header_cannot_describe_is_refused_before_posting() -> None:
     for operation, text in (("send_forward", sender), ("recv_forward", receiver)):
         assert text.startswith(f"{operation}: dtype torch.complex64 cannot travel; use one of")
         assert text.endswith("(or turn off CommConfig.check_contracts)")
+
+
+def _late_receiver() -> list[list[float]]:
+    """Stage 0 posts three same-size sends before any is waited for; stage 1 receives late."""
+    comm = _comm()
+    if comm.is_first_stage:
+        handles = [
+            comm.exchange(
+                [P2PMessage(slot="send_next", tensors=[torch.full((5,), float(i))])],
+                async_op=True,
+            )[1]
+            for i in range(3)
+        ]
+        for handle in handles:
+            handle.wait()
+        return []
+    time.sleep(0.5)  # the sends are still pending in gloo, their frames unread
+    received = comm.exchange([P2PMessage(slot="recv_prev", shapes=(5,)) for _ in range(3)])[0]
+    return [message[0].tolist() for message in received if message is not None]
+
+
+def test_a_frame_is_not_reused_while_its_send_is_pending() -> None:
+    """Send frames are reused, but only once their send is complete."""
+    _, received = run_distributed(_late_receiver, 2, timeout=60)
+    assert received == [[float(i)] * 5 for i in range(3)]

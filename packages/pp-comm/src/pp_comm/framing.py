@@ -247,6 +247,9 @@ class FramedShapes:
         self._sent: list[_Record | None] = [None] * _RECORDS  # a ring, by sequence number
         # Receive frames already read, reused: a fresh one per receive costs page faults.
         self._spare: list[torch.Tensor] = []
+        # Send frames by size with their sends, oldest first: reused once a send is complete
+        # (a fresh one per send costs an allocation, and its memory is cold).
+        self._sent_frames: dict[int, list[tuple[torch.Tensor, dist.Work]]] = {}
         self._streams: dict[tuple[int, Slot, Channel], list[_FramedReceive]] = {}
 
     def post(self, transfers: list[Transfer], operation: str, deadline: float) -> list[Posted]:
@@ -277,7 +280,9 @@ class FramedShapes:
         posted = self._transport.post(transfers, tag=HEADER_TAG, operation=operation)
         for index, (work, carried) in enumerate(posted):
             transfer = carried[0]
-            if not transfer.sends:  # looks like a Work to whoever waits for it
+            if transfer.sends:
+                self._keep(transfer.wire[0], work)
+            else:  # looks like a Work to whoever waits for it
                 signature = signatures[transfers.index(transfer)]
                 receive = self._receive(transfer, work, signature, operation)
                 receive.following = following.get(id(transfer), [])
@@ -342,7 +347,7 @@ class FramedShapes:
             return torch.frombuffer(bytearray(header), dtype=torch.uint8)
         # Plain memory copies: a frame is a few KB, and tensor ops would cost more than the
         # bytes (the tensors are contiguous and on the CPU: frames are used on gloo only).
-        frame = torch.empty(FRAME_HEADER_BYTES + inline, dtype=torch.uint8)
+        frame = self._send_buffer(FRAME_HEADER_BYTES + inline)
         address = frame.data_ptr()
         ctypes.memmove(address, header, FRAME_HEADER_BYTES)
         address += FRAME_HEADER_BYTES
@@ -350,6 +355,23 @@ class FramedShapes:
             ctypes.memmove(address, tensor.data_ptr(), size)
             address += size
         return frame
+
+    def _send_buffer(self, size: int) -> torch.Tensor:
+        """A frame of `size` bytes to send: the oldest of that size whose send is complete."""
+        kept = self._sent_frames.get(size)
+        if kept and kept[0][1].is_completed():  # on gloo: once waited for
+            return kept.pop(0)[0]
+        return torch.empty(size, dtype=torch.uint8)
+
+    def _keep(self, frame: torch.Tensor, work: dist.Work) -> None:
+        """Remember a posted send frame for reuse (a few per size, of a few sizes)."""
+        kept = self._sent_frames.get(frame.numel())
+        if kept is None:
+            if len(self._sent_frames) >= _SPARE_FRAMES:
+                self._sent_frames.clear()
+            kept = self._sent_frames[frame.numel()] = []
+        if len(kept) < _SPARE_FRAMES:
+            kept.append((frame, work))
 
     def _receive(
         self, transfer: Transfer, work: dist.Work, signature: _Signature, operation: str
