@@ -175,7 +175,7 @@ class Result:
             "ratio_q1": round(self.low, 3),
             "ratio_q3": round(self.high, 3),
             "goal": GOAL,
-            "met": self.ratio <= GOAL,
+            "met": round(self.ratio, 3) <= GOAL,  # as the rounded ratio reads
         }
 
 
