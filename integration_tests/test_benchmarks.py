@@ -25,4 +25,7 @@ def test_p2p_overhead_benchmark_reports_every_operation(
     assert len(records) == 12  # 6 operation pairs x 2 sizes
     assert {r["size"] for r in records} == {"4KB", "4MB"}
     assert all(r["ratio"] > 0 and r["pp_comm_us"] > 0 and r["raw_us"] > 0 for r in records)
+    # The spread of per-round ratios, and the goal each median is judged against.
+    assert all(r["ratio_q1"] <= r["ratio"] <= r["ratio_q3"] for r in records)
+    assert all(r["goal"] == 1.10 and r["met"] == (round(r["ratio"], 2) <= 1.10) for r in records)
     assert {r["mode"] for r in records} == {"unbatched" if mode else "batched"}

@@ -6,12 +6,13 @@ matching messages, inline or following their frame, arrive intact and in order."
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from pp_comm import CommConfig, P2PCommunicator, P2PMessage, P2PMismatchError
+from pp_comm import CommConfig, P2PCommunicator, P2PMessage, P2PMismatchError, framing
 from pp_comm.framing import INLINE_BYTES
 from pp_testing import run_distributed
 
@@ -24,9 +25,13 @@ def _comm(batched: bool = True) -> P2PCommunicator:
     return P2PCommunicator(dist.group.WORLD, config=config)
 
 
-def _mismatch(batched: bool, sent: list[torch.Tensor], shape: tuple[int, ...]) -> list[object]:
+def _mismatch(
+    batched: bool, sent: list[torch.Tensor], shape: tuple[int, ...], sized_tags: bool = True
+) -> list[object]:
     """Stage 0 sends `sent` (microbatch 5), stage 1 asks for one float32 tensor of `shape`;
     stage 0 then waits for the gradient of microbatch 5. Then both refuse further calls."""
+    if not sized_tags:
+        _without_sized_tags()
     comm = _comm(batched)
     seen: list[object] = []
     try:
@@ -56,17 +61,38 @@ CASES = {
         "[float32 tensor of shape (4,), float32 tensor of shape (1,)]",
     ),
     "large": ([torch.ones(LARGE)], (4,), f"a float32 tensor of shape ({LARGE},)"),
+    # The receiver posts large receives with the frame, under tags naming their sizes.
+    "larger large": (
+        [torch.ones(2 * LARGE)],
+        (LARGE,),
+        f"a float32 tensor of shape ({2 * LARGE},)",
+    ),
+    "smaller large": ([torch.ones(LARGE)], (2 * LARGE,), f"a float32 tensor of shape ({LARGE},)"),
+    "large shape": ([torch.ones(LARGE, 2)], (2, LARGE), f"a float32 tensor of shape ({LARGE}, 2)"),
+    "inline for large": ([torch.ones(4)], (LARGE,), "a float32 tensor of shape (4,)"),
+    "large count": (
+        [torch.ones(LARGE), torch.ones(LARGE)],
+        (LARGE,),
+        f"[float32 tensor of shape ({LARGE},), float32 tensor of shape ({LARGE},)]",
+    ),
 }
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+@pytest.mark.parametrize(
+    ("batched", "sized_tags"),
+    [(True, True), (False, True), (True, False)],
+    ids=["batched", "unbatched", "data tag"],
+)
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_mismatch_raises_on_both_sides_naming_both_specs(batched: bool, case: str) -> None:
-    """numel, count, large: without frames gloo aborts the receiving process."""
+def test_a_mismatch_raises_on_both_sides_naming_both_specs(
+    batched: bool, sized_tags: bool, case: str
+) -> None:
+    """numel, count, large, larger large, large count: without frames (or, for the large
+    receives posted with their frames, without sized tags) gloo aborts the receiving process."""
     sent, shape, sent_text = CASES[case]
     expected_text = f"a float32 tensor of shape {shape}"
-    sender, receiver = run_distributed(_mismatch, 2, batched, sent, shape, timeout=60)
+    sender, receiver = run_distributed(_mismatch, 2, batched, sent, shape, sized_tags, timeout=60)
     sent_specs = [f"{str(t.dtype)[6:]} tensor of shape {tuple(t.shape)}" for t in sent]
     specs = ([expected_text.removeprefix("a ")], sent_specs)
     assert sender == [
@@ -120,8 +146,16 @@ def test_a_mismatch_inside_a_combined_operation_raises_on_both_sides() -> None:
     ]
 
 
-def _mixed() -> list[list[float]]:
+def _without_sized_tags() -> None:
+    """Make every large tensor too large for a sized tag (it follows its frame, data tag)."""
+    framing.SIZED_TAG_BYTES = 0
+    framing._forget_signatures()
+
+
+def _mixed(sized_tags: bool = True) -> list[list[float]]:
     """Large and inline messages on one stream, waited for out of order, of every dtype kind."""
+    if not sized_tags:
+        _without_sized_tags()
     comm = _comm()
     values = [torch.arange(float(LARGE)), torch.arange(5.0), torch.arange(float(LARGE)) * 2]
     mask = torch.tensor([True, False, True])
@@ -144,8 +178,11 @@ def _mixed() -> list[list[float]]:
     return [[float(t[0]), float(t[-1]), float(t.sum())] for t in tensors]
 
 
-def test_inline_and_following_payloads_arrive_in_order() -> None:
-    _, received = run_distributed(_mixed, 2, timeout=60)
+@pytest.mark.parametrize("sized_tags", [True, False], ids=["sized tags", "data tag"])
+def test_inline_and_following_payloads_arrive_in_order(sized_tags: bool) -> None:
+    """Large tensors travel under sized tags (their receives posted with the frame), or,
+    beyond `SIZED_TAG_BYTES`, under the data tag once the frame is read."""
+    _, received = run_distributed(_mixed, 2, sized_tags, timeout=60)
     total = float(LARGE * (LARGE - 1) / 2)
     assert received == [
         [0.0, LARGE - 1.0, total],
@@ -173,3 +210,28 @@ def test_a_dtype_a_header_cannot_describe_is_refused_before_posting() -> None:
     for operation, text in (("send_forward", sender), ("recv_forward", receiver)):
         assert text.startswith(f"{operation}: dtype torch.complex64 cannot travel; use one of")
         assert text.endswith("(or turn off CommConfig.check_contracts)")
+
+
+def _late_receiver() -> list[list[float]]:
+    """Stage 0 posts three same-size sends before any is waited for; stage 1 receives late."""
+    comm = _comm()
+    if comm.is_first_stage:
+        handles = [
+            comm.exchange(
+                [P2PMessage(slot="send_next", tensors=[torch.full((5,), float(i))])],
+                async_op=True,
+            )[1]
+            for i in range(3)
+        ]
+        for handle in handles:
+            handle.wait()
+        return []
+    time.sleep(0.5)  # the sends are still pending in gloo, their frames unread
+    received = comm.exchange([P2PMessage(slot="recv_prev", shapes=(5,)) for _ in range(3)])[0]
+    return [message[0].tolist() for message in received if message is not None]
+
+
+def test_a_frame_is_not_reused_while_its_send_is_pending() -> None:
+    """Send frames are reused, but only once their send is complete."""
+    _, received = run_distributed(_late_receiver, 2, timeout=60)
+    assert received == [[float(i)] * 5 for i in range(3)]

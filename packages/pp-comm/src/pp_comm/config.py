@@ -34,7 +34,8 @@ class CommConfig:
     sides raise `P2PMismatchError` (the receiver when it waits for the message, the sender at
     its next receive from that peer) and refuse further calls. The check travels inside each
     message (a header framed with the payload, see `pp_comm.framing`), so it costs no extra
-    message. Applies to CPU tensors (gloo) with fixed shapes; CUDA tensors (NCCL) are not
+    message up to 64 KiB of payload (above, the frame is one small message more, posted with
+    the data). Applies to CPU tensors (gloo) with fixed shapes; CUDA tensors (NCCL) are not
     checked, since reading a header there needs a device-to-host sync per receive: use
     ``debug`` for them. Off: messages travel bare, and a mismatch of the same byte count
     goes unnoticed (a larger message makes gloo abort the receiving process)."""

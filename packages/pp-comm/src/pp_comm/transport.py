@@ -212,6 +212,24 @@ class Transport:
             self.broken = f"{operation} failed"
             raise self.failure(error, transfers, operation, None) from error
 
+    def post_each(self, transfer: Transfer, tags: Sequence[int], *, operation: str) -> list[Posted]:
+        """Post each tensor of one transfer under its own tag (gloo only: tags must match).
+
+        Raises:
+            P2PError: The backend refused a post (a peer that died before this call).
+        """
+        assert self.matches_by_tag, "tags are ignored in posting order (NCCL)"
+        post, peer, channel_tag = self._posts[(transfer.slot, transfer.channel)]
+        carried = (transfer,)
+        try:
+            return [
+                (post([wire], peer, tag + channel_tag), carried)
+                for wire, tag in zip(transfer.wire, tags, strict=True)
+            ]
+        except RuntimeError as error:
+            self.broken = f"{operation} failed"
+            raise self.failure(error, [transfer], operation, None) from error
+
     def _post_coalesced(self, ordered: list[Transfer], tag: int) -> list[Posted]:
         """One ``batch_isend_irecv`` per process group used, launched by NCCL as one group call.
 
