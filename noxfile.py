@@ -26,7 +26,7 @@ PACKAGES = ROOT / "packages"
 # The CPU build of this exact version is what tests, CI and the demo run on; packages
 # themselves declare a range.
 TORCH = "torch==2.13.0"
-TEST_TOOLS = ("pytest>=8", "numpy", "tomli>=1.1; python_version < '3.11'")
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "numpy", "tomli>=1.1; python_version < '3.11'")
 TEST_HELPERS = "pp-testing"
 # Optional extras a package's tests exercise (pp-train writes TensorBoard events and reads
 # Hugging Face tokenizer files).
@@ -151,6 +151,27 @@ def _install(session: nox.Session, dists: Iterable[str], *extra: str) -> None:
 TEST_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
+def test_workers(environ: Mapping[str, str], cpus: int | None) -> list[str]:
+    """pytest-xdist's arguments: ``PP_TEST_WORKERS`` workers, else one per core, 2 to 4.
+
+    Many tests wait (ranks starting, timeouts running out): two workers keep a 2-core
+    machine busy, and four bound the processes a larger one starts at once (up to 8 ranks
+    per test). ``PP_TEST_WORKERS=0`` runs the tests in the one pytest process.
+    """
+    given = environ.get("PP_TEST_WORKERS", "").strip()
+    if given:
+        if not given.isdigit():
+            raise ValueError(f"PP_TEST_WORKERS must be a whole number (0 for none), got {given!r}")
+        return ["-n", given]
+    return ["-n", str(min(4, max(2, cpus or 1)))]
+
+
+def _pytest(session: nox.Session, *arguments: str, env: Mapping[str, str] = TEST_ENV) -> None:
+    """pytest over `arguments` in parallel workers; arguments after ``--`` come last."""
+    workers = test_workers(os.environ, os.cpu_count())
+    session.run("pytest", *workers, *arguments, *session.posargs, env=dict(env))
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff: lint and formatting."""
@@ -165,10 +186,7 @@ def tests(session: nox.Session, package: str) -> None:
     """A package's unit tests, with only that package and its declared lower layers."""
     _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()))
     # The ten slowest tests are listed, so the growth of the run shows where it comes from.
-    session.run(
-        "pytest", str(PACKAGES / package / "tests"), "--durations=10", *session.posargs,
-        env=TEST_ENV,
-    )  # fmt: skip
+    _pytest(session, str(PACKAGES / package / "tests"), "--durations=10")
 
 
 @nox.session
@@ -196,12 +214,7 @@ def _oracle(session: nox.Session, package: str, test_file: str, variable: str) -
     """Run `package`'s test file against megatron-core from the package registry."""
     _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *MEGATRON_ORACLE)
     # The variable turns the test file's skip (megatron-core absent) into a failure here.
-    session.run(
-        "pytest",
-        str(PACKAGES / package / "tests" / test_file),
-        *session.posargs,
-        env={**TEST_ENV, variable: "1"},
-    )
+    _pytest(session, str(PACKAGES / package / "tests" / test_file), env={**TEST_ENV, variable: "1"})
 
 
 @nox.session
@@ -234,15 +247,13 @@ def integration(session: nox.Session) -> None:
     # The >>> examples in docs/*.md and the package READMEs run as doctests, so the docs
     # cannot drift from the code.
     readmes = sorted(str(path) for path in PACKAGES.glob("*/README.md"))
-    session.run(
-        "pytest",
+    _pytest(
+        session,
         str(ROOT / "integration_tests"),
         str(ROOT / "docs"),
         *readmes,
         "--doctest-glob=*.md",
         "--durations=10",
-        *session.posargs,
-        env=TEST_ENV,
     )
 
 
@@ -257,10 +268,7 @@ def reliability(session: nox.Session) -> None:
     extras = (x for e in TEST_EXTRAS.values() for x in e)
     _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow", "nox")
     suites = [str(PACKAGES / dist / "tests") for dist in ALL_PACKAGES]
-    session.run(
-        "pytest", *suites, str(ROOT / "integration_tests"), "-m", "reliability",
-        *session.posargs, env=TEST_ENV,
-    )  # fmt: skip
+    _pytest(session, *suites, str(ROOT / "integration_tests"), "-m", "reliability")
 
 
 BENCHMARKS = [

@@ -34,3 +34,20 @@ def test_a_cpu_index_is_used_for_the_pinned_torch_alone(noxfile: ModuleType) -> 
     args = noxfile.torch_install_args({"PP_TORCH_INDEX_URL": index})
     assert args == [noxfile.TORCH, "--index-url", index]
     assert noxfile.TORCH == "torch==2.13.0"  # the README's pin: a +cpu build satisfies it
+
+
+def test_tests_run_in_two_to_four_workers_unless_told(noxfile: ModuleType) -> None:
+    assert noxfile.test_workers({}, 2) == ["-n", "2"]
+    assert noxfile.test_workers({}, 1) == ["-n", "2"]
+    assert noxfile.test_workers({}, None) == ["-n", "2"]
+    assert noxfile.test_workers({}, 64) == ["-n", "4"]
+    assert noxfile.test_workers({"PP_TEST_WORKERS": "0"}, 64) == ["-n", "0"]
+    assert noxfile.test_workers({"PP_TEST_WORKERS": " 8 "}, 2) == ["-n", "8"]
+
+
+@pytest.mark.reliability
+def test_a_worker_count_that_is_not_a_number_is_refused(noxfile: ModuleType) -> None:
+    with pytest.raises(
+        ValueError, match=r"PP_TEST_WORKERS must be a whole number \(0 for none\), got 'auto'"
+    ):
+        noxfile.test_workers({"PP_TEST_WORKERS": "auto"}, 2)

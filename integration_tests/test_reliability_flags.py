@@ -15,6 +15,11 @@ pytestmark = pytest.mark.reliability
 
 CASES: list[tuple[list[str], str]] = [
     (
+        ["--global-batch-size", "10", "--micro-batch-size", "2"],
+        "--global-batch-size 10 is not divisible by --micro-batch-size 2 x data-parallel size 4"
+        " = 8; use a multiple of 8 such as 8 or 16",
+    ),
+    (
         ["--pipeline-model-parallel-size", "3"],
         "--pipeline-model-parallel-size 3 does not divide the 4 processes; use one of [1, 2, 4]",
     ),
