@@ -134,7 +134,7 @@ def restore_moved_aside(root: Path, report: Callable[[str], None] | None = print
     Returns:
         The restored directories' names (``iter_N``).
     """
-    restored: list[str] = []
+    restored: list[Path] = []
     for path in sorted(root.glob(f"iter_*{REPLACED_SUFFIX}")) if root.is_dir() else []:
         final = path.with_suffix("")
         if not path.is_dir() or final.exists():
@@ -143,13 +143,14 @@ def restore_moved_aside(root: Path, report: Callable[[str], None] | None = print
             os.replace(path, final)
         except OSError:
             continue
-        restored.append(f"{path.name} -> {final.name}")
+        restored.append(final)
     if restored and report is not None:
+        moves = ", ".join(f"{final.name}{REPLACED_SUFFIX} -> {final.name}" for final in restored)
         report(
             f"restored {len(restored)} checkpoint(s) moved aside by a save killed before "
-            f"renaming their replacement in: {', '.join(restored)}"
+            f"renaming their replacement in: {moves}"
         )
-    return [name.split(" -> ")[1] for name in restored]
+    return [final.name for final in restored]
 
 
 def _temporaries(root: Path) -> Iterator[tuple[Path, _Writer]]:

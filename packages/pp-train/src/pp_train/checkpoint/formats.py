@@ -125,7 +125,7 @@ def save_checkpoint(
     _check_format(ckpt_format)
     if async_saver is not None and ckpt_format != "torch_dist":
         raise ValueError("asynchronous saving needs ckpt_format='torch_dist' (Megatron's too)")
-    _remove_stale_on_rank_0(Path(root), state, report)
+    _tidy_before_save(Path(root), state, report)
     consumed = (consumed_train_samples, consumed_valid_samples)
     if ckpt_format == "torch":
         optimizer, scheduler = (optimizer, scheduler) if save_optim else (None, None)
@@ -273,7 +273,8 @@ def load_checkpoint(
     if state.rank == 0:  # before any rank looks at the directory the tracker names
         restore_moved_aside(request.root, report)
     iteration = _agree_on_iteration(request.root, state.rank)
-    _remove_stale_on_rank_0(request.root, state, report)  # no save of this run in flight
+    if state.rank == 0:  # no save of this run in flight
+        remove_stale_temporaries(request.root, report)
     if iteration is None:
         return None
     found = _agreed_format(request.root, iteration, state, ckpt_format, auto_detect_ckpt_format)
@@ -282,9 +283,10 @@ def load_checkpoint(
     return load_torch_dist(request, iteration)
 
 
-def _remove_stale_on_rank_0(
+def _tidy_before_save(
     root: Path, state: ParallelState, report: Callable[[str], None] | None
 ) -> None:
+    """Global rank 0: what a killed save left is put back or removed (`pp_train.temporaries`)."""
     if state.rank == 0:
         restore_moved_aside(root, report)
         remove_stale_temporaries(root, report)
