@@ -203,14 +203,10 @@ class Transport:
                 return self._post_coalesced(transfers, tag)
             posted: list[Posted] = []
             for transfer in transfers:
-                post, peer, channel_tag = self._posts[(transfer.slot, transfer.channel)]
-                carried = (transfer,)
-                for wire in transfer.wire:
-                    posted.append((post([wire], peer, tag + channel_tag), carried))
+                posted += self._post_wires(transfer, (tag,) * len(transfer.wire))
             return posted
         except RuntimeError as error:
-            self.broken = f"{operation} failed"
-            raise self.failure(error, transfers, operation, None) from error
+            raise self._refused(error, transfers, operation) from error
 
     def post_each(self, transfer: Transfer, tags: Sequence[int], *, operation: str) -> list[Posted]:
         """Post each tensor of one transfer under its own tag (gloo only: tags must match).
@@ -219,16 +215,26 @@ class Transport:
             P2PError: The backend refused a post (a peer that died before this call).
         """
         assert self.matches_by_tag, "tags are ignored in posting order (NCCL)"
+        try:
+            return self._post_wires(transfer, tags)
+        except RuntimeError as error:
+            raise self._refused(error, [transfer], operation) from error
+
+    def _post_wires(self, transfer: Transfer, tags: Sequence[int]) -> list[Posted]:
+        """Post each tensor of `transfer.wire` alone, the i-th under ``tags[i]``."""
         post, peer, channel_tag = self._posts[(transfer.slot, transfer.channel)]
         carried = (transfer,)
-        try:
-            return [
-                (post([wire], peer, tag + channel_tag), carried)
-                for wire, tag in zip(transfer.wire, tags, strict=True)
-            ]
-        except RuntimeError as error:
-            self.broken = f"{operation} failed"
-            raise self.failure(error, [transfer], operation, None) from error
+        return [
+            (post([wire], peer, tag + channel_tag), carried)
+            for wire, tag in zip(transfer.wire, tags, strict=True)
+        ]
+
+    def _refused(
+        self, error: RuntimeError, transfers: Sequence[Transfer], operation: str
+    ) -> P2PError:
+        """The error for a post the backend refused; no later call may use the transport."""
+        self.broken = f"{operation} failed"
+        return self.failure(error, transfers, operation, None)
 
     def _post_coalesced(self, ordered: list[Transfer], tag: int) -> list[Posted]:
         """One ``batch_isend_irecv`` per process group used, launched by NCCL as one group call.
