@@ -6,11 +6,14 @@ lower layers it declares, and the test tools, so an undeclared dependency fails 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -147,6 +150,99 @@ def _install(session: nox.Session, dists: Iterable[str], *extra: str) -> None:
         session.install("--no-deps", "--force-reinstall", *paths)
 
 
+# A check session that passes leaves this record in its environment: a digest of the files it
+# checked and of the environment itself. A later run that reuses the environment (-r, -R)
+# skips the session while both are unchanged; PP_RERUN=1 runs it anyway.
+PASSED_RECORD = "pp-passed.txt"
+# Never inputs of a check: git's folder and what .gitignore leaves out; with the tools' caches
+# (.mypy_cache, .import_linter_cache, ...), folders ending in _cache or .egg-info.
+_NOT_INPUTS = frozenset({".git", ".nox", "__pycache__", "build", "dist"})
+_NOT_INPUT_ENDINGS = ("_cache", ".egg-info")
+
+
+def _files(top: Path) -> Iterator[Path]:
+    """`top` if it is a file, else the files under it, sorted, without caches and build output."""
+    if top.is_file():
+        yield top
+        return
+    for folder, subfolders, names in os.walk(top):
+        subfolders[:] = sorted(
+            name
+            for name in subfolders
+            if name not in _NOT_INPUTS and not name.endswith(_NOT_INPUT_ENDINGS)
+        )
+        for name in sorted(names):
+            if not name.endswith(".pyc") and (path := Path(folder) / name).is_file():
+                yield path
+
+
+def fingerprint(root: Path, inputs: Iterable[str], environment: Path) -> str:
+    """A digest of the files under `inputs` (paths relative to `root`) and of a virtualenv.
+
+    Files count by path and content. The environment counts by its interpreter (pyvenv.cfg),
+    the names and versions of the distributions installed in it and, for pp-* ones, the
+    hashes of the files their install recorded.
+    """
+    digest = hashlib.sha256()
+
+    def add(name: str, content: bytes) -> None:
+        digest.update(f"{name}\0{len(content)}\0".encode())
+        digest.update(content)
+
+    for top in inputs:
+        for path in _files(root / top):
+            add(path.relative_to(root).as_posix(), path.read_bytes())
+    add("pyvenv.cfg", (environment / "pyvenv.cfg").read_bytes())
+    sites = [*environment.glob("lib/python*/site-packages"), *environment.glob("Lib/site-packages")]
+    for info in sorted(path for site in sites for path in site.glob("*.dist-info")):
+        record = info / "RECORD"
+        own = info.name.startswith("pp_") and record.is_file()
+        add(info.name, record.read_bytes() if own else b"")
+    return digest.hexdigest()
+
+
+def passed_unchanged(
+    record: Path, digest: str, environ: Mapping[str, str], posargs: Sequence[str]
+) -> bool:
+    """Whether `record` says the session passed with fingerprint `digest` and may be skipped.
+
+    Never when ``PP_RERUN`` is 1 or arguments were given after ``--``.
+    """
+    rerun = environ.get("PP_RERUN", "").strip()
+    if rerun not in ("", "0", "1"):
+        raise ValueError(f"PP_RERUN must be 0 or 1 (1 runs every session), got {rerun!r}")
+    if rerun == "1" or posargs or not record.is_file():
+        return False
+    return record.read_text().split(" ", 1)[0] == digest
+
+
+@contextmanager
+def _unless_passed(session: nox.Session, inputs: Sequence[str]) -> Iterator[None]:
+    """Skips the session if it passed before on the same `inputs` and environment.
+
+    Otherwise runs the body and, if it passes, records the fingerprint taken before it ran.
+    """
+    environment = Path(session.virtualenv.location)
+    record = environment / PASSED_RECORD
+    digest = fingerprint(ROOT, inputs, environment)
+    if passed_unchanged(record, digest, os.environ, session.posargs):
+        when = record.read_text().partition(" ")[2].strip() or "an unrecorded time"
+        session.skip(f"unchanged since it passed at {when}; PP_RERUN=1 runs it again")
+    record.unlink(missing_ok=True)
+    yield
+    record.write_text(f"{digest} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+
+
+def _package_inputs(package: str) -> list[str]:
+    """What a package's checks read: its folder, its lower layers', pp-testing's, the settings."""
+    packages = _with_lower_layers([package, TEST_HELPERS])
+    return ["noxfile.py", "pyproject.toml", *(f"packages/{dist}" for dist in packages)]
+
+
+# Sessions that read across the repository (docs, every package, the integration tests).
+WHOLE_REPOSITORY = ["."]
+
+
 # Ranks talk over loopback and use one thread each: they share the machine's cores.
 TEST_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
@@ -176,8 +272,9 @@ def _pytest(session: nox.Session, *arguments: str, env: Mapping[str, str] = TEST
 def lint(session: nox.Session) -> None:
     """ruff: lint and formatting."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    with _unless_passed(session, WHOLE_REPOSITORY):
+        session.run("ruff", "check", ".")
+        session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
@@ -186,7 +283,8 @@ def tests(session: nox.Session, package: str) -> None:
     """A package's unit tests, with only that package and its declared lower layers."""
     _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()))
     # The ten slowest tests are listed, so the growth of the run shows where it comes from.
-    _pytest(session, str(PACKAGES / package / "tests"), "--durations=10")
+    with _unless_passed(session, _package_inputs(package)):
+        _pytest(session, str(PACKAGES / package / "tests"), "--durations=10")
 
 
 @nox.session
@@ -198,23 +296,26 @@ def mypy(session: nox.Session, package: str) -> None:
     )
     source = PACKAGES / package / "src" / _import_name(package)
     benchmarks = [str(path) for path in [PACKAGES / package / "benchmarks"] if path.is_dir()]
-    session.run(
-        "mypy",
-        "--config-file",
-        str(ROOT / "pyproject.toml"),
-        "--cache-dir",
-        str(Path(session.virtualenv.location) / ".mypy_cache"),
-        str(source),
-        str(PACKAGES / package / "tests"),
-        *benchmarks,
-    )
+    with _unless_passed(session, _package_inputs(package)):
+        session.run(
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(Path(session.virtualenv.location) / ".mypy_cache"),
+            str(source),
+            str(PACKAGES / package / "tests"),
+            *benchmarks,
+        )
 
 
 def _oracle(session: nox.Session, package: str, test_file: str, variable: str) -> None:
     """Run `package`'s test file against megatron-core from the package registry."""
     _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *MEGATRON_ORACLE)
     # The variable turns the test file's skip (megatron-core absent) into a failure here.
-    _pytest(session, str(PACKAGES / package / "tests" / test_file), env={**TEST_ENV, variable: "1"})
+    with _unless_passed(session, _package_inputs(package)):
+        test = str(PACKAGES / package / "tests" / test_file)
+        _pytest(session, test, env={**TEST_ENV, variable: "1"})
 
 
 @nox.session
@@ -233,8 +334,9 @@ def megatron_data_oracle(session: nox.Session) -> None:
 def layers(session: nox.Session) -> None:
     """Import-linter's layer contract, and declared pp-* dependencies == imported ones."""
     _install(session, ALL_PACKAGES, "import-linter>=2.1", *TEST_TOOLS)
-    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
-    session.run("pytest", str(ROOT / "integration_tests" / "test_dependencies.py"))
+    with _unless_passed(session, WHOLE_REPOSITORY):
+        session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
+        session.run("pytest", str(ROOT / "integration_tests" / "test_dependencies.py"))
 
 
 @nox.session
@@ -247,14 +349,15 @@ def integration(session: nox.Session) -> None:
     # The >>> examples in docs/*.md and the package READMEs run as doctests, so the docs
     # cannot drift from the code.
     readmes = sorted(str(path) for path in PACKAGES.glob("*/README.md"))
-    _pytest(
-        session,
-        str(ROOT / "integration_tests"),
-        str(ROOT / "docs"),
-        *readmes,
-        "--doctest-glob=*.md",
-        "--durations=10",
-    )
+    with _unless_passed(session, WHOLE_REPOSITORY):
+        _pytest(
+            session,
+            str(ROOT / "integration_tests"),
+            str(ROOT / "docs"),
+            *readmes,
+            "--doctest-glob=*.md",
+            "--durations=10",
+        )
 
 
 @nox.session
@@ -268,7 +371,8 @@ def reliability(session: nox.Session) -> None:
     extras = (x for e in TEST_EXTRAS.values() for x in e)
     _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow", "nox")
     suites = [str(PACKAGES / dist / "tests") for dist in ALL_PACKAGES]
-    _pytest(session, *suites, str(ROOT / "integration_tests"), "-m", "reliability")
+    with _unless_passed(session, WHOLE_REPOSITORY):
+        _pytest(session, *suites, str(ROOT / "integration_tests"), "-m", "reliability")
 
 
 BENCHMARKS = [
