@@ -139,12 +139,12 @@ def test_a_second_run_skips_a_session_that_passed_on_the_same_files(tmp_path: Pa
     )
     env = {key: value for key, value in os.environ.items() if key != "PP_RERUN"}
 
-    def lint(*flags: str, **extra: str) -> str:
+    def lint(*flags: str, returncode: int = 0, **extra: str) -> str:
         done = subprocess.run(
             [sys.executable, "-m", "nox", "-s", "lint", *flags],
             cwd=copy, capture_output=True, text=True, env={**env, **extra}, timeout=600, check=False,
         )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.returncode == returncode, done.stdout + done.stderr
         return done.stdout + done.stderr
 
     assert "Session lint was successful" in lint()
@@ -156,3 +156,9 @@ def test_a_second_run_skips_a_session_that_passed_on_the_same_files(tmp_path: Pa
     (copy / "docs" / "notes.md").write_text("# A new page\n")
     assert "Session lint was successful" in lint("-R")
     assert "Session lint skipped" in lint("-R")
+    # A failure leaves no record: once fixed, the session runs again rather than being skipped.
+    (copy / "docs" / "badly_formatted.py").write_text("x=1\n")
+    assert "Session lint failed" in lint("-R", returncode=1)
+    assert not (copy / ".nox" / "lint" / "pp-passed.txt").exists()
+    (copy / "docs" / "badly_formatted.py").unlink()
+    assert "Session lint was successful" in lint("-R")
