@@ -446,7 +446,7 @@ def _write_checkpoint(
     _raise_if_any_failed(
         state.rank,
         error,
-        f"could not write tracker file {root / TRACKER_FILENAME}",
+        f"could not publish iteration {iteration} in {root}",
         f"the tracker in {root} was not moved to iteration {iteration}",
         operation=operation,
         iteration=iteration,
@@ -515,10 +515,13 @@ def _move_in(staging: Path, final: Path) -> Path:
         os.replace(final, replaced)
     try:
         os.replace(staging, final)
-    except OSError:
+    except OSError as error:
         if replaced.exists() and not final.exists():
             os.replace(replaced, final)  # the tracker may name it: keep it loadable
-        raise
+        detail = f"could not rename {staging.name} to {final.name}: {error.strerror or error}"
+        if error.errno is None:
+            raise OSError(detail) from error
+        raise OSError(error.errno, detail) from error
     return replaced
 
 
