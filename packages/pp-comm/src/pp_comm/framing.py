@@ -383,7 +383,6 @@ class FramedShapes:
             try:
                 work.wait(timeout)
             except RuntimeError as error:  # named after this receive, whoever waits for it
-                self._transport.broken = f"{operation} failed"
                 raise self._transport.failure(error, (transfer,), operation, None) from error
             posted = receive.following
             return self._check(

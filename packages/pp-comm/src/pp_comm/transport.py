@@ -206,7 +206,7 @@ class Transport:
                 posted += self._post_wires(transfer, (tag,) * len(transfer.wire))
             return posted
         except RuntimeError as error:
-            raise self._refused(error, transfers, operation) from error
+            raise self.failure(error, transfers, operation, None) from error
 
     def post_each(self, transfer: Transfer, tags: Sequence[int], *, operation: str) -> list[Posted]:
         """Post each tensor of one transfer under its own tag (gloo only: tags must match).
@@ -218,7 +218,7 @@ class Transport:
         try:
             return self._post_wires(transfer, tags)
         except RuntimeError as error:
-            raise self._refused(error, [transfer], operation) from error
+            raise self.failure(error, [transfer], operation, None) from error
 
     def _post_wires(self, transfer: Transfer, tags: Sequence[int]) -> list[Posted]:
         """Post each tensor of `transfer.wire` alone, the i-th under ``tags[i]``."""
@@ -228,13 +228,6 @@ class Transport:
             (post([wire], peer, tag + channel_tag), carried)
             for wire, tag in zip(transfer.wire, tags, strict=True)
         ]
-
-    def _refused(
-        self, error: RuntimeError, transfers: Sequence[Transfer], operation: str
-    ) -> P2PError:
-        """The error for a post the backend refused; no later call may use the transport."""
-        self.broken = f"{operation} failed"
-        return self.failure(error, transfers, operation, None)
 
     def _post_coalesced(self, ordered: list[Transfer], tag: int) -> list[Posted]:
         """One ``batch_isend_irecv`` per process group used, launched by NCCL as one group call.
@@ -277,7 +270,6 @@ class Transport:
             except P2PError:
                 raise  # a framed receive's own error (see `pp_comm.framing`)
             except RuntimeError as error:
-                self.broken = f"{operation} failed"
                 raise self.failure(error, transfers, operation, deadline) from error
 
     def failure(
@@ -287,7 +279,11 @@ class Transport:
         operation: str,
         deadline: float | None,
     ) -> P2PError:
-        """The error naming this rank, the peer, the operation and the microbatch."""
+        """The error naming this rank, the peer, the operation and the microbatch.
+
+        The transport is broken from then on: no later call may use it.
+        """
+        self.broken = f"{operation} failed"
         microbatch = transfers[0].microbatch
         parts = [self._part(transfer, microbatch) for transfer in transfers]
         cause = str(error).strip()
