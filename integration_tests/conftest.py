@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -48,3 +50,22 @@ def torchrun() -> Torchrun:
         )
 
     return run
+
+
+@pytest.fixture
+def script_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[Path], ModuleType]:
+    """Import a script (a benchmark, an example) in the test's process, by its path.
+
+    Its folder goes on ``sys.path`` for the test's duration, so modules beside it import.
+    """
+
+    def load(path: Path) -> ModuleType:
+        monkeypatch.syspath_prepend(str(path.parent))
+        spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

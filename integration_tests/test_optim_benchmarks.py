@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-
-import pytest
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "packages" / "pp-optim" / "benchmarks" / "grad_allreduce.py"
@@ -17,7 +15,7 @@ Torchrun = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def test_bucketed_against_per_parameter_all_reduce(
-    torchrun: Torchrun, monkeypatch: pytest.MonkeyPatch
+    torchrun: Torchrun, script_module: Callable[[Path], ModuleType]
 ) -> None:
     done = torchrun(SCRIPT, 2, "--quick", "--layers", "2", "--hidden", "16", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -29,12 +27,7 @@ def test_bucketed_against_per_parameter_all_reduce(
     )
     # Without --json the script prints these records as a table against its goal (checked on
     # the same records, without a second launch).
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_grad_allreduce", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = script_module(SCRIPT)
     header, *rows = (line.split() for line in module.table(records).splitlines())
     assert header[-2:] == ["goal", "pass"]
     assert len(rows) == 2

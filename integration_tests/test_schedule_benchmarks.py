@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "packages" / "pp-schedules" / "benchmarks"
@@ -22,19 +19,8 @@ def _records(done: subprocess.CompletedProcess[str]) -> list[dict[str, object]]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def _module(path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A benchmark script imported in this process (its helper module beside it)."""
-    monkeypatch.syspath_prepend(str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_schedules_against_torch_pipelining(
-    torchrun: Torchrun, monkeypatch: pytest.MonkeyPatch
+    torchrun: Torchrun, script_module: Callable[[Path], ModuleType]
 ) -> None:
     script = BENCHMARKS / "schedules_vs_torch.py"
     args = ["--steps", "1", "--width", "16", "--rows", "2", "--microbatches", "4", "--json"]
@@ -55,7 +41,7 @@ def test_schedules_against_torch_pipelining(
     assert all(r["exchange_ms"] > 0 and r["simulated_ms"] >= r["theory_ms"] for r in ms)
     # Without --json the script prints these records as a table with a goal and a verdict
     # per row (checked on the same records, without a second launch).
-    table = _module(script, monkeypatch)
+    table = script_module(script)
     assert table.HEADER.split()[:3] == ["configuration", "ours", "ms"]
     for record in records:
         line = table.render(record)
