@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 
 import pytest
@@ -244,6 +245,41 @@ def test_misuse_raises_clear_errors_and_destroy_is_final() -> None:
             )
         assert rank_messages[-4:-1] == ["this ParallelState was destroyed; create a new one"] * 3
         assert rank_messages[-1] == "world 4"
+
+
+def _create_while_the_last_rank_lags() -> tuple[float, float]:
+    """Rank 3 lags after each group rank 0 is not in; when does each rank finish?"""
+    created: list[float] = []
+    real_new_group = dist.new_group
+
+    def slow(ranks: list[int], **kwargs: object) -> dist.ProcessGroup:
+        group: dist.ProcessGroup = real_new_group(ranks, **kwargs)  # type: ignore[arg-type]
+        if dist.get_rank() == 3 and 0 not in ranks:
+            time.sleep(0.2)  # still busy with a group rank 0 need not wait for
+        created.append(time.time())
+        return group
+
+    dist.new_group = slow  # type: ignore[assignment]
+    try:
+        state = ParallelState.create(
+            ParallelConfig(
+                tensor_model_parallel_size=2, pipeline_model_parallel_size=2, timeout=TIMEOUT
+            )
+        )
+    finally:
+        dist.new_group = real_new_group
+    returned = time.time()
+    state.destroy()
+    return returned, created[-1]
+
+
+def test_create_returns_on_no_rank_before_every_rank_has_every_group() -> None:
+    """gloo lets a member's new_group return while a peer is still connecting to the group;
+    a rank that destroyed its groups then would break that peer. create waits for all."""
+    results = run_distributed(_create_while_the_last_rank_lags, 4, timeout=60)
+    last_group_created = max(created for _, created in results)
+    for rank, (returned, _) in enumerate(results):
+        assert returned >= last_group_created, (rank, returned, last_group_created)
 
 
 def _world_does_not_fit() -> None:

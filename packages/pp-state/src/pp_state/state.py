@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
+from pp_state.collectives import collective
 from pp_state.errors import DistributedNotInitializedError, ParallelSizeError
 from pp_state.layout import (
     ALL_KINDS,
@@ -228,7 +229,9 @@ class ParallelState:
     def create(cls, config: ParallelConfig | None = None) -> ParallelState:
         """Create every process group of `config` on the default (world) process group.
 
-        Every rank of the job must call this, with the same config.
+        Every rank of the job must call this, with the same config. With gloo it returns on
+        no rank before every rank has created every group, so destroying them straight away is
+        safe.
 
         Args:
             config: Sizes and options; the default is everything of size 1 (pure data parallel).
@@ -242,6 +245,8 @@ class ParallelState:
             ParallelSizeError: The world size does not fit the config; the message names the
                 numbers (a ValueError and a RuntimeError; an AssertionError too where Megatron
                 asserts). Raised before any group is created.
+            CollectiveError: A rank died or did not arrive while the others waited for every
+                rank to finish creating gloo groups.
         """
         config = config or ParallelConfig()
         if not dist.is_available() or not dist.is_initialized():
@@ -270,6 +275,7 @@ class ParallelState:
                         owned.append(group)
                 if rank in ranks:
                     groups[kind] = by_ranks[key]
+        _wait_for_every_rank(config.backend)
         return cls(
             config, rank=rank, world_size=world_size, groups=groups, layout=layout, owned=owned
         )
@@ -468,7 +474,8 @@ class ParallelState:
 
         A collective call: every rank must make it, with the same arguments. A copy lets one
         kind of traffic (an all-gather) progress beside another (a reduce-scatter) on the same
-        ranks. The copies belong to this state: `destroy` destroys them.
+        ranks. The copies belong to this state: `destroy` destroys them. Like `create`, it
+        returns on no rank before every rank holds its copy.
 
         Args:
             kind: The groups to copy.
@@ -486,6 +493,7 @@ class ParallelState:
             if self._rank in ranks:
                 self._owned.append(group)
                 mine = group
+        _wait_for_every_rank(self._config.backend)
         return mine
 
     def src_rank(self, kind: AnyGroupKind) -> int:
@@ -643,3 +651,17 @@ class ParallelState:
             f"tp_rank={self.tensor_model_parallel_rank}"
             f"{', destroyed' if self._destroyed else ''})"
         )
+
+
+def _wait_for_every_rank(backend: str | None) -> None:
+    """A world barrier after creating gloo groups.
+
+    gloo connects a group's members while creating it, and one member's `new_group` can return
+    while another is still connecting to it. A rank that went on to destroy its groups would
+    close that connection under its peer ("Connection closed by peer"). NCCL connects lazily,
+    at a group's first collective, so it needs no wait.
+    """
+    if "gloo" not in str(backend or dist.get_backend()):
+        return
+    with collective("wait for every rank to finish creating the process groups"):
+        dist.barrier()
