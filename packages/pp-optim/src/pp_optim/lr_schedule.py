@@ -16,6 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar, get_args, overload
 
+from pp_state.numbers import is_int, is_real
+
 __all__ = [
     "HasParamGroups",
     "LRDecayStyle",
@@ -59,15 +61,6 @@ _INT_FIELDS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 def _choices(styles: tuple[str, ...]) -> str:
     return ", ".join(repr(style) for style in styles)
-
-
-def _is_int(value: object) -> bool:
-    # bool subclasses int, but True as a step count is always a mistake.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,15 +136,15 @@ class LRScheduleConfig:
     def _check_types(self) -> None:
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if not _is_real(value):
+            if not is_real(value):
                 raise TypeError(f"{name} must be a real number, got {value!r}")
             if not math.isfinite(value):
                 raise OptimizerParamSchedulerError(f"{name} must be finite, got {value!r}")
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-        if self.wsd_decay_steps is not None and not _is_int(self.wsd_decay_steps):
+        if self.wsd_decay_steps is not None and not is_int(self.wsd_decay_steps):
             raise TypeError(f"wsd_decay_steps must be an int or None, got {self.wsd_decay_steps!r}")
         for name in ("use_checkpoint_opt_param_scheduler", "override_opt_param_scheduler"):
             value = getattr(self, name)
@@ -582,7 +575,7 @@ class OptimizerParamScheduler:
             TypeError: ``increment`` is not an int (bools are refused).
             ValueError: ``increment`` is negative.
         """
-        if not _is_int(increment):
+        if not is_int(increment):
             raise TypeError(f"increment must be an int, got {increment!r}")
         if increment < 0:
             raise ValueError(f"increment must be >= 0, got {increment}")
@@ -653,7 +646,7 @@ class OptimizerParamScheduler:
             missing.append(" / ".join(repr(key) for key in _NUM_STEPS_KEYS))
         if missing:
             raise ValueError(f"checkpoint scheduler state lacks {', '.join(missing)}")
-        if not _is_int(num_steps):
+        if not is_int(num_steps):
             raise TypeError(f"checkpoint num_steps must be an int, got {num_steps!r}")
         if num_steps < 0:
             raise ValueError(f"checkpoint num_steps must be >= 0, got {num_steps}")

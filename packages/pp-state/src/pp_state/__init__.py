@@ -10,11 +10,13 @@
   embedding or loss each (rank, chunk) holds; `LayerLayoutError` for a layout that cannot be.
 - `collective`: wrap a collective so a dead or silent peer raises one `CollectiveError`
   naming the rank, the peer, the operation and the iteration.
+- `is_int`, `is_real`, `check_int`, `divisors` (`pp_state.numbers`): the whole-number checks
+  every layer shares (a bool is never a count).
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
 
 Importing the package and using `rank_layout`, `expert_rank_layout`, `RankGenerator`,
-`Placement` or `PipelineLayerLayout` does not import torch; the names that need it
-load on first use.
+`Placement`, `PipelineLayerLayout` or the number checks does not import torch; the names
+that need it load on first use.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from pp_state.layout import (
     group_containing,
     rank_layout,
 )
+from pp_state.numbers import check_int, divisors, is_int, is_real
 from pp_state.placement import PLACEMENTS, Placement
 
 if TYPE_CHECKING:
@@ -129,16 +132,20 @@ __all__ = [
     "StateDestroyedError",
     "__version__",
     "at_iteration",
+    "check_int",
     "collective",
     "collective_error",
     "destroy_model_parallel",
+    "divisors",
     "expert_rank_layout",
     "find_group",
     "get_default_state",
     "group_containing",
     "has_default_state",
     "initialize_model_parallel",
+    "is_int",
     "is_lost_peer",
+    "is_real",
     "model_parallel_is_initialized",
     "parallel_state",
     "rank_layout",

@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from pp_state.errors import LayerLayoutError
+from pp_state.numbers import check_int
 from pp_state.placement import Placement
 
 __all__ = ["LayerLayoutError", "PipelineLayerLayout"]
@@ -34,14 +35,6 @@ _MAX_DEPTH = 32
 _SYNTAX = "E, t, L, '|', '*N', parentheses, commas and spaces"
 
 _Item = tuple[str, int]  # (character, its index in the text)
-
-
-def _check_int(name: str, value: object, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < least:
-        raise ValueError(f"{name} must be {least} or more, got {value}")
-    return value
 
 
 def _write(counts: Sequence[int]) -> str:
@@ -135,13 +128,13 @@ class PipelineLayerLayout:
         """
         if not isinstance(text, str):
             raise TypeError(f"a layout must be a string, got {text!r}")
-        pp = _check_int("pp_size", pp_size, 1)
+        pp = check_int("pp_size", pp_size, 1)
         stages = _split(text, _Parser(text).parse())
         _check_stage_count(text, len(stages), pp)
         _check_ends(text, stages)
         _check_middle(text, stages)
         counts = tuple(sum(1 for char, _ in stage[1] if char == "t") for stage in stages)
-        if num_layers is not None and sum(counts) != _check_int("num_layers", num_layers, 0):
+        if num_layers is not None and sum(counts) != check_int("num_layers", num_layers, 0):
             raise LayerLayoutError(
                 text,
                 f"the layout holds {sum(counts)} transformer layers (t) but num_layers is "
@@ -159,7 +152,7 @@ class PipelineLayerLayout:
             LayerLayoutError: The stage count is not a multiple of `pp_size`, or the counts
                 break a rule of the class.
         """
-        pp = _check_int("pp_size", pp_size, 1)
+        pp = check_int("pp_size", pp_size, 1)
         counts = tuple(counts)
         if not counts:
             raise LayerLayoutError(None, "a layout needs at least one stage; counts is empty")
@@ -182,8 +175,8 @@ class PipelineLayerLayout:
             LayerLayoutError: The layers do not divide over the stages; the message names
                 layer counts that would.
         """
-        layers = _check_int("num_layers", num_layers, 0)
-        pp, vp = _check_int("pp_size", pp_size, 1), _check_int("vp_size", vp_size, 1)
+        layers = check_int("num_layers", num_layers, 0)
+        pp, vp = check_int("pp_size", pp_size, 1), check_int("vp_size", vp_size, 1)
         where = _placement(None, placement, pp, vp)
         try:
             where.layers(0, 0, layers)
@@ -216,13 +209,13 @@ class PipelineLayerLayout:
                 that leave layers when no middle rank exists; the message names the numbers
                 and the values that would work.
         """
-        layers = _check_int("num_layers", num_layers, 0)
-        pp, vp = _check_int("pp_size", pp_size, 1), _check_int("vp_size", vp_size, 1)
+        layers = check_int("num_layers", num_layers, 0)
+        pp, vp = check_int("pp_size", pp_size, 1), check_int("vp_size", vp_size, 1)
         if first is None and last is None:
             return cls.even(layers, pp, vp, placement=placement)
         for name, value in (("first", first), ("last", last)):
             if value is not None:
-                _check_int(name, value, 0)
+                check_int(name, value, 0)
         problem = _first_last_problem(layers, pp, vp, first, last)
         if problem:
             raise LayerLayoutError(None, problem + _first_last_choices(layers, pp, vp, first, last))

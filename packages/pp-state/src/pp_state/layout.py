@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal, get_args
 
 from pp_state.errors import ParallelSizeAssertionError, ParallelSizeError
+from pp_state.numbers import check_int, divisors
 
 __all__ = [
     "ALL_KINDS",
@@ -120,28 +121,17 @@ _EXPERT_ARGUMENT_OF_AXIS = {
 }
 
 
-def _divisors(number: int) -> list[int]:
-    return [d for d in range(1, number + 1) if number % d == 0]
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be 1 or more, got {value}")
-
-
 def _data_parallel_size(world_size: int, tp: int, pp: int, cp: int) -> int:
-    _check_positive("world_size", world_size)
-    _check_positive("tensor_model_parallel_size", tp)
-    _check_positive("pipeline_model_parallel_size", pp)
-    _check_positive("context_parallel_size", cp)
+    check_int("world_size", world_size, 1)
+    check_int("tensor_model_parallel_size", tp, 1)
+    check_int("pipeline_model_parallel_size", pp, 1)
+    check_int("context_parallel_size", cp, 1)
     model_size = tp * pp * cp
     if world_size % model_size:
         raise ParallelSizeError(
             f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
             f"context ({cp}) parallel size = {model_size}; the product of these sizes must "
-            f"divide {world_size}: one of {_divisors(world_size)}"
+            f"divide {world_size}: one of {divisors(world_size)}"
         )
     return world_size // model_size
 
@@ -312,11 +302,11 @@ def _expert_data_parallel_size(world_size: int, etp: int, ep: int, pp: int) -> i
         if world_size % (etp * pp) == 0:
             choices = (
                 f"with expert tensor {etp} and pipeline {pp}, expert_model_parallel_size must "
-                f"divide {world_size // (etp * pp)}: one of {_divisors(world_size // (etp * pp))}"
+                f"divide {world_size // (etp * pp)}: one of {divisors(world_size // (etp * pp))}"
             )
         else:
             choices = f"the product of these sizes must divide {world_size}: one of "
-            choices += str(_divisors(world_size))
+            choices += str(divisors(world_size))
         raise ParallelSizeError(
             f"world size {world_size} is not divisible by expert tensor ({etp}) x expert model "
             f"({ep}) x pipeline ({pp}) parallel size = {product}; {choices}"
@@ -329,7 +319,7 @@ def _check_instances(instances: int, dp_cp: int, expert_dp: int) -> None:
         raise ParallelSizeAssertionError(
             f"num_distributed_optimizer_instances {instances} must divide both the data x "
             f"context parallel size ({dp_cp}) and the expert data-parallel size ({expert_dp}); "
-            f"use one of {_divisors(math.gcd(dp_cp, expert_dp))}"
+            f"use one of {divisors(math.gcd(dp_cp, expert_dp))}"
         )
 
 
@@ -402,11 +392,11 @@ def _instance_groups(
 
 
 def _positive_expert_sizes(ep: int, etp: int | None, instances: int, tp: int) -> int:
-    _check_positive("expert_model_parallel_size", ep)
-    _check_positive("num_distributed_optimizer_instances", instances)
+    check_int("expert_model_parallel_size", ep, 1)
+    check_int("num_distributed_optimizer_instances", instances, 1)
     if etp is None:
         return tp
-    _check_positive("expert_tensor_parallel_size", etp)
+    check_int("expert_tensor_parallel_size", etp, 1)
     return etp
 
 
@@ -526,7 +516,7 @@ class RankGenerator:
         """
         self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
         for name, size in self.name_to_size.items():
-            _check_positive(name, size)
+            check_int(name, size, 1)
         if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
             raise ValueError(f"rank_offset must be an int of 0 or more, got {rank_offset!r}")
         if ep > 1 and cp > 1:

@@ -20,18 +20,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from pp_state.numbers import check_int
+
 __all__ = ["PLACEMENTS", "Placement"]
 
 PLACEMENTS = ("looped", "v")
 """The placements known by name."""
-
-
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be 1 or more, got {value}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +82,7 @@ class Placement:
     @classmethod
     def looped(cls, pp_size: int, vp_size: int = 1) -> Placement:
         """Megatron's placement: chunk c of rank r holds stage ``c * pp_size + r``."""
-        pp, vp = _check_size("pp_size", pp_size), _check_size("vp_size", vp_size)
+        pp, vp = check_int("pp_size", pp_size, 1), check_int("vp_size", vp_size, 1)
         return cls(tuple(tuple(c * pp + r for c in range(vp)) for r in range(pp)), "looped")
 
     @classmethod
@@ -100,7 +94,7 @@ class Placement:
         Raises:
             ValueError: `vp_size` is odd (a V needs chunks in pairs).
         """
-        pp, vp = _check_size("pp_size", pp_size), _check_size("vp_size", vp_size)
+        pp, vp = check_int("pp_size", pp_size, 1), check_int("vp_size", vp_size, 1)
         if vp % 2:
             raise ValueError(
                 f"the V placement pairs chunks (down, then back up): vp_size must be even, "

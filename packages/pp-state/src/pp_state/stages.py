@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pp_state.numbers import is_int
 from pp_state.placement import Placement
 
 __all__ = [
@@ -22,10 +23,6 @@ __all__ = [
 ]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def resolve_vp_stage(
     vp_size: int | None, *, ignore_virtual: bool, vp_stage: int | None
 ) -> int | None:
@@ -37,7 +34,7 @@ def resolve_vp_stage(
     """
     if vp_stage is not None:
         valid = range(vp_size or 1)
-        if not _is_int(vp_stage) or vp_stage not in valid:
+        if not is_int(vp_stage) or vp_stage not in valid:
             raise ValueError(f"vp_stage {vp_stage!r} is not a virtual stage; valid: {list(valid)}")
     if ignore_virtual or vp_size is None:
         return None
@@ -103,7 +100,7 @@ def checked_stage(stage: int, pp_size: int) -> int:
     Raises:
         ValueError: It is not in 0 .. pp_size-1.
     """
-    if not _is_int(stage) or not 0 <= stage < pp_size:
+    if not is_int(stage) or not 0 <= stage < pp_size:
         raise ValueError(
             f"pipeline rank {stage!r} is outside the pipeline; valid: {list(range(pp_size))}"
         )

@@ -25,6 +25,7 @@ from pp_state.layout import (
     parse_order,
     rank_layout,
 )
+from pp_state.numbers import check_int
 from pp_state.placement import Placement
 from pp_state.stages import (
     after_split,
@@ -142,10 +143,7 @@ class ParallelConfig:
         for name, value in sizes.items():
             if value is None and name == "expert_tensor_parallel_size":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be 1 or more, got {value}")
+            check_int(name, value, 1)
 
     def _check_order(self) -> None:
         sizes = {
