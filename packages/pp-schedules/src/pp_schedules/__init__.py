@@ -13,8 +13,12 @@
 - `Plan`, `parse_schedule`, `format_schedule`: a plan as data (actions, placement, and its
   own exchanges if written), read from and written to text (torch's action strings too).
 - `chrome_trace`, `summary`: measured timelines beside the simulator's.
+- `SCHEDULE_REGISTRY` (`ScheduleSpec` per schedule: placement, chunks per rank, split
+  backward, generator), `default_schedule`, `placement_for`, `schedules_for`: the rules about
+  named schedules, written once. `resolve_schedule(...)` -> `ResolvedSchedule`: a run's
+  schedule planned and validated once for every microbatch count it steps with.
 - `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm; it walks
-  the validated plan's steps.
+  the validated plan's steps (a `ResolvedSchedule`'s, when given one).
 
 The planning modules import no torch; the executor's names load it on first use.
 """
@@ -37,14 +41,12 @@ from pp_schedules.actions import (
 from pp_schedules.auto import Candidate, Choice, candidates_for, choose_schedule
 from pp_schedules.balance import LayerBalance, balance_layers, balanced_counts, even_counts
 from pp_schedules.generators import (
-    SCHEDULES,
     ScheduleConfigError,
     gpipe,
     interleaved_1f1b,
     interleaved_table,
     no_pipelining,
     one_f_one_b,
-    plan,
 )
 from pp_schedules.lowering import (
     Exchange,
@@ -55,6 +57,16 @@ from pp_schedules.lowering import (
     post_receives_early,
 )
 from pp_schedules.plans import Plan, as_plan, format_schedule, parse_schedule
+from pp_schedules.registry import (
+    SCHEDULE_REGISTRY,
+    SCHEDULES,
+    ScheduleSpec,
+    default_schedule,
+    placement_for,
+    schedule_spec,
+    schedules_for,
+)
+from pp_schedules.resolution import ResolvedSchedule, default_prefetch, plan, resolve_schedule
 from pp_schedules.simulation import (
     Costs,
     Simulation,
@@ -122,6 +134,7 @@ __all__ = [
     "BACKWARD",
     "COMPUTE",
     "SCHEDULES",
+    "SCHEDULE_REGISTRY",
     "Action",
     "ActionKind",
     "Candidate",
@@ -138,9 +151,11 @@ __all__ = [
     "PlanError",
     "PlanLike",
     "PlanReport",
+    "ResolvedSchedule",
     "RunStats",
     "ScheduleConfig",
     "ScheduleConfigError",
+    "ScheduleSpec",
     "Simulation",
     "Span",
     "StageCosts",
@@ -157,6 +172,8 @@ __all__ = [
     "chrome_trace",
     "custom_backward",
     "deallocate_output_tensor",
+    "default_prefetch",
+    "default_schedule",
     "even_counts",
     "format_plan",
     "format_schedule",
@@ -176,9 +193,13 @@ __all__ = [
     "parse_action",
     "parse_plan",
     "parse_schedule",
+    "placement_for",
     "plan",
     "post_receives_early",
     "render_grid",
+    "resolve_schedule",
+    "schedule_spec",
+    "schedules_for",
     "simulate",
     "summary",
     "validate",

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pp_schedules.generators import plan
 from pp_schedules.plans import Plan
+from pp_schedules.registry import schedule_spec, schedules_for
 from pp_schedules.simulation import Costs, StageCosts, simulate
 from pp_schedules.validation import validate
 
@@ -81,13 +81,11 @@ class Choice:
 
 
 def candidates_for(vp_size: int) -> list[tuple[str, str]]:
-    """The (schedule, placement) pairs that run a model with `vp_size` chunks per rank."""
-    if vp_size == 1:
-        return [("1f1b", "looped"), ("zb_h1", "looped"), ("gpipe", "looped")]
-    pairs = [("interleaved_1f1b", "looped"), ("gpipe", "looped")]
-    if vp_size == 2:
-        pairs[1:1] = [("zbv", "v")]
-    return pairs
+    """The (schedule, placement) pairs that run a model with `vp_size` chunks per rank.
+
+    The registry's `schedules_for`, under the name pp-train and earlier releases use.
+    """
+    return schedules_for(vp_size)
 
 
 def _candidate(
@@ -99,8 +97,7 @@ def _candidate(
 ) -> Candidate:
     pp_size, num_microbatches, vp_size = sizes
     try:
-        chosen = plan(
-            name,
+        chosen = schedule_spec(name).plan(
             pp_size=pp_size,
             num_microbatches=num_microbatches,
             vp_size=vp_size,

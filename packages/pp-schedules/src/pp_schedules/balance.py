@@ -21,7 +21,8 @@ import inspect
 from collections.abc import Callable
 from typing import ParamSpec
 
-from pp_schedules.generators import plan
+from pp_schedules.registry import default_schedule, schedules_for
+from pp_schedules.resolution import plan
 from pp_schedules.simulation import Costs, StageCosts, simulate
 from pp_schedules.validation import validate
 
@@ -145,10 +146,10 @@ def _check(num_layers: int, num_stages: int) -> None:
         )
 
 
-def _default_schedule(vp_size: int, placement: str) -> str:
-    if vp_size == 1:
-        return "1f1b"
-    return "zbv" if placement == "v" else "interleaved_1f1b"
+def _fastest_schedule(pp_size: int, vp_size: int, placement: str) -> str:
+    """The first of ``auto``'s candidates on `placement` (the registry's default if none)."""
+    on_placement = [name for name, where in schedules_for(vp_size) if where == placement]
+    return on_placement[0] if on_placement else default_schedule(pp_size, vp_size, placement)
 
 
 def balance_layers(
@@ -188,7 +189,7 @@ def balance_layers(
     """
     num_stages = pp_size * vp_size
     _check(num_layers, num_stages)
-    name = schedule or _default_schedule(vp_size, placement)
+    name = schedule or _fastest_schedule(pp_size, vp_size, placement)
     m = num_microbatches or 2 * pp_size
     report = validate(
         plan(name, pp_size=pp_size, num_microbatches=m, vp_size=vp_size, placement=placement)

@@ -1,6 +1,7 @@
 """Schedule generators: the per-rank order of forward and backward steps, as data.
 
-Each generator returns, for every pipeline rank, its compute actions in execution order. For
+Each generator returns, for every pipeline rank, its compute actions in execution order; the
+registry (`pp_schedules.registry`) names them and says where each runs. For
 every configuration Megatron-LM accepts, the order equals Megatron's (checked against data
 recorded from Megatron itself); configurations Megatron refuses raise a ValueError that states
 the rule and suggests valid values.
@@ -8,26 +9,16 @@ the rule and suggests valid values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 from pp_schedules.actions import Action
-from pp_schedules.plans import Plan
-from pp_schedules.zero_bubble import zb_h1, zbv
-from pp_state.placement import Placement
-
-if TYPE_CHECKING:
-    from pp_schedules.simulation import Costs, StageCosts
+from pp_state.numbers import check_int
 
 __all__ = [
-    "SCHEDULES",
     "ScheduleConfigError",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_table",
     "no_pipelining",
     "one_f_one_b",
-    "plan",
 ]
 
 Actions = list[list[Action]]
@@ -35,13 +26,6 @@ Actions = list[list[Action]]
 
 class ScheduleConfigError(ValueError, RuntimeError):
     """A configuration the interleaved schedule refuses (Megatron raises a RuntimeError)."""
-
-
-def _check_int(name: str, value: int, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < least:
-        raise ValueError(f"{name} must be {least} or more, got {value}")
 
 
 def no_pipelining(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Actions:
@@ -172,7 +156,7 @@ def interleaved_1f1b(
         if microbatch_group_size_per_vp_stage is None
         else microbatch_group_size_per_vp_stage
     )
-    _check_int("microbatch_group_size_per_vp_stage", group, 1)
+    check_int("microbatch_group_size_per_vp_stage", group, 1)
     _check_interleaving(pp_size, num_microbatches, vp_size, group)
     table = interleaved_table(num_microbatches, vp_size, group)
     total = len(table)
@@ -191,139 +175,3 @@ def interleaved_1f1b(
         actions.extend(backwards[total - warmup :])
         plan.append(actions)
     return plan
-
-
-def _pipelined(generate: Callable[..., Actions]) -> Callable[..., Actions]:
-    def checked(
-        *, pp_size: int, num_microbatches: int, forward_only: bool = False, **_: object
-    ) -> Actions:
-        return generate(
-            pp_size=pp_size, num_microbatches=num_microbatches, forward_only=forward_only
-        )
-
-    return checked
-
-
-def _looped_gpipe(
-    *, pp_size: int, num_microbatches: int, vp_size: int, forward_only: bool = False, **_: object
-) -> Actions:
-    return gpipe(
-        pp_size=pp_size,
-        num_microbatches=num_microbatches,
-        vp_size=vp_size,
-        forward_only=forward_only,
-    )
-
-
-SCHEDULES: dict[str, Callable[..., Actions]] = {
-    "no_pipelining": _pipelined(no_pipelining),
-    "gpipe": _looped_gpipe,
-    "1f1b": _pipelined(one_f_one_b),
-    "interleaved_1f1b": interleaved_1f1b,
-    "zb_h1": _pipelined(zb_h1),
-    "zbv": _pipelined(zbv),
-}
-"""Generators by name, as `plan` takes them."""
-
-
-def _check_arguments(
-    name: str, pp_size: int, num_microbatches: int, vp_size: int, group: int | None
-) -> None:
-    """The checks every schedule shares: a known name, sizes, and chunks where they apply."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}, auto")
-    _check_int("pp_size", pp_size, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
-    _check_int("vp_size", vp_size, 1)
-    one_chunk = name in ("no_pipelining", "1f1b", "zb_h1")
-    if one_chunk and vp_size != 1:
-        raise ValueError(
-            f"{name} runs one model chunk per rank, but vp_size is {vp_size}; "
-            f"use {'zbv' if name == 'zb_h1' else 'interleaved_1f1b'!r} or 'gpipe'"
-        )
-    if name == "zbv" and vp_size != 2:
-        raise ValueError(
-            f"zbv runs two model chunks per rank in a V, but vp_size is {vp_size}; use "
-            "vp_size=2 (or 'zb_h1' with one chunk)"
-        )
-    if name != "interleaved_1f1b" and group is not None:
-        raise ValueError(
-            f"microbatch_group_size_per_vp_stage applies to 'interleaved_1f1b' only, not {name!r}"
-        )
-
-
-def _resolve_placement(placement: Placement | str | None, pp_size: int, vp_size: int) -> Placement:
-    """The placement named or given, checked against the pipeline's size."""
-    where = (
-        Placement.named(placement or "looped", pp_size, vp_size)
-        if placement is None or isinstance(placement, str)
-        else placement
-    )
-    if (where.pp_size, where.vp_size) != (pp_size, vp_size):
-        raise ValueError(
-            f"the placement covers {where.pp_size} ranks x {where.vp_size} chunks, but the "
-            f"plan has {pp_size} x {vp_size}"
-        )
-    return where
-
-
-def plan(
-    name: str,
-    *,
-    pp_size: int,
-    num_microbatches: int,
-    vp_size: int = 1,
-    microbatch_group_size_per_vp_stage: int | None = None,
-    forward_only: bool = False,
-    placement: Placement | str | None = None,
-    costs: Costs | StageCosts | None = None,
-    memory_limit: float | None = None,
-) -> Plan:
-    """One list of compute actions per pipeline rank, in execution order.
-
-    Args:
-        name: "no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", or the zero-bubble
-            "zb_h1" (one chunk) and "zbv" (two chunks on the V placement), whose backwards
-            are split into I and W steps; or "auto": the one `choose_schedule` picks (the
-            shortest simulated makespan under `memory_limit`, with `costs`).
-        pp_size: Pipeline stages (ranks).
-        num_microbatches: Microbatches per step.
-        vp_size: Model chunks per rank (interleaved_1f1b and gpipe; 1 otherwise).
-        microbatch_group_size_per_vp_stage: Interleaving group size; pp_size by default.
-        forward_only: Forward steps only (evaluation).
-        placement: Which stage each (rank, chunk) holds: "looped" (Megatron's, the default),
-            "v", or a `pp_state.Placement`. The order of steps does not change; `validate`
-            says whether it runs on that placement. For "auto", a placement name limits the
-            choice to schedules on it.
-        costs: For "auto": the costs to simulate with (see `choose_schedule`).
-        memory_limit: For "auto": the most activations a rank may hold, in stage-sized units.
-
-    Returns:
-        A `Plan`: for each rank, its actions (each has ``kind`` "F", "B", "I" or "W",
-        ``microbatch`` and ``chunk``), and the placement.
-
-    Raises:
-        ValueError: An unknown schedule, a size below 1, or a configuration the schedule
-            refuses; the message states the rule and the valid values.
-    """
-    if name == "auto":
-        from pp_schedules.auto import choose_schedule  # auto plans with this function
-
-        chosen = choose_schedule(
-            pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size, costs=costs,
-            memory_limit=memory_limit,
-            placement=placement.name if isinstance(placement, Placement) else placement,
-        ).plan  # fmt: skip
-        return chosen.without_backward() if forward_only else chosen
-    _check_arguments(name, pp_size, num_microbatches, vp_size, microbatch_group_size_per_vp_stage)
-    where = _resolve_placement(placement or ("v" if name == "zbv" else None), pp_size, vp_size)
-    if name == "zbv" and where.name != "v":
-        raise ValueError(f"zbv runs on the V placement, not {where}; leave placement unset")
-    actions = SCHEDULES[name](
-        pp_size=pp_size,
-        num_microbatches=num_microbatches,
-        vp_size=vp_size,
-        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-        forward_only=forward_only,
-    )
-    return Plan.of(actions, where)

@@ -1,0 +1,553 @@
+"""One call's walk over a rank's lowered steps: the executor's per-call state.
+
+`PlanWalk` runs this rank's steps of a validated plan in order. Each step goes through
+`STEP_HANDLERS`, a table keyed by the step's kind (a compute kind, or `EXCHANGE`), as torch's
+pipelining runtime dispatches its actions: a new action kind is one more entry. Each compute
+step is one forward, backward, input-gradient or weight-gradient pass; each exchange is one
+pp-comm call posting its sends and receives together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, cast
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from pp_comm import P2PCommunicator, P2PHandle, P2PMessage, Timers
+from pp_schedules.actions import COMPUTE, Action
+from pp_schedules.autograd import (
+    custom_backward,
+    deallocate_output_tensor,
+    is_torch_ddp,
+    tensor_list,
+)
+from pp_schedules.lowering import Exchange, Message, Step
+from pp_schedules.schedule_config import ForwardStepFunc, ScheduleConfig
+from pp_schedules.split_backward import WeightGradients, backward_input
+from pp_schedules.timeline import TimelineRecorder
+from pp_schedules.validation import PlanReport
+from pp_state.placement import Placement
+
+__all__ = [
+    "EXCHANGE",
+    "STEP_HANDLERS",
+    "CallArguments",
+    "Key",
+    "PlanWalk",
+    "PreparedPlan",
+    "RunStats",
+    "WalkHost",
+    "handler_key",
+    "storage_bytes",
+    "wrapped_attr",
+]
+
+EXCHANGE = "exchange"
+"""The handler key of an exchange step (its sends and receives, as one pp-comm call)."""
+
+
+@dataclasses.dataclass
+class RunStats:
+    """What the last call measured on this rank.
+
+    Attributes:
+        peak_activations: Most forwards held at once awaiting their backward.
+        peak_activation_bytes: Most bytes held at once by the stage's stored outputs and
+            inputs (distinct storages). Tensors that autograd saved for backward are not
+            seen here: a deallocated output whose storage the last op also saved (tanh does,
+            linear does not) still occupies memory.
+        peak_in_flight_bytes: Most bytes held at once by sends not yet completed. gloo
+            reports a send complete only once waited for, so there these are kept until the
+            end of the step; NCCL reports completions as they happen.
+        steps: Compute steps run.
+    """
+
+    peak_activations: int = 0
+    peak_activation_bytes: int = 0
+    peak_in_flight_bytes: int = 0
+    steps: int = 0
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def wrapped_attr(module: torch.nn.Module, name: str) -> Any:
+    """An attribute of a module or of what it wraps (DDP, Float16Module: ``.module``)."""
+    current: Any = module
+    while not hasattr(current, name) and hasattr(current, "module"):
+        current = current.module
+    return getattr(current, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPlan:
+    """A validated plan, its placement and, for this rank, where its sends have arrived."""
+
+    report: PlanReport
+    delivered: dict[int, list[int]]
+    placement: Placement
+
+
+class WalkHost(Protocol):
+    """What a walk reads of its executor (`PipelineExecutor` is one)."""
+
+    communicator: P2PCommunicator | None
+    config: ScheduleConfig
+    rank: int
+    independent: bool
+    """Whether transfers complete each on its own (gloo) rather than in posting order (NCCL)."""
+    timers: Timers
+    recording: bool
+    """Whether the call records its timeline."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CallArguments:
+    """The arguments of one call."""
+
+    chunks: list[torch.nn.Module]
+    iterators: Sequence[Any]
+    forward_step_func: ForwardStepFunc
+    num_microbatches: int
+    seq_and_batch: tuple[int, int]
+    decoder_seq_length: int | None
+    forward_only: bool
+    collect_non_loss_data: bool
+
+
+Key = tuple[int, int]  # (microbatch, chunk)
+
+
+class PlanWalk:
+    """One call's state on one rank: it walks the rank's lowered steps."""
+
+    def __init__(self, executor: WalkHost, call: CallArguments, prepared: PreparedPlan) -> None:
+        self.x = executor
+        self.call = call
+        self.steps = prepared.report.steps[executor.rank]
+        self.delivered = prepared.delivered
+        self.placement = prepared.placement
+        hidden = executor.config.hidden_size
+        seq, batch = call.seq_and_batch
+        self.shape: tuple[int, ...] | None = None if hidden is None else (seq, batch, hidden)
+        self.decoder_shape: tuple[int, ...] | None = (
+            None if hidden is None else (call.decoder_seq_length or seq, batch, hidden)
+        )
+        self.split = executor.config.pipeline_model_parallel_split_rank
+        self.inputs: dict[Key, list[torch.Tensor] | None] = {}
+        self.outputs: dict[Key, list[torch.Tensor]] = {}
+        # Tensors between a step and the exchange that moves them, by (channel, mb, chunk).
+        self.arrived: dict[tuple[str, int, int], tuple[P2PHandle, int, list[torch.Tensor]]] = {}
+        self.to_send: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        # Hand-overs between chunks of this rank (the turn of a V).
+        self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        # Exchanges with sends in flight: their handle and what they send.
+        self.pending: dict[int, tuple[P2PHandle, list[torch.Tensor]]] = {}
+        self.store: list[Any] = []
+        self.stats = RunStats()
+        self.recorder = TimelineRecorder(executor.rank) if executor.recording else None
+        actions = [s.compute for s in self.steps if s.compute is not None]
+        # Each chunk's last backward (or weight-gradient step) re-enables its gradient sync.
+        self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind in ("B", "W")}
+        # Split backwards: what each W needs once its I has run.
+        self.deferred: dict[Key, WeightGradients] = {}
+        self.trainable: dict[int, list[torch.Tensor]] = {}
+        self.sync_stacks: dict[int, contextlib.ExitStack] = {}
+        # torch's DDP chunks leave no_sync before the forward of their last microbatch.
+        self.sync_at_forward = {
+            chunk: microbatch
+            for chunk, microbatch in self.last_backward.items()
+            if is_torch_ddp(call.chunks[chunk])
+        }
+
+    def walk(self) -> None:
+        """Run every step of this rank in order, then complete the sends still in flight."""
+        with self.sync_control():
+            for index, step in enumerate(self.steps):
+                kind = EXCHANGE if step.compute is None else step.compute.kind
+                STEP_HANDLERS[kind](self, index, step)
+                for done in self.delivered.get(index, ()):
+                    self._complete_sends(done)
+        self.finish()
+
+    def _complete_sends(self, index: int) -> None:
+        """Wait for the sends of exchange `index` (its receives are waited for by their users).
+
+        On NCCL a batch's sends complete with its receives; while one of those is unused,
+        waiting would wait for it earlier than the plan says, so the batch completes when
+        that receive is used or at the end of the call.
+        """
+        handle, _ = self.pending.get(index, (None, None))
+        if handle is None or (
+            not self.x.independent and any(h is handle for h, _, _ in self.arrived.values())
+        ):
+            return
+        del self.pending[index]
+        handle.wait_send()
+
+    # -------------------------------------------------------------------- stage geometry
+    def _first(self, chunk: int) -> bool:
+        return self.placement.is_first(self.x.rank, chunk)
+
+    def _last(self, chunk: int) -> bool:
+        return self.placement.is_last(self.x.rank, chunk)
+
+    def _local_neighbour(self, chunk: int, step: int) -> int | None:
+        """The chunk of this rank `step` stages away, if that stage is on this rank."""
+        neighbour = self.placement.neighbour(self.x.rank, chunk, step)
+        return neighbour[1] if neighbour is not None and neighbour[0] == self.x.rank else None
+
+    def _decoder(self, stage: int) -> bool:
+        """Whether pipeline rank `stage` runs the decoder of an encoder-decoder model."""
+        return self.split is not None and stage >= self.split
+
+    def _shapes_sent_by(self, stage: int) -> tuple[tuple[int, ...] | None, ...]:
+        """What `stage` sends on (Megatron's get_tensor_shapes); decoders add encoder output."""
+        if self._decoder(stage):
+            return (self.decoder_shape, self.shape)
+        return (self.shape,)
+
+    # -------------------------------------------------------------------- communication
+    def _message(self, message: Message) -> P2PMessage:
+        action = message.action
+        key = (message.channel, action.microbatch, action.chunk)
+        if message.is_send:
+            # The transfer reads through detached aliases, which keep the storage alive until
+            # the send completes; the stage's own tensors can let go of it at once.
+            tensors = [t.detach() for t in self.to_send.pop(key)]
+            return P2PMessage(
+                slot=message.slot,
+                tensors=tensors,
+                microbatch=action.microbatch,
+                channel=message.channel,
+            )
+        activations = message.channel == "forward"
+        sender = message.peer if activations else self.x.rank
+        return P2PMessage(
+            slot=message.slot,
+            shapes=self._shapes_sent_by(sender),
+            requires_grad=activations and not self.call.forward_only,
+            microbatch=action.microbatch,
+            channel=message.channel,
+        )
+
+    def exchange(self, index: int, exchange: Exchange) -> None:
+        """Post the exchange as one pp-comm call; its receives are waited for by their users."""
+        comm = self.x.communicator
+        assert comm is not None, "a plan with transfers needs a communicator"
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        messages = [self._message(m) for m in exchange.messages]
+        received, handle = comm.exchange(messages, operation=exchange.operation, async_op=True)
+        sent = [t for m in messages for t in m.tensors]
+        for number, (message, tensors) in enumerate(zip(exchange.messages, received, strict=True)):
+            action = message.action
+            if tensors is not None:
+                key = (message.channel, action.microbatch, action.chunk)
+                self.arrived[key] = (handle, number, tensors)
+            elif message.channel == "forward" and self.x.config.deallocate_pipeline_outputs:
+                deallocate_output_tensor(
+                    self._own_outputs((action.microbatch, action.chunk)),
+                    deallocate_pipeline_outputs=True,
+                )
+        if sent:
+            self.pending[index] = (handle, sent)
+            self._measure_in_flight()
+        if self.recorder is not None:
+            first = exchange.messages[0].action
+            self.recorder.add(
+                str(Step(exchange=exchange)), "exchange", first.microbatch, first.chunk,
+                start, self.recorder.now(),
+            )  # fmt: skip
+
+    def _own_outputs(self, key: Key) -> list[torch.Tensor]:
+        """The outputs this stage computed (not the encoder output it passes along)."""
+        outputs = self.outputs.get(key, [])
+        if self._decoder(self.x.rank) and len(outputs) > 1:
+            return outputs[:1]
+        return outputs
+
+    # -------------------------------------------------------------------- compute
+    def _inputs(self, action: Action) -> list[torch.Tensor] | None:
+        if self._first(action.chunk):
+            return None
+        producer = self._local_neighbour(action.chunk, -1)
+        if producer is not None:
+            return self.local.pop(("forward", action.microbatch, action.chunk))
+        return self._wait_for(("forward", action.microbatch, action.chunk))
+
+    def _wait_for(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        """A received tensor list, once its transfer has completed."""
+        handle, number, tensors = self.arrived.pop(key)
+        if self.recorder is None:
+            handle.wait_recv([number])
+            return tensors
+        start = self.recorder.now()
+        handle.wait_recv([number])
+        self.recorder.add(f"wait {key[0]} {key[1]}.{key[2]}", "wait", key[1], key[2], start,
+                          self.recorder.now())  # fmt: skip
+        return tensors
+
+    def forward(self, action: Action) -> None:
+        """Run a forward step and keep (or hand on) its output."""
+        chunk, microbatch = action.chunk, action.microbatch
+        call = self.call
+        if microbatch == self.sync_at_forward.get(chunk):
+            self._enable_sync(chunk)
+        inputs = self._inputs(action)
+        # Megatron hands set_input_tensor a list: [None] on the first stage.
+        wrapped_attr(call.chunks[chunk], "set_input_tensor")(
+            inputs if inputs is not None else [None]
+        )
+        timer = self.x.timers("forward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        timer.start()
+        with torch.no_grad() if call.forward_only else contextlib.nullcontext():
+            output, loss_func = call.forward_step_func(call.iterators[chunk], call.chunks[chunk])
+            outputs = tensor_list(output)
+            if self._last(chunk):
+                outputs = [self._loss(output, loss_func)]
+        timer.stop()
+        self._record(action, start)
+        self.stats.steps += 1
+        if self._decoder(self.x.rank) and not self._last(chunk):
+            assert inputs is not None
+            outputs = [outputs[0], inputs[-1]]  # pass the encoder's output along
+        self._hand_on(action, outputs, +1)
+        if not call.forward_only:
+            self.inputs[(microbatch, chunk)] = inputs
+            self.outputs[(microbatch, chunk)] = outputs
+            self._measure_activations()
+
+    def _hand_on(self, action: Action, tensors: list[torch.Tensor], step: int) -> None:
+        """Keep a step's result for the exchange that sends it, or for the next local chunk."""
+        channel = "forward" if step > 0 else "backward"
+        edge = self._first(action.chunk) if step < 0 else self._last(action.chunk)
+        if edge:
+            return
+        consumer = self._local_neighbour(action.chunk, step)
+        if consumer is None:
+            self.to_send[(channel, action.microbatch, action.chunk)] = tensors
+            return
+        # A new leaf per tensor, as a receive would give: the consumer's backward stops there.
+        handed = [
+            t.detach().requires_grad_(step > 0 and not self.call.forward_only)
+            if t.is_floating_point()
+            else t.detach()
+            for t in tensors
+        ]
+        self.local[(channel, action.microbatch, consumer)] = handed
+
+    def _record(self, action: Action, start: float) -> None:
+        if self.recorder is not None:
+            self.recorder.add(
+                str(action), action.kind, action.microbatch, action.chunk, start,
+                self.recorder.now(),
+            )  # fmt: skip
+
+    def _loss(self, output: Any, loss_func: Callable[..., Any]) -> torch.Tensor:
+        if self.call.collect_non_loss_data:
+            self.store.append(loss_func(output, non_loss_data=True))
+            return torch.zeros(())
+        result = loss_func(output)
+        if len(result) == 3:  # Megatron's (loss, num_tokens, loss_reduced): a per-token mean
+            loss, num_tokens, reduced = result
+            loss = loss / num_tokens
+        else:
+            loss, reduced = result
+        self.store.append(reduced)
+        return loss / self.call.num_microbatches  # type: ignore[no-any-return]
+
+    def _output_grads(self, action: Action) -> list[torch.Tensor] | None:
+        if self._last(action.chunk):
+            return None
+        if self._local_neighbour(action.chunk, +1) is not None:
+            return self.local.pop(("backward", action.microbatch, action.chunk))
+        return self._wait_for(("backward", action.microbatch, action.chunk))
+
+    def backward(self, action: Action) -> None:
+        """Run a whole backward step and hand on its input gradients."""
+        chunk, microbatch = action.chunk, action.microbatch
+        grads = self._output_grads(action)
+        inputs = self.inputs.pop((microbatch, chunk))
+        outputs = self.outputs.pop((microbatch, chunk))
+        if microbatch == self.last_backward.get(chunk):
+            self._enable_sync(chunk)
+        timer = self.x.timers("backward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        timer.start()
+        for tensor in inputs or []:
+            if tensor.requires_grad:
+                tensor.retain_grad()
+        self._run_backward(outputs, grads)
+        timer.stop()
+        self._record(action, start)
+        self.stats.steps += 1
+        if not self._first(chunk):
+            input_grads = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs or []
+            ]
+            if grads is not None and self._decoder(self.x.rank) and len(grads) > 1:
+                # The encoder's output was passed along: its gradient comes back too.
+                input_grads[-1] = input_grads[-1] + grads[1]
+            self._hand_on(action, input_grads, -1)
+
+    def backward_input(self, action: Action) -> None:
+        """The input half of a split backward: the gradient the previous stage waits for.
+
+        The stage's outputs and inputs stay stored (and counted) until the W step.
+        """
+        key = (action.microbatch, action.chunk)
+        grads = self._output_grads(action)
+        inputs = self.inputs[key] or []
+        outputs = self.outputs[key]
+        if grads is None and self.x.config.grad_scale_func is not None:
+            outputs = [self.x.config.grad_scale_func(outputs[0])]
+        timer = self.x.timers("backward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        timer.start()
+        input_grads, self.deferred[key] = backward_input(
+            outputs, grads, inputs, self._trainable(action.chunk)
+        )
+        timer.stop()
+        self._record(action, start)
+        self.stats.steps += 1
+        if not self._first(action.chunk):
+            sent = [
+                g if g is not None else torch.zeros_like(t)
+                for g, t in zip(input_grads, inputs, strict=True)
+            ]
+            self._hand_on(action, sent, -1)
+
+    def _trainable(self, chunk: int) -> list[torch.Tensor]:
+        """The chunk's parameters that take gradients (listed once per call)."""
+        if chunk not in self.trainable:
+            module = self.call.chunks[chunk]
+            self.trainable[chunk] = [p for p in module.parameters() if p.requires_grad]
+        return self.trainable[chunk]
+
+    def backward_weight(self, action: Action) -> None:
+        """The weight half: accumulate the parameters' gradients (through their hooks)."""
+        key = (action.microbatch, action.chunk)
+        del self.inputs[key], self.outputs[key]
+        if action.microbatch == self.last_backward.get(action.chunk):
+            self._enable_sync(action.chunk)
+        timer = self.x.timers("backward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        timer.start()
+        self.deferred.pop(key).run()
+        timer.stop()
+        self._record(action, start)
+        self.stats.steps += 1
+
+    def _run_backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+        if grads is None:
+            loss = outputs[0]
+            if self.x.config.grad_scale_func is not None:
+                loss = self.x.config.grad_scale_func(loss)
+            custom_backward(loss, None)
+            return
+        passthrough = self._decoder(self.x.rank) and len(grads) > 1
+        own = outputs[:1] if passthrough else outputs
+        pairs = [(o, g) for o, g in zip(own, grads, strict=False) if o.requires_grad]
+        if pairs:
+            custom_backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def _measure_activations(self) -> None:
+        """Activations only grow with a forward (its inputs and outputs are then stored)."""
+        stored = [
+            t
+            for tensors in (*self.outputs.values(), *(v for v in self.inputs.values() if v))
+            for t in tensors
+        ]
+        stats = self.stats
+        stats.peak_activations = max(stats.peak_activations, len(self.outputs))
+        stats.peak_activation_bytes = max(stats.peak_activation_bytes, storage_bytes(stored))
+
+    def _measure_in_flight(self) -> None:
+        """Sends in flight only grow with an exchange."""
+        in_flight = [t for _, sent in self.pending.values() for t in sent]
+        stats = self.stats
+        stats.peak_in_flight_bytes = max(stats.peak_in_flight_bytes, storage_bytes(in_flight))
+
+    # -------------------------------------------------------------------- data-parallel sync
+    @contextlib.contextmanager
+    def sync_control(self) -> Iterator[None]:
+        """Hold every chunk in no_sync for the call (each leaves at its last backward)."""
+        func = self.x.config.no_sync_func
+        if func is None and all(is_torch_ddp(chunk) for chunk in self.call.chunks):
+            func = [cast("DistributedDataParallel", c).no_sync for c in self.call.chunks]
+        if func is None or self.call.forward_only:
+            yield
+            return
+        funcs: list[Callable[[], AbstractContextManager[Any]]] = (
+            list(func) if isinstance(func, (list, tuple)) else [func] * len(self.call.chunks)  # type: ignore[list-item]
+        )
+        for chunk, make in enumerate(funcs):
+            stack = contextlib.ExitStack()
+            stack.enter_context(make())
+            self.sync_stacks[chunk] = stack
+        try:
+            yield
+        finally:
+            for stack in self.sync_stacks.values():
+                stack.close()
+
+    def _enable_sync(self, chunk: int) -> None:
+        """Leave no_sync before the last backward of `chunk`, so its gradients get reduced."""
+        stack = self.sync_stacks.pop(chunk, None)
+        if stack is not None:
+            stack.close()
+
+    def finish(self) -> None:
+        """Complete the sends still in flight and check that nothing was left over."""
+        for handle, _ in self.pending.values():
+            handle.wait_send()
+        self.pending.clear()
+        assert not self.outputs, "every forward got its backward"
+        assert not self.arrived, "every received tensor was used"
+        assert not self.to_send, "every result that leaves the rank was sent"
+
+
+Handler = Callable[[PlanWalk, int, Step], None]
+"""Runs one step (with its index in the rank's steps) of a walk."""
+
+
+def _compute(run: Callable[[PlanWalk, Action], None]) -> Handler:
+    """The handler of a compute kind: `run` on the step's action."""
+
+    def handle(walk: PlanWalk, index: int, step: Step) -> None:
+        assert step.compute is not None
+        run(walk, step.compute)
+
+    return handle
+
+
+def _exchange(walk: PlanWalk, index: int, step: Step) -> None:
+    assert step.exchange is not None
+    walk.exchange(index, step.exchange)
+
+
+STEP_HANDLERS: Mapping[str, Handler] = {
+    "F": _compute(PlanWalk.forward),
+    "B": _compute(PlanWalk.backward),
+    "I": _compute(PlanWalk.backward_input),
+    "W": _compute(PlanWalk.backward_weight),
+    EXCHANGE: _exchange,
+}
+"""What runs each lowered step, by `handler_key` of its kind."""
+
+
+def handler_key(kind: str) -> str:
+    """The `STEP_HANDLERS` key of an action kind: compute kinds their own, transfers `EXCHANGE`.
+
+    Lowering gathers transfers (SEND_F, RECV_F, SEND_B, RECV_B) into exchanges.
+    """
+    return kind if kind in COMPUTE else EXCHANGE

@@ -1,0 +1,427 @@
+"""Resolving a schedule once: name, placement, prefetch and every validated plan of a run.
+
+`resolve_schedule` turns what a run asks for (a schedule name, "auto", a plan, or nothing)
+into a `ResolvedSchedule`: the schedule's name and placement, the transport and receive
+prefetch, and the validated plan of every microbatch count the run steps with (and their
+forward-only plans). The executor takes it and plans nothing more; a configuration check
+calls it before any process group starts, so every schedule error surfaces there.
+
+Pure Python (no torch). `plan` (a plan by name, "auto" included) lives here, above both the
+registry and `choose_schedule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from pp_schedules.actions import Action
+from pp_schedules.auto import Choice, choose_schedule
+from pp_schedules.plans import Plan, as_plan
+from pp_schedules.registry import default_schedule, schedule_spec, schedules_for
+from pp_schedules.simulation import Costs, StageCosts
+from pp_schedules.validation import PlanError, PlanReport, validate
+from pp_state.numbers import check_int
+from pp_state.placement import Placement
+
+__all__ = [
+    "TRANSPORTS",
+    "ResolvedSchedule",
+    "check_plan_fits",
+    "check_prefetch",
+    "check_transport",
+    "default_prefetch",
+    "plan",
+    "resolve_schedule",
+]
+
+TRANSPORTS = ("gloo", "nccl")
+"""The transports a schedule is resolved for: gloo (CPU tensors) and NCCL (CUDA tensors)."""
+
+
+def plan(
+    name: str,
+    *,
+    pp_size: int,
+    num_microbatches: int,
+    vp_size: int = 1,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    forward_only: bool = False,
+    placement: Placement | str | None = None,
+    costs: Costs | StageCosts | None = None,
+    memory_limit: float | None = None,
+) -> Plan:
+    """One list of compute actions per pipeline rank, in execution order.
+
+    Args:
+        name: "no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", or the zero-bubble
+            "zb_h1" (one chunk) and "zbv" (two chunks on the V placement), whose backwards
+            are split into I and W steps; or "auto": the one `choose_schedule` picks (the
+            shortest simulated makespan under `memory_limit`, with `costs`).
+        pp_size: Pipeline stages (ranks).
+        num_microbatches: Microbatches per step.
+        vp_size: Model chunks per rank (interleaved_1f1b and gpipe; 1 otherwise).
+        microbatch_group_size_per_vp_stage: Interleaving group size; pp_size by default.
+        forward_only: Forward steps only (evaluation).
+        placement: Which stage each (rank, chunk) holds: "looped" (Megatron's, the default),
+            "v", or a `pp_state.Placement`. The order of steps does not change; `validate`
+            says whether it runs on that placement. For "auto", a placement name limits the
+            choice to schedules on it.
+        costs: For "auto": the costs to simulate with (see `choose_schedule`).
+        memory_limit: For "auto": the most activations a rank may hold, in stage-sized units.
+
+    Returns:
+        A `Plan`: for each rank, its actions (each has ``kind`` "F", "B", "I" or "W",
+        ``microbatch`` and ``chunk``), and the placement.
+
+    Raises:
+        ValueError: An unknown schedule, a size below 1, or a configuration the schedule
+            refuses; the message states the rule and the valid values.
+    """
+    if name == "auto":
+        chosen = choose_schedule(
+            pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size, costs=costs,
+            memory_limit=memory_limit, placement=_placement_name(placement),
+        ).plan  # fmt: skip
+        return chosen.without_backward() if forward_only else chosen
+    return schedule_spec(name).plan(
+        pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        forward_only=forward_only, placement=placement,
+    )  # fmt: skip
+
+
+def _placement_name(placement: Placement | str | None) -> str | None:
+    return placement.name if isinstance(placement, Placement) else placement
+
+
+def check_transport(transport: str) -> str:
+    """`transport`, checked to be one of `TRANSPORTS`.
+
+    Raises:
+        ValueError: Another transport; the message lists the valid ones.
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
+    return transport
+
+
+def default_prefetch(transport: str, exchanges_shapes: bool) -> int:
+    """How many exchanges early receives are posted by default.
+
+    1 on gloo with fixed shapes, where a receive posted only when needed costs a round trip;
+    0 on NCCL, which completes transfers in posting order (an early receive would hold up
+    later sends), and with shape headers, which are waited for when a receive is posted.
+
+    Raises:
+        ValueError: An unknown transport.
+    """
+    return 1 if check_transport(transport) == "gloo" and not exchanges_shapes else 0
+
+
+def check_prefetch(prefetch: int, exchanges_shapes: bool) -> int:
+    """`prefetch`, checked to be 0 or more, and 0 when shapes travel in headers.
+
+    Raises:
+        ValueError: A negative prefetch, or one above 0 with shape headers.
+    """
+    if prefetch < 0:
+        raise ValueError(
+            f"prefetch_receives must be 0 (receives where needed) or more, got {prefetch}"
+        )
+    if prefetch and exchanges_shapes:
+        raise ValueError(
+            f"prefetch_receives={prefetch} needs fixed shapes: with shape headers "
+            "(variable_seq_lengths or debug) a receive waits for its header when posted, "
+            "so posting it early would wait for a send not made yet; use 0"
+        )
+    return prefetch
+
+
+def check_plan_fits(
+    given: Plan, pp_size: int, vp_size: int, placement: Placement | str | None = None
+) -> Placement:
+    """The placement of a given plan, checked against the pipeline and the asked placement.
+
+    Raises:
+        ValueError: The plan is for other sizes, or on another placement than asked.
+    """
+    where = given.placement
+    if (where.pp_size, where.vp_size) != (pp_size, vp_size):
+        raise ValueError(
+            f"the plan is for {where.pp_size} ranks x {where.vp_size} chunks, but the "
+            f"pipeline has {pp_size} ranks and vp_size {vp_size}"
+        )
+    if placement is not None and str(placement) != str(where):
+        raise ValueError(f"the plan runs on placement {where}, but the config asks for {placement}")
+    return where
+
+
+def check_nccl_links(report: PlanReport, placement: Placement) -> None:
+    """Refuse a link carrying activations and gradients the same way beyond two ranks.
+
+    NCCL matches transfers in order only, so it cannot keep the two streams apart yet.
+
+    Raises:
+        ValueError: Naming the placement and what to use instead.
+    """
+    streams: dict[tuple[int, int], set[str]] = {}
+    for rank, steps in enumerate(report.steps):
+        for step in steps:
+            for message in step.exchange.messages if step.exchange else ():
+                if message.is_send:
+                    streams.setdefault((rank, message.peer), set()).add(message.channel)
+    if len(report.steps) > 2 and any(len(c) > 1 for c in streams.values()):
+        raise ValueError(
+            f"placement {placement} sends activations and gradients the same way "
+            "between two ranks, which NCCL (matching transfers in order only) cannot keep "
+            "apart beyond two ranks yet; use the looped placement, or gloo"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResolvedSchedule:
+    """A schedule resolved once for a run: what runs, where, and every validated plan.
+
+    Attributes:
+        name: The schedule's name (auto's choice for "auto"); None for a given plan.
+        placement: Which stage each (rank, chunk) holds.
+        pp_size: Pipeline ranks.
+        vp_size: Model chunks per rank.
+        transport: "gloo" or "nccl".
+        prefetch: How many exchanges early receives are posted (part of the plans).
+        microbatch_counts: Every microbatch count resolved, smallest first.
+        choice: For "auto": the choice and every candidate; None otherwise.
+        plan: The given plan; None for a named schedule.
+        reports: The validated plans by (microbatch count, forward only).
+    """
+
+    name: str | None
+    placement: Placement
+    pp_size: int
+    vp_size: int
+    transport: str
+    prefetch: int
+    microbatch_counts: tuple[int, ...]
+    choice: Choice | None = None
+    plan: Plan | None = None
+    reports: Mapping[tuple[int, bool], PlanReport] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    @property
+    def include_forward_only(self) -> bool:
+        """Whether forward-only plans (evaluation) were resolved beside the training ones."""
+        return any(forward_only for _, forward_only in self.reports)
+
+    def report(self, num_microbatches: int, forward_only: bool = False) -> PlanReport:
+        """The validated plan of a step of `num_microbatches` microbatches.
+
+        Raises:
+            ValueError: That count (or its forward-only plan) was not resolved; the message
+                names the counts that were.
+        """
+        found = self.reports.get((num_microbatches, forward_only))
+        if found is not None:
+            return found
+        kind = "forward-only plan" if forward_only else "plan"
+        resolved = [str(count) for count, fo in sorted(self.reports) if fo == forward_only]
+        raise ValueError(
+            f"no {kind} was resolved for {num_microbatches} microbatches; resolved: "
+            f"{', '.join(resolved) or 'none'}; resolve the schedule with every count the run "
+            "steps with"
+        )
+
+    def actions(self, rank: int, num_microbatches: int, forward_only: bool = False) -> list[Action]:
+        """The compute actions of `rank` in a step of `num_microbatches`, in order."""
+        steps = self.report(num_microbatches, forward_only).steps[rank]
+        return [step.compute for step in steps if step.compute is not None]
+
+
+def _checked_counts(microbatch_counts: Sequence[int]) -> tuple[int, ...]:
+    counts = tuple(sorted({check_int("num_microbatches", c, 1) for c in microbatch_counts}))
+    if not counts:
+        raise ValueError("microbatch_counts is empty; give every count the run steps with")
+    return counts
+
+
+def _given_plan_count(given: Plan, counts: tuple[int, ...]) -> None:
+    """A given plan runs its own microbatch count, and only it."""
+    if counts == (given.num_microbatches,):
+        return
+    if len(counts) == 1:
+        (count,) = counts
+        raise ValueError(
+            f"the plan covers {given.num_microbatches} microbatches, but this step runs "
+            f"{count}; give a plan for {count} or change num_microbatches"
+        )
+    raise ValueError(
+        f"the plan covers {given.num_microbatches} microbatches, but the run steps with "
+        f"{', '.join(map(str, counts))}; a plan runs one microbatch count"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """The sizes and options every plan of one resolution shares."""
+
+    pp_size: int
+    vp_size: int
+    counts: tuple[int, ...]
+    group: int | None
+    placement: Placement | str | None
+    include_forward_only: bool
+
+    def named(self, name: str, placement: Placement | str | None) -> dict[tuple[int, bool], Plan]:
+        """Every plan of the schedule called `name` on `placement`."""
+        spec = schedule_spec(name)
+        kinds = (False, True) if self.include_forward_only else (False,)
+        return {
+            (count, fo): spec.plan(
+                pp_size=self.pp_size,
+                num_microbatches=count,
+                vp_size=self.vp_size,
+                microbatch_group_size_per_vp_stage=self.group,
+                forward_only=fo,
+                placement=placement,
+            )
+            for count in self.counts
+            for fo in kinds
+        }
+
+    def given(self, given: Plan) -> dict[tuple[int, bool], Plan]:
+        """A given plan (and its forward steps); a forward-only plan has only those."""
+        check_plan_fits(given, self.pp_size, self.vp_size, self.placement)
+        _given_plan_count(given, self.counts)
+        (count,) = self.counts
+        plans = {} if given.forward_only else {(count, False): given}
+        if self.include_forward_only or given.forward_only:
+            plans[(count, True)] = given.without_backward()
+        return plans
+
+    def auto(self, choose: _AutoOptions) -> tuple[Choice, dict[tuple[int, bool], Plan]]:
+        """Auto's choice among the candidates that run every count, and its plans."""
+        where = _placement_name(self.placement)
+        runnable: dict[str, dict[tuple[int, bool], Plan]] = {}
+        for name, on in schedules_for(self.vp_size):
+            if (where is None or on == where) and (choose.names is None or name in choose.names):
+                try:
+                    runnable[name] = self.named(name, on)
+                except ValueError:
+                    continue
+        choice = choose_schedule(
+            pp_size=self.pp_size, num_microbatches=self.counts[-1], vp_size=self.vp_size,
+            costs=choose.costs, memory_limit=choose.memory_limit, placement=where,
+            names=list(runnable),
+        )  # fmt: skip
+        return choice, runnable[choice.chosen.name]
+
+
+@dataclasses.dataclass(frozen=True)
+class _AutoOptions:
+    costs: Costs | StageCosts | None
+    memory_limit: float | None
+    names: Sequence[str] | None
+
+
+def _plans(
+    schedule: str | Plan | None, request: _Request, auto: _AutoOptions
+) -> tuple[str | None, Choice | None, Plan | None, dict[tuple[int, bool], Plan]]:
+    """The schedule's name, auto's choice, the given plan, and every plan to validate."""
+    if isinstance(schedule, str) and any(c.isspace() for c in schedule.strip()):
+        schedule = as_plan(schedule)
+    if isinstance(schedule, Plan):
+        return None, None, schedule, request.given(schedule)
+    if schedule == "auto":
+        choice, plans = request.auto(auto)
+        return choice.chosen.name, choice, None, plans
+    name = schedule or default_schedule(request.pp_size, request.vp_size, request.placement)
+    return name, None, None, request.named(name, request.placement)
+
+
+def _validated(
+    plans: Mapping[tuple[int, bool], Plan], prefetch: int, transport: str
+) -> dict[tuple[int, bool], PlanReport]:
+    """Each plan validated (receives moved `prefetch` early), and checked for NCCL's limits."""
+    reports = {key: _validated_one(p, key, prefetch) for key, p in plans.items()}
+    if transport == "nccl":
+        for key, report in reports.items():
+            check_nccl_links(report, plans[key].placement)
+    return reports
+
+
+def _validated_one(plan: Plan, key: tuple[int, bool], prefetch: int) -> PlanReport:
+    """`plan` validated with its receives moved `prefetch` early.
+
+    A plan refused so is validated once more as written, so that the error describes the
+    steps the user wrote (or the generator made), not the moved receives.
+    """
+    count, forward_only = key
+    try:
+        return validate(plan, num_microbatches=count, forward_only=forward_only, prefetch=prefetch)
+    except PlanError:
+        if prefetch == 0:
+            raise
+        validate(plan, num_microbatches=count, forward_only=forward_only)
+        raise
+
+
+def resolve_schedule(
+    schedule: str | Plan | None = None,
+    *,
+    pp_size: int,
+    vp_size: int = 1,
+    microbatch_counts: Sequence[int],
+    include_forward_only: bool = True,
+    placement: Placement | str | None = None,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    transport: str = "gloo",
+    prefetch: int | None = None,
+    exchanges_shapes: bool = False,
+    costs: Costs | StageCosts | None = None,
+    memory_limit: float | None = None,
+    names: Sequence[str] | None = None,
+) -> ResolvedSchedule:
+    """Plan and validate a run's schedule once, for every microbatch count it steps with.
+
+    Args:
+        schedule: A schedule name, "auto", a `Plan` or its text; None: the registry's
+            default for the sizes (`default_schedule`).
+        pp_size: Pipeline ranks.
+        vp_size: Model chunks per rank.
+        microbatch_counts: Every number of microbatches a step runs (a given plan: its own).
+        include_forward_only: Resolve each count's forward-only plan too (evaluation).
+        placement: "looped", "v" or a `Placement`; by default the schedule's own.
+        microbatch_group_size_per_vp_stage: Interleaving group size (interleaved_1f1b).
+        transport: "gloo" or "nccl"; NCCL refuses placements it cannot run yet.
+        prefetch: Post receives this many exchanges early; `default_prefetch` by default.
+        exchanges_shapes: Whether transfers carry shape headers (no prefetch then).
+        costs: For "auto": the costs to simulate with.
+        memory_limit: For "auto": the most activations a rank may hold (stage-sized units).
+        names: For "auto": consider only these schedules.
+
+    Returns:
+        The resolved schedule; `ResolvedSchedule.report` gives each count's validated plan.
+
+    Raises:
+        ValueError: An unknown schedule or transport, a configuration a schedule refuses, no
+            auto candidate for every count, a given plan of other sizes or count, a refused
+            prefetch, or (NCCL) a placement it cannot run.
+        PlanError: A plan is invalid (the message draws the grid).
+    """
+    check_int("pp_size", pp_size, 1)
+    check_int("vp_size", vp_size, 1)
+    counts = _checked_counts(microbatch_counts)
+    early = default_prefetch(transport, exchanges_shapes)  # checks the transport
+    early = early if prefetch is None else check_prefetch(prefetch, exchanges_shapes)
+    request = _Request(
+        pp_size, vp_size, counts, microbatch_group_size_per_vp_stage, placement,
+        include_forward_only,
+    )  # fmt: skip
+    name, choice, given, plans = _plans(schedule, request, _AutoOptions(costs, memory_limit, names))
+    where = next(iter(plans.values())).placement
+    reports = _validated(plans, early, transport)
+    return ResolvedSchedule(
+        name=name, placement=where, pp_size=pp_size, vp_size=vp_size, transport=transport,
+        prefetch=early, microbatch_counts=counts, choice=choice, plan=given, reports=reports,
+    )  # fmt: skip
