@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pp_schedules.actions import CATEGORIES, Action
-from pp_schedules.validation import PlanReport, _Links
+from pp_schedules.validation import Links, PlanReport
 
 __all__ = [
     "Costs",
@@ -304,7 +304,7 @@ class _Simulator:
 
     def __init__(self, report: PlanReport, costs: Costs | StageCosts) -> None:
         self.steps = report.steps
-        self.links = _Links(report.steps)
+        self.links = Links(report.steps)
         self.costs = costs
         self.placement = report.placement
         pp_size = len(self.steps)

@@ -155,8 +155,11 @@ _Key = tuple[str, int, int, int]
 _Link = tuple[int, int, str]  # (sender, receiver, channel)
 
 
-class _Links:
-    """Every transfer of a lowered plan, queued per link in posting order."""
+class Links:
+    """Every transfer of a lowered plan, queued per link in posting order.
+
+    Shared by the validator and the simulator inside the package; not part of its API.
+    """
 
     def __init__(self, steps: Sequence[Sequence[Step]]) -> None:
         self.steps = steps
@@ -241,7 +244,7 @@ def _consumers(steps: Sequence[Sequence[Step]]) -> dict[tuple[int, int], list[tu
 
 def _run(steps: Sequence[Sequence[Step]]) -> None:
     """Execute the plan under the executor's rules; raise PlanError on deadlock or mismatch."""
-    links = _Links(steps)
+    links = Links(steps)
     links.check_pairs()
     cursor = [0] * len(steps)
     progressed = True
@@ -418,7 +421,7 @@ def sends_delivered(steps: Sequence[Sequence[Step]]) -> list[dict[int, list[int]
         ``result[rank][i]``: the exchange steps of `rank` whose every send is known to have
         arrived once step `i`'s receives are in; exchanges never listed complete at the end.
     """
-    links = _Links(steps)
+    links = Links(steps)
     result: list[dict[int, list[int]]] = []
     for rank, rank_steps in enumerate(steps):
         # For each peer: (this rank's step, the peer's step at which it posted what arrived).
@@ -444,7 +447,7 @@ def sends_delivered(steps: Sequence[Sequence[Step]]) -> list[dict[int, list[int]
 
 
 def _known_at(
-    links: _Links,
+    links: Links,
     where: tuple[int, int, int],
     message: Message,
     arrivals: Sequence[tuple[int, int]],
