@@ -14,7 +14,7 @@ import torch.distributed as dist
 from pp_optim import DistributedDataParallel
 from pp_state import CollectiveError, ParallelConfig, ParallelState, at_iteration
 from pp_testing import DistributedTestError, run_distributed
-from pp_train.training import _any_rank
+from pp_train.exits import any_rank as _any_rank
 
 pytestmark = pytest.mark.reliability
 

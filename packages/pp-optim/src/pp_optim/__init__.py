@@ -28,6 +28,7 @@ from pp_optim.grad_norm import (
     param_is_not_tensor_parallel_duplicate,
 )
 from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
+from pp_optim.lr_flags import LRScheduleArgs
 from pp_optim.lr_schedule import (
     HasParamGroups,
     LRDecayStyle,
@@ -63,6 +64,7 @@ __all__ = [
     "GradSyncError",
     "HasParamGroups",
     "LRDecayStyle",
+    "LRScheduleArgs",
     "LRScheduleConfig",
     "MegatronOptimizer",
     "NonFiniteGradError",

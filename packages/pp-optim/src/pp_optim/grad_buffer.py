@@ -49,7 +49,9 @@ class GradSyncError(CollectiveError):
 class DDPConfig:
     """How gradients are accumulated and reduced over data parallelism."""
 
-    grad_reduce_in_fp32: bool = True
+    grad_reduce_in_fp32: bool = dataclasses.field(
+        default=True, metadata={"flag": "--accumulate-allreduce-grads-in-fp32"}
+    )
     """Accumulate and all-reduce gradients in fp32 whatever the parameters' dtype; False keeps
     each parameter's own dtype (half the memory and traffic for fp16/bf16)."""
 
@@ -57,7 +59,9 @@ class DDPConfig:
     """Start a bucket's all-reduce from backward as soon as all its gradients are final (in the
     last microbatch, outside `DistributedDataParallel.no_sync`)."""
 
-    bucket_size: int | None = None
+    bucket_size: int | None = dataclasses.field(
+        default=None, metadata={"flag": "--ddp-bucket-size"}
+    )
     """Elements per bucket. None: Megatron's ``max(40M, 1M * dp)`` when overlapping, one
     bucket per dtype otherwise."""
 

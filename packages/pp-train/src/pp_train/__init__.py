@@ -20,13 +20,14 @@ from pp_train.arguments import (
     add_pretrain_flags,
     pretrain_config_from_args,
 )
-from pp_train.checkpoint import load_checkpoint, save_checkpoint
-from pp_train.checkpointing import (
+from pp_train.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
     checkpoint_path,
     get_rng_state,
+    load_checkpoint,
     read_tracker,
+    save_checkpoint,
     set_rng_state,
 )
 from pp_train.data import (

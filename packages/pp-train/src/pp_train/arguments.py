@@ -1,8 +1,11 @@
 """A training run's configuration as data: Megatron's flags, one frozen dataclass per group.
 
-The optimizer's group is pp-optim's own `OptimizerConfig` and the data's is
-`pp_train.data.DataConfig` (their fields are Megatron's flag names), so each setting is
-declared once, where it is used.
+The optimizer's group is pp-optim's own `OptimizerConfig`, the gradient buffer's pp-optim's
+`DDPConfig`, the learning-rate schedule's pp-optim's `LRScheduleArgs` (Megatron's flags in
+iterations, which turn into the scheduler's samples) and the data's
+`pp_train.data.DataConfig`. Their fields are Megatron's flag names, or carry the flag in their
+metadata, so each setting and its default is declared once, where it is used, and the object
+is handed on as it is.
 
 Each field is one flag of the same name (`pp_train.flags` makes the parser from these
 classes), with its default and the docstring under it as help. Each class checks its own
@@ -19,7 +22,7 @@ import math
 import os
 from typing import Literal, get_type_hints
 
-from pp_optim import LRDecayStyle, OptimizerConfig, WSDDecayStyle
+from pp_optim import DDPConfig, LRScheduleArgs, OptimizerConfig
 from pp_train.data.config import DataConfig
 from pp_train.flags import add_config_flags, config_from_args
 from pp_train.reporting import TimingLogOption
@@ -141,9 +144,6 @@ class ParallelArgs:
     distributed_timeout_minutes: float = 10.0
     """How long any collective or transfer may wait before it fails."""
 
-    overlap_grad_reduce: bool = False
-    """All-reduce gradient buckets during backward."""
-
     def __post_init__(self) -> None:
         """Checks sizes and the timeout; a schedule name and a plan file exclude each other."""
         _check_at_least(
@@ -235,53 +235,6 @@ class TrainingArgs:
         _check_at_least(self, (*names, "exit_interval"))
         _check_at_least(self, ("eval_iters", "seed"), minimum=0)
         _check_positive_real(self, ("exit_duration_in_mins",))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LRScheduleArgs:
-    """Learning-rate schedule (the peak rate is the optimizer's --lr)."""
-
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay."""
-
-    lr_decay_style: LRDecayStyle = "linear"
-    """Shape of the decay."""
-
-    lr_warmup_iters: int = 0
-    """Iterations of linear warm-up."""
-
-    lr_decay_iters: int | None = None
-    """Iterations of decay (None: --train-iters)."""
-
-    lr_wsd_decay_iters: int | None = None
-    """Iterations of the final anneal of a WSD schedule."""
-
-    lr_wsd_decay_style: WSDDecayStyle = "exponential"
-    """Shape of the WSD anneal."""
-
-    use_checkpoint_opt_param_scheduler: bool = dataclasses.field(
-        default=False, metadata={"flag": "--use-checkpoint-opt_param-scheduler"}
-    )
-    """On resume, take the learning-rate schedule from the checkpoint."""
-
-    override_opt_param_scheduler: bool = dataclasses.field(
-        default=False, metadata={"flag": "--override-opt_param-scheduler"}
-    )
-    """On resume, take the learning-rate schedule from these flags."""
-
-    def __post_init__(self) -> None:
-        """Checks lengths and the choices that exclude each other."""
-        _check_at_least(self, ("lr_decay_iters", "lr_wsd_decay_iters"))
-        _check_at_least(self, ("lr_warmup_iters",), minimum=0)
-        if not self.min_lr >= 0.0:
-            raise ValueError(f"--min-lr must be 0 or more, got {self.min_lr}")
-        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
-            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
-        if self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler:
-            raise ValueError(
-                "use at most one of --use-checkpoint-opt_param-scheduler and "
-                "--override-opt_param-scheduler"
-            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -413,6 +366,7 @@ class PretrainConfig:
     model: ModelArgs = dataclasses.field(default_factory=ModelArgs)
     training: TrainingArgs = dataclasses.field(default_factory=TrainingArgs)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    ddp: DDPConfig = dataclasses.field(default_factory=DDPConfig)
     lr_schedule: LRScheduleArgs = dataclasses.field(default_factory=LRScheduleArgs)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointArgs = dataclasses.field(default_factory=CheckpointArgs)
@@ -455,13 +409,14 @@ class PretrainConfig:
     @property
     def lr_decay_iters(self) -> int:
         """The decay length in iterations (--lr-decay-iters, default --train-iters)."""
-        return self.lr_schedule.lr_decay_iters or self.training.train_iters
+        return self.lr_schedule.decay_iters(self.training.train_iters)
 
 
 def add_pretrain_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds every group's flags to `parser` (one ``--help`` group each); returns it."""
     hints = get_type_hints(PretrainConfig)
-    add_config_flags(parser, [hints[field.name] for field in dataclasses.fields(PretrainConfig)])
+    classes = [hints[field.name] for field in dataclasses.fields(PretrainConfig)]
+    add_config_flags(parser, classes)
     return parser
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from pp_schedules import Costs, LayerBalance, balance_layers
 from pp_state import LayerLayoutError, PipelineLayerLayout
+from pp_state.numbers import divisors
 from pp_train.arguments import ParallelArgs
 
 __all__ = ["LayerSplit", "layer_split", "rebalanced"]
@@ -235,14 +236,10 @@ def _even(parallel: ParallelArgs, num_layers: int) -> tuple[int, ...]:
     if per_stage % per_chunk:
         raise ValueError(
             f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
-            f"{per_stage} layers of each pipeline stage; use one of {_divisors(per_stage)}"
+            f"{per_stage} layers of each pipeline stage; use one of {divisors(per_stage)}"
         )
     if pp == 1:
         raise ValueError(
             "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size 2 or more"
         )
     return PipelineLayerLayout.even(num_layers, pp, per_stage // per_chunk).counts
-
-
-def _divisors(number: int) -> list[int]:
-    return [d for d in range(1, number + 1) if number % d == 0]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+from pp_state.numbers import is_int
+
 __all__ = [
     "ConstantNumMicroBatchesCalculator",
     "NumMicroBatchesCalculator",
@@ -21,10 +23,19 @@ __all__ = [
 ]
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    # bool subclasses int, but True as a batch size is always a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
+def check_at_least(name: str, value: object, *, minimum: int) -> int:
+    """`value`, checked to be an int (not a bool) of at least `minimum`.
+
+    Not `pp_state.numbers.check_int`: Megatron's batch-size messages read "NAME must be >=
+    MINIMUM", and the tests pin that wording.
+
+    Raises:
+        TypeError: `value` is not an int.
+        ValueError: `value` is below `minimum`.
+    """
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    assert isinstance(value, int)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -64,8 +75,10 @@ class NumMicroBatchesCalculator(abc.ABC):
             TypeError: A size is not an int.
             ValueError: A size is below 1.
         """
-        self._micro_batch_size = _check_int("micro batch size", micro_batch_size, minimum=1)
-        self._data_parallel_size = _check_int("data-parallel size", data_parallel_size, minimum=1)
+        self._micro_batch_size = check_at_least("micro batch size", micro_batch_size, minimum=1)
+        self._data_parallel_size = check_at_least(
+            "data-parallel size", data_parallel_size, minimum=1
+        )
         self._num_micro_batches = 0
         self._current_global_batch_size = 0
 
@@ -132,7 +145,7 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
                 ``micro_batch_size * data_parallel_size``.
         """
         super().__init__(micro_batch_size, data_parallel_size)
-        _check_int("global batch size", global_batch_size, minimum=1)
+        check_at_least("global batch size", global_batch_size, minimum=1)
         unit = self._samples_per_microbatch_round
         if global_batch_size % unit:
             raise ValueError(
@@ -193,10 +206,10 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
                 of `batch_size_increment`.
         """
         super().__init__(micro_batch_size, data_parallel_size)
-        self._global_batch_size = _check_int("global batch size", global_batch_size, minimum=1)
-        self._start = _check_int("start global batch size", start_global_batch_size, minimum=1)
-        self._increment = _check_int("batch size increment", batch_size_increment, minimum=1)
-        self._ramp_samples = _check_int("ramp-up samples", ramup_samples, minimum=0)
+        self._global_batch_size = check_at_least("global batch size", global_batch_size, minimum=1)
+        self._start = check_at_least("start global batch size", start_global_batch_size, minimum=1)
+        self._increment = check_at_least("batch size increment", batch_size_increment, minimum=1)
+        self._ramp_samples = check_at_least("ramp-up samples", ramup_samples, minimum=0)
         self._check_ramp()
         num_increments = (self._global_batch_size - self._start) // self._increment
         # Zero increments means no ramp at all: `update` then never divides by this.
@@ -249,7 +262,7 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             TypeError: `consumed_samples` is not an int.
             ValueError: `consumed_samples` is negative, or the consistency check fails.
         """
-        _check_int("consumed samples", consumed_samples, minimum=0)
+        check_at_least("consumed samples", consumed_samples, minimum=0)
         current = self._global_batch_size_at(consumed_samples)
         unit = self._samples_per_microbatch_round
         if consistency_check and current % unit:

@@ -25,13 +25,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pp_optim import DDPConfig, LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
-from pp_schedules import Choice, Costs
+from pp_optim import LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
+from pp_schedules import Choice, Costs, resolve_schedule
 from pp_state import ParallelConfig, ParallelState
 from pp_train.arguments import PretrainConfig
-from pp_train.checkpoint import detect_format, save_checkpoint
-from pp_train.checkpoint.torch_dist import iteration_directory
-from pp_train.checkpointing import TRACKER_FILENAME, CheckpointError, LoadedCheckpoint
+from pp_train.checkpoint import (
+    TRACKER_FILENAME,
+    CheckpointError,
+    LoadedCheckpoint,
+    detect_format,
+    save_checkpoint,
+)
+from pp_train.checkpoint.tracker import iteration_directory
 from pp_train.data import SampleDataset, microbatches
 from pp_train.layer_split import rebalanced
 from pp_train.reporting import Timers, TrainingLogger, memory_report
@@ -52,6 +57,7 @@ from pp_train.world import RunLayout, check_world, microbatch_calculator
 
 __all__ = [
     "DatasetsProvider",
+    "default_transport",
     "lr_schedule_config",
     "pretrain",
     "train_valid_test_num_samples",
@@ -93,10 +99,12 @@ def pretrain(
     measure_layout: LayoutMeasure | None = None,
     model_name: str = "model",
     layer_counts: Sequence[int] | None = None,
+    layout: RunLayout | None = None,
 ) -> ExitReason:
     """Trains a model as `config` says, on the processes torchrun started (or this one).
 
-    Checks `config` against the world first (`check_world`); then starts the process group
+    Checks `config` against the world first (`check_world`, unless the caller already did and
+    passes its `layout`); then starts the process group
     unless one is running (torchrun's environment; one process without it), builds the
     parallel state, the chunks, optimizer and scheduler (restored from ``--load``), the
     datasets and their microbatch streams, runs `train`, and evaluates at the end. The rank
@@ -117,6 +125,9 @@ def pretrain(
             configured: balances again with measured costs before the model is built.
         model_name: Names the model in the first line printed.
         layer_counts: Transformer layers of each virtual stage (see `check_world`).
+        layout: `check_world`'s result for this `config` and world, when the caller has it
+            (the command checks its flags before calling): the configuration is not checked,
+            nor the schedule resolved, a second time.
 
     Returns:
         Why training stopped (see `train`).
@@ -125,13 +136,16 @@ def pretrain(
         ValueError: The configuration does not fit the world (nothing was started).
         CheckpointError: ``--load`` holds a checkpoint this run cannot load.
     """
-    layout = check_world(config, _world_size(), layer_counts=layer_counts)
+    if layout is None:
+        layout = check_world(
+            config, _world_size(), layer_counts=layer_counts, transport=default_transport()
+        )
     with _process_group(config) as device:
         state = _parallel_state(config, layout)
         try:
             layout = _measured_layout(layout, config, measure_layout)
             if measured := layout.schedule_choice is not None and measure_schedule is not None:
-                layout = _measured(layout, config, measure_schedule)
+                layout = _measured(layout, measure_schedule)
             run = _Run(config, layout, state, device, model_name, measured)
             model = _with_context(model_provider, state, layout)
             extra = checkpoint_args or {}
@@ -161,6 +175,23 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def default_transport() -> str:
+    """The transport the run's plans are validated for: gloo or NCCL.
+
+    The running group's backend, else NCCL when every local rank has a GPU (as
+    `_process_group` decides), gloo otherwise.
+    """
+    if dist.is_initialized():
+        return "nccl" if dist.get_backend() == "nccl" else "gloo"
+    return "nccl" if _local_gpus() else "gloo"
+
+
+def _local_gpus() -> bool:
+    """Whether every process torchrun starts on this machine gets a GPU of its own."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+
+
 def _progress_line(text: str) -> None:
     """Rank 0 says what it is doing while the ranks start (before any log line)."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -186,7 +217,7 @@ def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
             {} if "RANK" in os.environ
             else {"init_method": f"file://{scratch}/rendezvous", "rank": 0, "world_size": 1}
         )  # fmt: skip
-        if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+        if _local_gpus():
             torch.cuda.set_device(local_rank)
             dist.init_process_group("nccl", timeout=timeout, **single)
             device = torch.device("cuda", local_rank)
@@ -214,12 +245,20 @@ def _measured_layout(
     return dataclasses.replace(layout, layer_split=split)
 
 
-def _measured(layout: RunLayout, config: PretrainConfig, measure: ScheduleMeasure) -> RunLayout:
-    assert layout.schedule_choice is not None
-    pp = config.parallel.pipeline_model_parallel_size
-    sizes = (pp, max(layout.microbatch_counts), layout.virtual_pipeline_model_parallel_size or 1)
-    choice = measure(layout.schedule_choice, sizes)
-    return dataclasses.replace(layout, schedule=choice.chosen.name, schedule_choice=choice)
+def _measured(layout: RunLayout, measure: ScheduleMeasure) -> RunLayout:
+    """``auto`` chosen once more, with measured costs; the pick resolved for every count."""
+    resolved = layout.resolved
+    assert resolved.choice is not None
+    sizes = (resolved.pp_size, max(layout.microbatch_counts), resolved.vp_size)
+    choice = measure(resolved.choice, sizes)
+    if choice.chosen.name != resolved.name:
+        resolved = resolve_schedule(
+            choice.chosen.name, pp_size=resolved.pp_size, vp_size=resolved.vp_size,
+            microbatch_counts=resolved.microbatch_counts,
+            include_forward_only=resolved.include_forward_only,
+            transport=resolved.transport, prefetch=resolved.prefetch,
+        )  # fmt: skip
+    return dataclasses.replace(layout, resolved=dataclasses.replace(resolved, choice=choice))
 
 
 def _with_context(
@@ -251,20 +290,11 @@ def _with_context(
 
 def lr_schedule_config(config: PretrainConfig) -> LRScheduleConfig:
     """The learning-rate schedule in samples, as Megatron's steps it: iterations x global batch."""
-    schedule, gbs = config.lr_schedule, config.training.global_batch_size
-    wsd = schedule.lr_wsd_decay_iters
-    return LRScheduleConfig(
+    return config.lr_schedule.in_samples(
         max_lr=config.optimizer.lr,
-        min_lr=schedule.min_lr,
-        lr_warmup_steps=schedule.lr_warmup_iters * gbs,
-        lr_decay_steps=config.lr_decay_iters * gbs,
-        lr_decay_style=schedule.lr_decay_style,
-        wsd_decay_steps=None if wsd is None else wsd * gbs,
-        lr_wsd_decay_style=schedule.lr_wsd_decay_style,
-        start_wd=config.optimizer.weight_decay,
-        end_wd=config.optimizer.weight_decay,
-        use_checkpoint_opt_param_scheduler=schedule.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=schedule.override_opt_param_scheduler,
+        weight_decay=config.optimizer.weight_decay,
+        global_batch_size=config.training.global_batch_size,
+        train_iters=config.training.train_iters,
     )
 
 
@@ -351,8 +381,7 @@ class _Run:
         timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
         forward_backward = build_forward_backward_func(
             state, model, optimizer, hidden_size=config.model.hidden_size, device=self.device,
-            timers=timers, schedule=layout.schedule, plan=layout.plan,
-            placement=layout.placement,
+            timers=timers, resolved=layout.resolved,
         )  # fmt: skip
         calculator = microbatch_calculator(config, state.group_size("dp_cp"))
         logger, writer = self._logger()
@@ -366,7 +395,7 @@ class _Run:
                 state=state, config=training_config(config),
                 forward_backward_func=forward_backward, calculator=calculator,
                 progress=progress, logger=logger, timers=timers,
-                checkpoint_args=saved_args, print_fn=self.say,
+                checkpoint_args=saved_args, print_fn=self.say, placement=layout.placement,
             )  # fmt: skip
             if reason == "train_iters" and config.training.eval_iters > 0 and valid_ds is not None:
                 valid = self._streams(valid_ds, progress.consumed_valid_samples)
@@ -393,7 +422,7 @@ class _Run:
             self.state,
             optimizer_config=config.optimizer,
             lr_schedule=lr_schedule_config(config),
-            ddp_config=DDPConfig(overlap_grad_reduce=config.parallel.overlap_grad_reduce),
+            ddp_config=config.ddp,
             device=self.device,
             load=config.checkpoint.load,
             checkpoint_args=saved_args,
@@ -570,6 +599,7 @@ class _Run:
             num_microbatches=num_microbatches,
             micro_batch_size=config.training.micro_batch_size,
             seq_length=config.model.seq_length,
+            placement=self.layout.placement,
         )
         for key, value in losses.items():
             self.say(f"validation at the end of training | {key}: {value:.6E}")

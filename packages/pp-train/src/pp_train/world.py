@@ -1,9 +1,11 @@
 """What a `PretrainConfig` means on a world of N processes, checked before any group starts.
 
 `check_world` derives the data-parallel and virtual pipeline sizes, the microbatch counts
-(several while the batch ramps up), the schedule (``auto`` chosen by simulation) or the plan
-of ``--pipeline-schedule-file`` (validated), and refuses what cannot run, with the flags and
-the numbers that would work.
+(several while the batch ramps up) and the split of layers, and resolves the schedule once:
+a name, ``auto`` (chosen by simulation) or the plan of ``--pipeline-schedule-file``, planned
+and validated for every microbatch count with pp-schedules' `resolve_schedule`. It refuses
+what cannot run, with the flags and the numbers that would work. `pretrain` takes its result
+instead of checking again.
 """
 
 from __future__ import annotations
@@ -14,29 +16,28 @@ from collections.abc import Sequence
 from pp_schedules import (
     Choice,
     Plan,
-    candidates_for,
+    ResolvedSchedule,
     check_trace_path,
-    choose_schedule,
     parse_schedule,
-    plan,
-    validate,
+    resolve_schedule,
 )
 from pp_state import PipelineLayerLayout, Placement
+from pp_state.numbers import divisors
 from pp_train.arguments import PretrainConfig
 from pp_train.data import check_data
+from pp_train.embeddings import tied_embedding_sync
 from pp_train.layer_split import LayerSplit, layer_split
 from pp_train.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
-from pp_train.training import tied_embedding_sync
 
 __all__ = ["RunLayout", "check_world", "microbatch_calculator"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RunLayout:
-    """The sizes and the schedule a configuration runs with on its world."""
+    """The sizes, the split of layers and the resolved schedule a configuration runs with."""
 
     world_size: int
     data_parallel_size: int
@@ -44,14 +45,26 @@ class RunLayout:
     """None without virtual stages (Megatron's convention)."""
     microbatch_counts: tuple[int, ...]
     """Every number of microbatches a step runs, smallest first."""
-    schedule: str | None
-    """The named schedule (``auto`` resolved); None: Megatron's default for the sizes."""
-    plan: Plan | None
-    """The plan of ``--pipeline-schedule-file``, validated."""
-    schedule_choice: Choice | None
-    """With ``--pipeline-schedule auto``: the choice and its table."""
+    resolved: ResolvedSchedule
+    """The schedule, planned and validated for every microbatch count (and, with evaluation,
+    forward only): the one place the run's plans, placement and ``auto`` choice live."""
     layer_split: LayerSplit
     """Transformer layers of each virtual stage, and where that split came from."""
+
+    @property
+    def schedule(self) -> str | None:
+        """The schedule's name (``auto`` resolved); None for a ``--pipeline-schedule-file`` plan."""
+        return self.resolved.name
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of ``--pipeline-schedule-file``, validated; None for a named schedule."""
+        return self.resolved.plan
+
+    @property
+    def schedule_choice(self) -> Choice | None:
+        """With ``--pipeline-schedule auto``: the choice and its table."""
+        return self.resolved.choice
 
     @property
     def layer_counts(self) -> tuple[int, ...]:
@@ -60,12 +73,8 @@ class RunLayout:
 
     @property
     def placement(self) -> Placement:
-        """Which stage each chunk holds: the plan's, V for zbv, else Megatron's looped."""
-        if self.plan is not None:
-            return self.plan.placement
-        pp = self.world_size // self.data_parallel_size
-        vp = self.virtual_pipeline_model_parallel_size or 1
-        return Placement.named("v" if self.schedule == "zbv" else "looped", pp, vp)
+        """Which stage each chunk holds: the resolved schedule's."""
+        return self.resolved.placement
 
     @property
     def layer_layout(self) -> PipelineLayerLayout:
@@ -76,12 +85,12 @@ class RunLayout:
         )
 
 
-def _divisors(number: int) -> list[int]:
-    return [d for d in range(1, number + 1) if number % d == 0]
-
-
 def check_world(
-    config: PretrainConfig, world_size: int, *, layer_counts: Sequence[int] | None = None
+    config: PretrainConfig,
+    world_size: int,
+    *,
+    layer_counts: Sequence[int] | None = None,
+    transport: str = "gloo",
 ) -> RunLayout:
     """The run's layout on `world_size` processes; with ``--data-path``, the data checked too.
 
@@ -92,6 +101,7 @@ def check_world(
             stages; the first or last may hold none). Their number over the pipeline size is
             the virtual size. None: the even split of ``--num-layers`` (with
             ``--num-layers-per-virtual-pipeline-stage``).
+        transport: "gloo" or "nccl": whose matching rules the plans are validated under.
 
     Raises:
         ValueError: The sizes do not fit the world, the batches do not divide, the schedule
@@ -107,16 +117,10 @@ def check_world(
     )  # fmt: skip
     chunks = len(split.counts) // config.parallel.pipeline_model_parallel_size
     vp = chunks if chunks > 1 else None
-    schedule: str | None = config.parallel.pipeline_schedule
-    choice, read = None, None
     if config.parallel.pipeline_schedule_file is not None:
-        read = _read_plan(config, dp, vp)
+        resolved = _resolve_plan(config, dp, vp, transport)
     else:
-        pp = config.parallel.pipeline_model_parallel_size
-        if schedule == "auto":
-            choice = _choose(pp, vp or 1, counts)
-            schedule = choice.chosen.name
-        _check_named_schedule(schedule, pp, vp or 1, counts)
+        resolved = _resolve_named(config, vp or 1, counts, transport)
     if config.logging.profile_schedule is not None:
         try:
             check_trace_path(config.logging.profile_schedule)
@@ -129,7 +133,7 @@ def check_world(
             seed=config.training.seed,
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
-    return RunLayout(world_size, dp, vp, tuple(counts), schedule, read, choice, split)
+    return RunLayout(world_size, dp, vp, tuple(counts), resolved, split)
 
 
 def _check_world_size(config: PretrainConfig, world: int) -> int:
@@ -138,7 +142,7 @@ def _check_world_size(config: PretrainConfig, world: int) -> int:
     if world % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the {world} processes; "
-            f"use one of {_divisors(world)}"
+            f"use one of {divisors(world)}"
         )
     return world // pp
 
@@ -199,49 +203,37 @@ def _microbatch_counts(config: PretrainConfig, dp: int) -> list[int]:
     return sorted(size // unit for size in sizes)
 
 
-def _check_named_schedule(name: str | None, pp: int, vp: int, counts: list[int]) -> None:
-    chosen = name or ("interleaved_1f1b" if vp > 1 else "1f1b" if pp > 1 else "no_pipelining")
-    for count in counts:
-        try:
-            plan(chosen, pp_size=pp, num_microbatches=count, vp_size=vp)
-        except ValueError as error:
-            if name is None:
-                raise ValueError(
-                    f"interleaved schedule with {vp} chunks per stage: {error}"
-                ) from error
-            hint = (
-                "; virtual stages come from --num-layers-per-virtual-pipeline-stage"
-                if name == "interleaved_1f1b" and vp == 1
-                else ""
-            )
-            raise ValueError(
-                f"--pipeline-schedule {name} with {vp} chunk(s) per rank: {error}{hint}"
-            ) from error
+def _resolve_named(
+    config: PretrainConfig, vp: int, counts: list[int], transport: str
+) -> ResolvedSchedule:
+    """``--pipeline-schedule`` (Megatron's default when unset, ``auto`` chosen) for every count.
 
-
-def _choose(pp: int, vp: int, counts: list[int]) -> Choice:
-    """--pipeline-schedule auto: the shortest simulated schedule that fits.
-
-    Costs F:I:W = 1:1:1; the schedule must run every microbatch count of the run and hold no
-    more activations than 1F1B's first rank.
+    ``auto`` simulates costs F:I:W = 1:1:1 and takes the shortest schedule that runs every
+    microbatch count and holds no more activations than 1F1B's first rank.
     """
-    if pp < 2:
+    pp, name = config.parallel.pipeline_model_parallel_size, config.parallel.pipeline_schedule
+    if name == "auto" and pp < 2:
         raise ValueError("--pipeline-schedule auto needs --pipeline-model-parallel-size 2 or more")
-    runnable = []
-    for name, _ in candidates_for(vp):
-        try:
-            for count in counts:
-                plan(name, pp_size=pp, num_microbatches=count, vp_size=vp)
-        except ValueError:
-            continue
-        runnable.append(name)
+    limit = float(min(pp, max(counts))) if name == "auto" else None
     try:
-        return choose_schedule(
-            pp_size=pp, num_microbatches=max(counts), vp_size=vp,
-            memory_limit=float(min(pp, max(counts))), names=runnable,
+        return resolve_schedule(
+            name, pp_size=pp, vp_size=vp, microbatch_counts=counts,
+            include_forward_only=config.training.eval_iters > 0, transport=transport,
+            memory_limit=limit,
         )  # fmt: skip
     except ValueError as error:
-        raise ValueError(f"--pipeline-schedule auto: {error}") from error
+        if name is None:
+            raise ValueError(f"interleaved schedule with {vp} chunks per stage: {error}") from error
+        if name == "auto":
+            raise ValueError(f"--pipeline-schedule auto: {error}") from error
+        hint = (
+            "; virtual stages come from --num-layers-per-virtual-pipeline-stage"
+            if name == "interleaved_1f1b" and vp == 1
+            else ""
+        )
+        raise ValueError(
+            f"--pipeline-schedule {name} with {vp} chunk(s) per rank: {error}{hint}"
+        ) from error
 
 
 def _read_text(flag: str, path: str) -> str:
@@ -255,8 +247,13 @@ def _read_text(flag: str, path: str) -> str:
         raise ValueError(f"{flag}: is not UTF-8 text") from error
 
 
-def _read_plan(config: PretrainConfig, dp: int, vp: int | None) -> Plan:
-    """The plan of --pipeline-schedule-file, checked against the run's sizes and validated."""
+def _resolve_plan(
+    config: PretrainConfig, dp: int, vp: int | None, transport: str
+) -> ResolvedSchedule:
+    """The plan of --pipeline-schedule-file: read once, checked against the run's sizes.
+
+    It is validated for its microbatch count (and forward only, with evaluation).
+    """
     path = config.parallel.pipeline_schedule_file
     assert path is not None
     flag = f"--pipeline-schedule-file {path}"
@@ -276,13 +273,15 @@ def _read_plan(config: PretrainConfig, dp: int, vp: int | None) -> Plan:
             f"{schedule.num_microbatches * unit}"
         )
     try:
-        validate(schedule, num_microbatches=count)
-        if config.training.eval_iters > 0:
-            validate(schedule.without_backward(), num_microbatches=count, forward_only=True)
+        resolved = resolve_schedule(
+            schedule, pp_size=schedule.pp_size, vp_size=schedule.vp_size,
+            microbatch_counts=[count], include_forward_only=config.training.eval_iters > 0,
+            transport=transport,
+        )  # fmt: skip
         tied_embedding_sync(schedule.placement)
     except ValueError as error:
         raise ValueError(f"{flag}: {error}") from error
-    return schedule
+    return resolved
 
 
 def _check_plan_sizes(config: PretrainConfig, flag: str, schedule: Plan, vp: int) -> None:

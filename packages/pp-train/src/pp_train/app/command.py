@@ -22,9 +22,9 @@ from pp_train.app.auto_schedule import choose_measured, layout_costs
 from pp_train.app.corpus import CorpusDataset, corpus_tokens, split_corpus
 from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_config_from_args
-from pp_train.checkpointing import CheckpointError
+from pp_train.checkpoint import CheckpointError
 from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test_datasets
-from pp_train.pretrain import pretrain
+from pp_train.pretrain import default_transport, pretrain
 from pp_train.training import NonFiniteError
 from pp_train.world import check_world
 from pp_train.wrappers import unwrap_model
@@ -64,10 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _divisors(number: int) -> list[int]:
-    return [d for d in range(1, number + 1) if number % d == 0]
-
-
 def validate_args(
     parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int
 ) -> argparse.Namespace:
@@ -75,17 +71,21 @@ def validate_args(
 
     Calls ``parser.error`` (exit status 2, usage and the message) naming the numbers and what
     would work. Sets ``config`` (the `PretrainConfig`) and ``layout`` (its `RunLayout` on the
-    world), and from it ``virtual_pipeline_model_parallel_size``, ``pipeline_plan`` (the plan
-    of ``--pipeline-schedule-file``, else None) and ``pipeline_schedule`` (``auto`` resolved).
+    world: the schedule resolved once, which `run` hands on to `pretrain`), and from it
+    ``virtual_pipeline_model_parallel_size``, ``pipeline_plan`` (the plan of
+    ``--pipeline-schedule-file``, else None) and ``pipeline_schedule`` (``auto`` resolved;
+    None when the flags leave it to Megatron's default).
     """
     try:
         args.config = pretrain_config_from_args(args)
-        args.layout = check_world(args.config, world_size)
+        args.layout = check_world(args.config, world_size, transport=default_transport())
     except ValueError as error:
         parser.error(str(error))
     args.virtual_pipeline_model_parallel_size = args.layout.virtual_pipeline_model_parallel_size
     args.pipeline_plan = args.layout.plan
-    args.pipeline_schedule = args.layout.schedule
+    # Megatron's convention: None when the flags leave the schedule to the default.
+    asked = args.config.parallel.pipeline_schedule
+    args.pipeline_schedule = None if asked is None else args.layout.schedule
     return args
 
 
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> str:
     return pretrain(
         datasets_provider, model_provider, gpt_forward_step, config=config,
         checkpoint_args={"vocab_size": gpt.vocab_size}, measure_schedule=measure,
-        measure_layout=measure_layout,
+        measure_layout=measure_layout, layout=args.layout,
         model_name=f"GPT with {gpt.num_layers} layers, hidden {gpt.hidden_size},",
     )  # fmt: skip
 

@@ -10,7 +10,8 @@ import importlib.resources
 
 import torch
 
-from pp_train.data import Microbatch, _check_int, _is_int
+from pp_state.numbers import check_int, is_int
+from pp_train.data import Microbatch
 
 __all__ = ["CorpusDataset", "corpus_tokens", "load_corpus", "split_corpus"]
 
@@ -95,8 +96,8 @@ class CorpusDataset:
                 negative, or there are fewer than ``seq_length + 1`` tokens.
         """
         self.tokens = _check_tokens(tokens)
-        _check_int("seq_length", seq_length, 1)
-        _check_int("seed", seed, 0)
+        check_int("seq_length", seq_length, 1)
+        check_int("seed", seed, 0)
         if tokens.numel() < seq_length + 1:
             raise ValueError(
                 f"the corpus holds {tokens.numel()} tokens, fewer than the seq_length + 1 = "
@@ -134,7 +135,7 @@ class CorpusDataset:
             IndexError: `index` is negative.
             TypeError: `index` is not an int.
         """
-        if not _is_int(index):
+        if not is_int(index):
             raise TypeError(f"sample index must be an int, got {type(index).__name__}")
         if index < 0:
             raise IndexError(f"sample index must be 0 or more, got {index}")

@@ -20,23 +20,11 @@ from collections.abc import Sequence
 import torch
 
 from pp_state import PipelineLayerLayout, Placement
+from pp_state.numbers import divisors, is_int, is_real
 
 __all__ = ["GPTChunk", "GPTConfig", "chunk_layers", "init_parameter_"]
 
 _WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
-
-
-def _is_int(value: object) -> bool:
-    # bool subclasses int, but True as a layer count is always a mistake.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _divisors(value: int) -> list[int]:
-    return [d for d in range(1, value + 1) if value % d == 0]
 
 
 def _joined(values: list[int]) -> str:
@@ -44,7 +32,7 @@ def _joined(values: list[int]) -> str:
 
 
 def _check_positive_int(name: str, value: object) -> None:
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     assert isinstance(value, int)
     if value < 1:
@@ -96,7 +84,7 @@ class GPTConfig:
             _check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
         for name in ("init_method_std", "layernorm_epsilon"):
             value = getattr(self, name)
-            if not _is_real(value):
+            if not is_real(value):
                 raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be positive and finite, got {value}")
@@ -104,7 +92,7 @@ class GPTConfig:
             raise ValueError(
                 f"hidden size {self.hidden_size} is not divisible by "
                 f"{self.num_attention_heads} attention heads; use one of "
-                f"{_joined(_divisors(self.hidden_size))}"
+                f"{_joined(divisors(self.hidden_size))}"
             )
 
     @property
@@ -173,7 +161,7 @@ def chunk_layers(
         raise ValueError(
             f"{num_layers} layers do not split evenly over pipeline size {pp_size} x virtual "
             f"size {vp_size} = {stages} virtual stages; pipeline size times virtual size must "
-            f"be one of {_joined(_divisors(num_layers))}"
+            f"be one of {_joined(divisors(num_layers))}"
         )
     return where.layers(pp_rank, vp_stage, num_layers)
 
@@ -191,7 +179,7 @@ def _checked_placement(
     for name, value in (("num_layers", num_layers), ("pp_size", pp_size), ("vp_size", vp_size)):
         _check_positive_int(name, value)
     for name, value, size in (("pp_rank", pp_rank, pp_size), ("vp_stage", vp_stage, vp_size)):
-        if not _is_int(value):
+        if not is_int(value):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if not 0 <= value < size:
             raise ValueError(f"{name} {value} is out of range; valid: 0 .. {size - 1}")
@@ -517,7 +505,7 @@ def _check_chunk_arguments(config: GPTConfig, layers: range, seed: int) -> None:
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
     if not isinstance(layers, range):
         raise TypeError(f"layers must be a range of global layer indices, got {layers!r}")
-    if not _is_int(seed):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     if len(layers) and (layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers):
         raise ValueError(

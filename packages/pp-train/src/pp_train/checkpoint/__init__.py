@@ -6,11 +6,17 @@ on load and can be written in the background (`AsyncCheckpointSaver`). Model chu
 their state by global keys through `ShardedStateKeys`. ``python -m pp_train.checkpoint
 convert`` converts between the formats without the model (`pp_train.checkpoint.convert`);
 `pretrain` with ``--ckpt-convert-format`` / ``--ckpt-convert-save`` does it with the model.
+
+The modules: `formats` (the API above), `torch_format` and `torch_dist` / `loading` (each
+format), `async_save`, `convert`, `keys` (global keys), `tracker` (paths and the tracker
+file), `rng` (random generator states), `agreement` (every rank's verdict before any acts),
+`files` (atomic writes and renames), `load_request`, `validation` and `errors`.
 """
 
 from __future__ import annotations
 
 from pp_train.checkpoint.async_save import AsyncCheckpointSaver
+from pp_train.checkpoint.errors import CheckpointError
 from pp_train.checkpoint.formats import (
     CKPT_FORMATS,
     CkptFormat,
@@ -20,14 +26,33 @@ from pp_train.checkpoint.formats import (
     save_checkpoint,
 )
 from pp_train.checkpoint.keys import ShardedStateKeys
+from pp_train.checkpoint.load_request import DEFAULT_STRICT_ARGS, LoadedCheckpoint
+from pp_train.checkpoint.rng import get_rng_state, set_rng_state
+from pp_train.checkpoint.tracker import (
+    CHECKPOINT_FILENAME,
+    CHECKPOINT_VERSION,
+    TRACKER_FILENAME,
+    checkpoint_path,
+    read_tracker,
+)
 
 __all__ = [
+    "CHECKPOINT_FILENAME",
+    "CHECKPOINT_VERSION",
     "CKPT_FORMATS",
+    "DEFAULT_STRICT_ARGS",
+    "TRACKER_FILENAME",
     "AsyncCheckpointSaver",
+    "CheckpointError",
     "CkptFormat",
+    "LoadedCheckpoint",
     "ShardedStateKeys",
     "check_save_directory",
+    "checkpoint_path",
     "detect_format",
+    "get_rng_state",
     "load_checkpoint",
+    "read_tracker",
     "save_checkpoint",
+    "set_rng_state",
 ]

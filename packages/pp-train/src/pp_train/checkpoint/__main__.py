@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from pp_train.checkpoint.convert import convert_checkpoint
+from pp_train.checkpoint.errors import CheckpointError
 from pp_train.checkpoint.formats import CKPT_FORMATS
-from pp_train.checkpointing import CheckpointError
 
 __all__ = ["main"]
 

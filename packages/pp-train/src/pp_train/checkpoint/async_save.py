@@ -28,6 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pp_state import CollectiveError, ParallelState
+from pp_train.checkpoint.agreement import raise_if_any_failed
+from pp_train.checkpoint.errors import CheckpointError
 from pp_train.checkpoint.torch_dist import (
     SaveContent,
     dcp_failure,
@@ -38,7 +40,6 @@ from pp_train.checkpoint.torch_dist import (
     save_operation,
     writer_and_planner,
 )
-from pp_train.checkpointing import CheckpointError, _raise_if_any_failed
 
 __all__ = ["AsyncCheckpointSaver"]
 
@@ -155,7 +156,7 @@ class AsyncCheckpointSaver:
         try:
             if isinstance(error, CollectiveError):
                 raise error  # a peer is lost: an agreement would only wait for it
-            _raise_if_any_failed(
+            raise_if_any_failed(
                 state.rank,
                 error,
                 "could not finish an asynchronous torch_dist save",

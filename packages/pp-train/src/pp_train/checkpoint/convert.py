@@ -30,27 +30,25 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from pp_train.checkpoint.errors import CheckpointError
+from pp_train.checkpoint.files import atomic_write, fsync_directory
 from pp_train.checkpoint.formats import CKPT_FORMATS, CkptFormat, detect_format
 from pp_train.checkpoint.keys import FP32_PARAM_PREFIX, MODEL_PREFIX, OPTIMIZER_STATE_PREFIX
-from pp_train.checkpoint.loading import _planner, _read_common, _read_metadata
+from pp_train.checkpoint.loading import load_planner, read_common, read_metadata
 from pp_train.checkpoint.torch_dist import (
     CONVERSION_KEY,
     RECORD_PREFIX,
-    iteration_directory,
     record_key,
     write_common,
     writer_and_planner,
 )
-from pp_train.checkpointing import (
+from pp_train.checkpoint.torch_format import model_keys, torch_header_problem
+from pp_train.checkpoint.tracker import (
     CHECKPOINT_FILENAME,
     CHECKPOINT_VERSION,
     TRACKER_FILENAME,
-    CheckpointError,
-    _atomic_write,
-    _fsync_directory,
-    _header_problem,
-    _model_keys,
     checkpoint_path,
+    iteration_directory,
     read_tracker,
 )
 from pp_train.temporaries import temporary_path
@@ -137,12 +135,12 @@ def _publish(target: Path, iteration: int, write: Any) -> Path:
         staging.mkdir(parents=True)
         write(staging)
         tracker = staging / TRACKER_FILENAME
-        _atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
-        _fsync_directory(staging)
+        atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
+        fsync_directory(staging)
         if target.exists():
             target.rmdir()  # checked empty
         os.replace(staging, target)
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -172,7 +170,7 @@ def _read_torch(directory: Path, iteration: int) -> list[dict[str, Any]]:
     files = []
     for path in sorted(directory.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}")):
         content = _load(path)
-        problem = _header_problem(content, iteration)
+        problem = torch_header_problem(content, iteration)
         if problem is not None:
             raise CheckpointError(f"checkpoint {path} {problem}; nothing was written")
         if not isinstance(content.get(CONVERSION_KEY), dict):
@@ -213,7 +211,7 @@ def _torch_writer(files: list[dict[str, Any]], iteration: int) -> Any:
     tensors: dict[str, Any] = {}
     for content in files:
         record = content[CONVERSION_KEY]
-        chunk_keys = _model_keys(len(record["chunks"]))
+        chunk_keys = model_keys(len(record["chunks"]))
         for key, names in zip(chunk_keys, record["chunks"], strict=True):
             for local, name in names.items():
                 tensors.setdefault(MODEL_PREFIX + name, content[key][local])
@@ -274,8 +272,8 @@ def _common(content: dict[str, Any], iteration: int) -> dict[str, Any]:
 def _dist_writer(directory: Path, iteration: int) -> Any:
     """What writes the torch files of the torch_dist `directory`, at its recorded layout."""
     where = f"torch_dist checkpoint {directory}"
-    common = _read_common(directory, iteration, where)
-    metadata = _read_metadata(directory, where)
+    common = read_common(directory, iteration, where)
+    metadata = read_metadata(directory, where)
     records = sorted(key for key in metadata.state_dict_metadata if key.startswith(RECORD_PREFIX))
     if not records:
         raise _old_file(where)
@@ -287,7 +285,7 @@ def _dist_writer(directory: Path, iteration: int) -> Any:
             buffers[key] = None
     with _single_process():
         reader = FileSystemReader(directory)
-        dcp.load(buffers, storage_reader=reader, planner=_planner(), no_dist=True)
+        dcp.load(buffers, storage_reader=reader, planner=load_planner(), no_dist=True)
 
     def write(staging: Path) -> None:
         for key in records:
@@ -303,13 +301,13 @@ def _dist_writer(directory: Path, iteration: int) -> Any:
 
 
 def _save(path: Path, content: dict[str, Any]) -> None:
-    _atomic_write(path, lambda f: torch.save(content, f))
+    atomic_write(path, lambda f: torch.save(content, f))
 
 
 def _torch_file(
     record: dict[str, Any], buffers: dict[str, Any], common: dict[str, Any], iteration: int
 ) -> dict[str, Any]:
-    """One position's torch file, as `pp_train.checkpointing.save_checkpoint` writes it."""
+    """One position's torch file, as `torch_format.save_torch_checkpoint` writes it."""
     content: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
@@ -317,7 +315,7 @@ def _torch_file(
         "consumed_train_samples": common["consumed_train_samples"],
         "consumed_valid_samples": common["consumed_valid_samples"],
     }
-    for key, names in zip(_model_keys(len(record["chunks"])), record["chunks"], strict=True):
+    for key, names in zip(model_keys(len(record["chunks"])), record["chunks"], strict=True):
         content[key] = {local: buffers[MODEL_PREFIX + name] for local, name in names.items()}
     if record["optimizer_params"] is not None and "grad_scaler" in common:
         content["optimizer"] = _torch_optimizer(record, buffers, common["grad_scaler"])

@@ -1,10 +1,10 @@
 """`save_checkpoint` / `load_checkpoint` in either of Megatron's formats, and format detection.
 
 ``torch`` (the default here) is Megatron's legacy format: one file per (tensor, pipeline)
-position, loadable only in the layout that saved it (`pp_train.checkpointing`). ``torch_dist``
-is one torch.distributed.checkpoint directory per iteration with layout-independent keys: it
-resumes at any pipeline, virtual and data-parallel size holding the same model, and can be
-written asynchronously (`AsyncCheckpointSaver`).
+position, loadable only in the layout that saved it (`pp_train.checkpoint.torch_format`).
+``torch_dist`` is one torch.distributed.checkpoint directory per iteration with
+layout-independent keys: it resumes at any pipeline, virtual and data-parallel size holding
+the same model, and can be written asynchronously (`AsyncCheckpointSaver`).
 """
 
 from __future__ import annotations
@@ -19,30 +19,28 @@ import torch
 
 from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
-from pp_train import checkpointing as legacy
+from pp_train.checkpoint.agreement import raise_if_any_failed
 from pp_train.checkpoint.async_save import AsyncCheckpointSaver
+from pp_train.checkpoint.errors import CheckpointError
+from pp_train.checkpoint.load_request import DEFAULT_STRICT_ARGS, LoadedCheckpoint, LoadRequest
 from pp_train.checkpoint.loading import load_torch_dist
 from pp_train.checkpoint.torch_dist import (
     CONVERSION_KEY,
     FORMAT_METADATA_FILENAME,
     PARTIAL_SUFFIX,
     conversion_record,
-    iteration_directory,
     publish,
     save_content,
     save_operation,
     write_torch_dist,
 )
-from pp_train.checkpointing import (
-    DEFAULT_STRICT_ARGS,
-    CheckpointError,
-    LoadedCheckpoint,
-    _agree_on_iteration,
-    _check_load_arguments,
-    _check_save_arguments,
-    _LoadRequest,
-    _raise_if_any_failed,
+from pp_train.checkpoint.torch_format import (
+    load_latest_torch,
+    torch_checkpoint_content,
+    write_torch_checkpoint,
 )
+from pp_train.checkpoint.tracker import agree_on_iteration, iteration_directory
+from pp_train.checkpoint.validation import check_load_arguments, check_save_arguments
 from pp_train.temporaries import remove_stale_temporaries, restore_moved_aside
 
 __all__ = [
@@ -98,15 +96,15 @@ def save_checkpoint(
 ) -> Path:
     """Saves iteration `iteration` under `root` in `ckpt_format`; every rank calls it.
 
-    ``torch``: as `pp_train.checkpointing.save_checkpoint`, plus a `conversion_record`
-    in each file. ``torch_dist``: every rank writes
-    its tensors under global keys into ``iter_000000N.partial``; when all are written, global
-    rank 0 renames it ``iter_000000N`` and then moves the tracker. With `async_saver` the
-    write runs in the background (it returns after copying the tensors) and is published by
-    the saver (`AsyncCheckpointSaver.poll` / ``wait``); a save still in flight is waited for
-    first. The model chunks must implement `pp_train.checkpoint.ShardedStateKeys`.
+    ``torch``: as `pp_train.checkpoint.torch_format.save_torch_checkpoint`, plus a
+    `conversion_record` in each file. ``torch_dist``: every rank writes its tensors under global
+    keys into ``iter_000000N.partial``; when all are written, global rank 0 renames it
+    ``iter_000000N`` and then moves the tracker. With `async_saver` the write runs in the
+    background (it returns after copying the tensors) and is published by the saver
+    (`AsyncCheckpointSaver.poll` / ``wait``); a save still in flight is waited for first. The
+    model chunks must implement `pp_train.checkpoint.ShardedStateKeys`.
 
-    Args: as `pp_train.checkpointing.save_checkpoint`'s, and
+    Args: as `pp_train.checkpoint.torch_format.save_torch_checkpoint`'s, and
         ckpt_format: ``"torch"`` or ``"torch_dist"``.
         async_saver: Write a torch_dist checkpoint in the background with this saver.
         report: Gets the line naming dead writers' temporaries removed (`pp_train.temporaries`).
@@ -133,7 +131,7 @@ def save_checkpoint(
         return _save_torch(
             Path(root), iteration, state, parts, consumed=consumed, save_rng=save_rng
         )
-    _check_save_arguments(iteration, consumed, model, args)
+    check_save_arguments(iteration, consumed, model, args)
     content = _content_on_every_rank(
         iteration, state, consumed, save_rng, model=model, args=args,
         optimizer=optimizer if save_optim else None, scheduler=scheduler if save_optim else None,
@@ -150,17 +148,17 @@ def _save_torch(
     consumed: tuple[int, int],
     save_rng: bool,
 ) -> Path:
-    """`pp_train.checkpointing.save_checkpoint`, each file adding its `conversion_record`."""
-    _check_save_arguments(iteration, consumed, parts["model"], parts["args"])
+    """`save_torch_checkpoint`, each file adding its `conversion_record`."""
+    check_save_arguments(iteration, consumed, parts["model"], parts["args"])
 
     def content() -> dict[str, Any]:
-        saved = legacy._checkpoint_content(iteration, consumed=consumed, save_rng=save_rng, **parts)
+        saved = torch_checkpoint_content(iteration, consumed=consumed, save_rng=save_rng, **parts)
         record = conversion_record(state, parts["model"], parts["optimizer"])
         if record is not None:
             saved[CONVERSION_KEY] = record
         return saved
 
-    return legacy._write_checkpoint(root, iteration, state, content)
+    return write_torch_checkpoint(root, iteration, state, content)
 
 
 def _save_torch_dist(
@@ -195,7 +193,7 @@ def _content_on_every_rank(
         )
     except Exception as caught:
         error = caught
-    _raise_if_any_failed(
+    raise_if_any_failed(
         state.rank,
         error,
         "cannot collect its torch_dist checkpoint state",
@@ -213,7 +211,7 @@ def _publish_on_rank_0(root: Path, iteration: int, state: ParallelState) -> None
             publish(root, iteration)
         except Exception as caught:
             error = caught
-    _raise_if_any_failed(
+    raise_if_any_failed(
         state.rank,
         error,
         f"could not publish iteration {iteration} in {root}",
@@ -243,11 +241,11 @@ def load_checkpoint(
 
     The format is read from the files of the iteration the tracker names. It must be
     `ckpt_format` unless `auto_detect_ckpt_format` (Megatron's ``--auto-detect-ckpt-format``).
-    ``torch``: as `pp_train.checkpointing.load_checkpoint` (same layout only). ``torch_dist``:
-    any layout holding the same model; `strict_args` minus the layout sizes are compared;
-    RNG states are restored only when the layout (tensor, pipeline, virtual, data sizes) is
-    the saved one, else they keep this run's seeding and `LoadedCheckpoint.notes` says so.
-    Before any rank reads the tracker, global rank 0 renames back an ``iter_N.replaced``
+    ``torch``: as `pp_train.checkpoint.torch_format.load_torch_checkpoint` (same layout only).
+    ``torch_dist``: any layout holding the same model; `strict_args` minus the layout sizes are
+    compared; RNG states are restored only when the layout (tensor, pipeline, virtual, data
+    sizes) is the saved one, else they keep this run's seeding and `LoadedCheckpoint.notes` says
+    so. Before any rank reads the tracker, global rank 0 renames back an ``iter_N.replaced``
     whose ``iter_N`` is missing (a save of an existing iteration killed between its two
     renames); once every rank read it, the stale temporaries of dead writers are removed.
     Each hands `report` one line naming what it did (`pp_train.temporaries`).
@@ -264,22 +262,22 @@ def load_checkpoint(
             naming the load and its iteration); nothing was changed.
     """
     _check_format(ckpt_format)
-    _check_load_arguments(model, args, strict_args)
-    request = _LoadRequest(
+    check_load_arguments(model, args, strict_args)
+    request = LoadRequest(
         root=Path(root), state=state, model=model, optimizer=optimizer, scheduler=scheduler,
         args=args, strict_args=strict_args, finetune=finetune,
         load_optim=not (finetune or no_load_optim), load_rng=not (finetune or no_load_rng),
     )  # fmt: skip
     if state.rank == 0:  # before any rank looks at the directory the tracker names
         restore_moved_aside(request.root, report)
-    iteration = _agree_on_iteration(request.root, state.rank)
+    iteration = agree_on_iteration(request.root, state.rank)
     if state.rank == 0:  # no save of this run in flight
         remove_stale_temporaries(request.root, report)
     if iteration is None:
         return None
     found = _agreed_format(request.root, iteration, state, ckpt_format, auto_detect_ckpt_format)
     if found == "torch":
-        return legacy._load_latest(request)
+        return load_latest_torch(request)
     return load_torch_dist(request, iteration)
 
 
@@ -310,7 +308,7 @@ def _agreed_format(
             f"loads {asked!r}. Pass --ckpt-format {found} (ckpt_format={found!r}) or "
             "--auto-detect-ckpt-format to load it as it is; nothing was loaded"
         )
-    _raise_if_any_failed(state.rank, error, "", "nothing was loaded")
+    raise_if_any_failed(state.rank, error, "", "nothing was loaded")
     assert found is not None
     return found
 
@@ -336,4 +334,4 @@ def check_save_directory(root: str | os.PathLike[str], state: ParallelState) -> 
                 f"rank 0: checkpoint directory {path} is not writable: expected to create "
                 f"{probe.name} there, found {type(caught).__name__}: {caught}"
             )
-    _raise_if_any_failed(state.rank, error, "", "training did not start")
+    raise_if_any_failed(state.rank, error, "", "training did not start")

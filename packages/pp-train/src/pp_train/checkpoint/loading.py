@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from pp_optim import Float16OptimizerWithFloat16Params
+from pp_train.checkpoint.agreement import raise_if_any_failed
+from pp_train.checkpoint.errors import CheckpointError, listed
 from pp_train.checkpoint.keys import (
     FP32_PARAM_PREFIX,
     MODEL_PREFIX,
@@ -32,27 +34,19 @@ from pp_train.checkpoint.keys import (
     main_params,
     model_targets,
 )
+from pp_train.checkpoint.load_request import ABSENT, LoadedCheckpoint, LoadRequest
+from pp_train.checkpoint.rng import RngState, parse_rng_state, restore_rng
 from pp_train.checkpoint.torch_dist import (
     COMMON_FILENAME,
     dcp_failure,
     describe_dcp_error,
-    iteration_directory,
     layout_of,
 )
-from pp_train.checkpointing import (
-    CHECKPOINT_VERSION,
-    CheckpointError,
-    LoadedCheckpoint,
-    _check_scheduler_state,
-    _LoadRequest,
-    _parse_rng_state,
-    _raise_if_any_failed,
-    _restore_rng,
-    _RngState,
-)
+from pp_train.checkpoint.tracker import CHECKPOINT_VERSION, iteration_directory
+from pp_train.checkpoint.validation import check_scheduler_state
 from pp_train.wrappers import unwrap_model
 
-__all__ = ["LAYOUT_ARGS", "load_torch_dist"]
+__all__ = ["LAYOUT_ARGS", "load_planner", "load_torch_dist", "read_common", "read_metadata"]
 
 LAYOUT_ARGS = (
     "pipeline_model_parallel_size",
@@ -60,8 +54,6 @@ LAYOUT_ARGS = (
     "data_parallel_size",
 )
 """Settings a torch_dist checkpoint does not need to share with the run that loads it."""
-
-_MAX_LISTED = 5
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -83,7 +75,7 @@ class _Plan:
     notes: list[str]
 
 
-def load_torch_dist(request: _LoadRequest, iteration: int) -> LoadedCheckpoint:
+def load_torch_dist(request: LoadRequest, iteration: int) -> LoadedCheckpoint:
     """Loads iteration `iteration` of `request.root` (a torch_dist checkpoint); a collective.
 
     Raises:
@@ -101,7 +93,7 @@ def load_torch_dist(request: _LoadRequest, iteration: int) -> LoadedCheckpoint:
     named.agree(rank, error, f"cannot load {directory}", unchanged)
     assert plan is not None
     try:
-        dcp.load(plan.buffers, storage_reader=FileSystemReader(directory), planner=_planner())
+        dcp.load(plan.buffers, storage_reader=FileSystemReader(directory), planner=load_planner())
     except (Exception, CheckpointException) as caught:  # DCP's is a BaseException
         raise dcp_failure(
             caught,
@@ -109,7 +101,7 @@ def load_torch_dist(request: _LoadRequest, iteration: int) -> LoadedCheckpoint:
             iteration,
             f"rank {rank}: reading {directory} failed: {describe_dcp_error(caught)}; {unchanged}",
         ) from caught
-    staged: tuple[dict[str, Any] | None, _RngState | None] | None = None
+    staged: tuple[dict[str, Any] | None, RngState | None] | None = None
     try:
         staged = _check_states(plan, request)
     except Exception as caught:
@@ -134,24 +126,25 @@ class _Named:
     iteration: int
 
     def agree(self, rank: int, error: BaseException | None, failure: str, result: str) -> None:
-        _raise_if_any_failed(
+        raise_if_any_failed(
             rank, error, failure, result, operation=self.operation, iteration=self.iteration
         )
 
 
-def _planner() -> DefaultLoadPlanner:
+def load_planner() -> DefaultLoadPlanner:
+    """DCP's load planner for our flat keys, unpickling objects with ``weights_only=True``."""
     return _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
-def _where(request: _LoadRequest, directory: Path) -> str:
+def _where(request: LoadRequest, directory: Path) -> str:
     return f"rank {request.state.rank}: torch_dist checkpoint {directory}"
 
 
-def _plan(request: _LoadRequest, directory: Path, iteration: int) -> _Plan:
+def _plan(request: LoadRequest, directory: Path, iteration: int) -> _Plan:
     where = _where(request, directory)
-    common = _read_common(directory, iteration, where)
+    common = read_common(directory, iteration, where)
     _check_model_args(common["args"], request, where)
-    metadata = _read_metadata(directory, where)
+    metadata = read_metadata(directory, where)
     buffers: dict[str, Any] = {}
     problems: list[str] = []
     for key, held in model_targets(request.model).items():
@@ -163,14 +156,25 @@ def _plan(request: _LoadRequest, directory: Path, iteration: int) -> _Plan:
             if name not in common:
                 problems.append(f"has no {name!r} state (to load without it: no_load_optim)")
     if problems:
-        raise CheckpointError(f"{where} does not fit this run: {_listed(problems)}")
+        raise CheckpointError(f"{where} does not fit this run: {listed(problems, '; ')}")
     rng_key = _rng_key(request, common, metadata, where, notes)
     if rng_key is not None:
         buffers[rng_key] = None
     return _Plan(directory, common, buffers, rng_key, notes)
 
 
-def _read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
+def read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
+    """The ``common.pt`` of a torch_dist iteration directory, its header checked.
+
+    Args:
+        directory: The iteration's directory.
+        iteration: The iteration it must hold.
+        where: Begins each error message (the rank and checkpoint).
+
+    Raises:
+        CheckpointError: The file is missing, unsafe, corrupt, of another version or
+            iteration, or has no args dict.
+    """
     path = directory / COMMON_FILENAME
     if not path.is_file():
         raise CheckpointError(
@@ -193,14 +197,13 @@ def _read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
     return common
 
 
-def _check_model_args(saved: dict[str, Any], request: _LoadRequest, where: str) -> None:
+def _check_model_args(saved: dict[str, Any], request: LoadRequest, where: str) -> None:
     """The model's shape must match; the layout (pipeline, virtual, data) may differ."""
-    missing = "<absent>"
     differences = [
-        f"{key}: expected {request.args.get(key, missing)!r} (this run), found "
-        f"{saved.get(key, missing)!r}"
+        f"{key}: expected {request.args.get(key, ABSENT)!r} (this run), found "
+        f"{saved.get(key, ABSENT)!r}"
         for key in request.strict_args
-        if key not in LAYOUT_ARGS and saved.get(key, missing) != request.args.get(key, missing)
+        if key not in LAYOUT_ARGS and saved.get(key, ABSENT) != request.args.get(key, ABSENT)
     ]
     if differences:
         raise CheckpointError(
@@ -208,7 +211,12 @@ def _check_model_args(saved: dict[str, Any], request: _LoadRequest, where: str) 
         )
 
 
-def _read_metadata(directory: Path, where: str) -> Metadata:
+def read_metadata(directory: Path, where: str) -> Metadata:
+    """DCP's ``.metadata`` of `directory`, once every shard file it names is there.
+
+    Raises:
+        CheckpointError: The metadata is missing or unreadable, or a shard file is missing.
+    """
     if not (directory / ".metadata").is_file():
         raise CheckpointError(f"{where} has no .metadata file: the save did not complete")
     try:
@@ -218,8 +226,9 @@ def _read_metadata(directory: Path, where: str) -> Metadata:
     files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     missing = [name for name in files if not (directory / name).is_file()]
     if missing:
+        shards = listed([str(directory / name) for name in missing], "; ")
         raise CheckpointError(
-            f"{where} is missing shard file(s) {_listed([str(directory / m) for m in missing])}: "
+            f"{where} is missing shard file(s) {shards}: "
             f"expected {len(files)} files named in its .metadata, found {len(files) - len(missing)}"
         )
     return metadata
@@ -244,7 +253,7 @@ def _buffer(
 
 
 def _optimizer_buffers(
-    request: _LoadRequest, metadata: Metadata, problems: list[str]
+    request: LoadRequest, metadata: Metadata, problems: list[str]
 ) -> dict[str, Any]:
     assert request.optimizer is not None
     buffers: dict[str, Any] = {}
@@ -260,7 +269,7 @@ def _optimizer_buffers(
 
 
 def _rng_key(
-    request: _LoadRequest, common: dict[str, Any], metadata: Metadata, where: str, notes: list[str]
+    request: LoadRequest, common: dict[str, Any], metadata: Metadata, where: str, notes: list[str]
 ) -> str | None:
     """This rank's RNG key when it is to be restored: only in the layout that saved it."""
     if not request.load_rng:
@@ -279,8 +288,8 @@ def _rng_key(
 
 
 def _check_states(
-    plan: _Plan, request: _LoadRequest
-) -> tuple[dict[str, Any] | None, _RngState | None]:
+    plan: _Plan, request: LoadRequest
+) -> tuple[dict[str, Any] | None, RngState | None]:
     """The optimizer state in pp-optim's form, checked with the scheduler and RNG states."""
     where = f"{_where(request, plan.directory)}"
     optimizer_state = None
@@ -289,14 +298,14 @@ def _check_states(
             optimizer_state = _optimizer_state(plan, request)
             request.optimizer.check_state_dict(optimizer_state)
         if request.load_optim and request.scheduler is not None:
-            _check_scheduler_state(request.scheduler, plan.common["opt_param_scheduler"])
-        rng = None if plan.rng_key is None else _parse_rng_state(plan.buffers[plan.rng_key])
+            check_scheduler_state(request.scheduler, plan.common["opt_param_scheduler"])
+        rng = None if plan.rng_key is None else parse_rng_state(plan.buffers[plan.rng_key])
     except (ValueError, TypeError, KeyError) as error:
         raise CheckpointError(f"{where}: {error}") from error
     return optimizer_state, rng
 
 
-def _optimizer_state(plan: _Plan, request: _LoadRequest) -> dict[str, Any]:
+def _optimizer_state(plan: _Plan, request: LoadRequest) -> dict[str, Any]:
     optimizer = request.optimizer
     assert optimizer is not None
     current = optimizer.optimizer.state_dict()
@@ -325,9 +334,9 @@ def _optimizer_state(plan: _Plan, request: _LoadRequest) -> dict[str, Any]:
 
 def _apply(
     plan: _Plan,
-    request: _LoadRequest,
+    request: LoadRequest,
     optimizer_state: dict[str, Any] | None,
-    rng: _RngState | None,
+    rng: RngState | None,
 ) -> None:
     for index, chunk in enumerate(request.model):
         keys = chunk_global_keys(chunk, index)
@@ -342,10 +351,10 @@ def _apply(
     if request.load_optim and request.scheduler is not None:
         request.scheduler.load_state_dict(plan.common["opt_param_scheduler"])
     if rng is not None:
-        _restore_rng(rng)
+        restore_rng(rng)
 
 
-def _result(plan: _Plan, request: _LoadRequest, iteration: int) -> LoadedCheckpoint:
+def _result(plan: _Plan, request: LoadRequest, iteration: int) -> LoadedCheckpoint:
     common = plan.common
     if request.finetune:
         return LoadedCheckpoint(
@@ -362,8 +371,3 @@ def _result(plan: _Plan, request: _LoadRequest, iteration: int) -> LoadedCheckpo
         args=common["args"],
         notes=tuple(plan.notes),
     )
-
-
-def _listed(items: list[str]) -> str:
-    more = len(items) - _MAX_LISTED
-    return "[" + "; ".join(items[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "") + "]"

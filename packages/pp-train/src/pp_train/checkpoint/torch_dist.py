@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,22 +38,22 @@ from pp_optim import (
 )
 from pp_state import CollectiveError, ParallelState
 from pp_state.collectives import collective_error, is_lost_peer
+from pp_train.checkpoint.agreement import raise_if_any_failed
+from pp_train.checkpoint.errors import CheckpointError
+
+# This format's file steps go through module names of its own, so a test can stop a rank at
+# one of them (integration_tests/test_checkpoint_crash.py replaces them here).
+from pp_train.checkpoint.files import atomic_write as _atomic_write
+from pp_train.checkpoint.files import fsync_directory as _fsync_directory
+from pp_train.checkpoint.files import move_in
 from pp_train.checkpoint.keys import (
     chunk_global_keys,
     main_params,
     model_targets,
     optimizer_tensors,
 )
-from pp_train.checkpointing import (
-    CHECKPOINT_VERSION,
-    TRACKER_FILENAME,
-    CheckpointError,
-    _atomic_write,
-    _fsync_directory,
-    _move_in,
-    _raise_if_any_failed,
-    get_rng_state,
-)
+from pp_train.checkpoint.rng import get_rng_state
+from pp_train.checkpoint.tracker import CHECKPOINT_VERSION, TRACKER_FILENAME, iteration_directory
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
 from pp_train.wrappers import unwrap_model
 
@@ -97,11 +96,6 @@ _FORMAT_METADATA = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-
-
-def iteration_directory(root: str | os.PathLike[str], iteration: int) -> Path:
-    """``root/iter_{iteration:07d}``: Megatron's directory of one iteration."""
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 def layout_of(state: ParallelState, chunks: int) -> dict[str, int]:
@@ -221,7 +215,7 @@ def prepare(staging: Path, content: SaveContent, state: ParallelState, iteration
         except Exception as caught:
             error = caught
             shutil.rmtree(staging, ignore_errors=True)
-    _raise_if_any_failed(
+    raise_if_any_failed(
         state.rank,
         error,
         f"could not write torch_dist checkpoint directory {staging}",
@@ -323,7 +317,7 @@ def remove_failed_save(staging: Path, rank: int) -> None:
     """Removes this rank's files of a failed save; global rank 0 the whole directory.
 
     Called on every rank once every rank knows the save failed (DCP's collectives or
-    `_raise_if_any_failed` told them), so no rank still writes there.
+    `raise_if_any_failed` told them), so no rank still writes there.
     """
     for path in staging.glob(f"__{rank}_*.distcp"):
         with contextlib.suppress(OSError):
@@ -337,14 +331,14 @@ def publish(root: Path, iteration: int) -> None:
 
     Called once DCP's ``.metadata`` is written, that is after every rank's data. A directory
     of the same iteration already there (a run that saves again the iteration it resumed
-    from) is moved aside first and deleted last (`pp_train.checkpointing._move_in`).
+    from) is moved aside first and deleted last (`pp_train.checkpoint.files.move_in`).
     """
     final = iteration_directory(root, iteration)
     staging = final.with_name(final.name + PARTIAL_SUFFIX)
     if not (staging / ".metadata").is_file():
         raise CheckpointError(f"rank 0: {staging} has no .metadata; it is not complete")
     _fsync_directory(staging)
-    replaced = _move_in(staging, final)
+    replaced = move_in(staging, final)
     _fsync_directory(root)
     _atomic_write(root / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode("ascii")))
     with contextlib.suppress(OSError):

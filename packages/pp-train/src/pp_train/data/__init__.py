@@ -24,10 +24,6 @@ from pp_train.data.config import DataConfig, parse_data_path, parse_split
 from pp_train.data.gpt_dataset import GPTDataset, build_gpt_indices
 from pp_train.data.indexed import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
 from pp_train.data.sampler import Microbatch, SampleDataset, microbatches
-
-# The bundled application (pp_train.app.corpus) reuses these checks; explicit re-exports.
-from pp_train.data.sampler import _check_int as _check_int
-from pp_train.data.sampler import _is_int as _is_int
 from pp_train.data.tokenizer import (
     TOKENIZER_TYPES,
     ByteTokenizer,

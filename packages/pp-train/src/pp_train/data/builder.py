@@ -56,20 +56,28 @@ def split_sequences(bounds: tuple[float, float], count: int) -> npt.NDArray[nump
     return numpy.arange(start, end, dtype=numpy.int32)
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def check_min_int(name: str, value: object, minimum: int) -> None:
+    """Checks that `value` is an int (not a bool) of at least `minimum`.
+
+    Not `pp_state.numbers.check_int`: the dataset builder's messages read "NAME must be an int
+    >= MINIMUM" and raise ValueError for a wrong type too, and tests pin that wording.
+
+    Raises:
+        ValueError: `value` is not an int, or is below `minimum`.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_arguments(seq_length: int, seed: int, counts: tuple[int, int, int]) -> None:
-    _check_int("seq_length", seq_length, 1)
-    _check_int("seed", seed, 0)
+    check_min_int("seq_length", seq_length, 1)
+    check_min_int("seed", seed, 0)
     if seed >= 2**32:
         raise ValueError(f"seed must be below 2**32 (numpy's RandomState), got {seed}")
     if not isinstance(counts, tuple) or len(counts) != 3:
         raise ValueError(f"train_valid_test_num_samples must be 3 ints, got {counts!r}")
     for name, count in zip(SPLIT_NAMES, counts, strict=True):
-        _check_int(f"{name} samples", count, 0)
+        check_min_int(f"{name} samples", count, 0)
 
 
 def check_data(

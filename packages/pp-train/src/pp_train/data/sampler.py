@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from pp_state.numbers import check_int, is_int
+
 __all__ = ["Microbatch", "SampleDataset", "microbatches"]
 
 Microbatch = dict[str, torch.Tensor]
@@ -23,19 +25,6 @@ class SampleDataset(Protocol):
 
     def __getitem__(self, index: int) -> Microbatch:
         """Sample `index` (0 or more)."""
-
-
-def _is_int(value: object) -> bool:
-    # bool subclasses int, but True as a sample count is always a mistake.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    assert isinstance(value, int)
-    if value < minimum:
-        raise ValueError(f"{name} must be {minimum} or more, got {value}")
 
 
 def microbatches(
@@ -68,10 +57,10 @@ def microbatches(
         ValueError: A size is below 1, `consumed_samples` is negative, or the rank is outside
             ``0 .. data_parallel_size - 1``.
     """
-    _check_int("consumed_samples", consumed_samples, 0)
-    _check_int("micro_batch_size", micro_batch_size, 1)
-    _check_int("data_parallel_size", data_parallel_size, 1)
-    if not _is_int(data_parallel_rank):
+    check_int("consumed_samples", consumed_samples, 0)
+    check_int("micro_batch_size", micro_batch_size, 1)
+    check_int("data_parallel_size", data_parallel_size, 1)
+    if not is_int(data_parallel_rank):
         raise TypeError(f"data_parallel_rank must be an int, got {data_parallel_rank!r}")
     if not 0 <= data_parallel_rank < data_parallel_size:
         raise ValueError(

@@ -1,0 +1,208 @@
+"""The training loop: `train` runs iterations until `train_iters` or an early exit.
+
+Each iteration updates the microbatch count, steps (`TrainingRun.step`), logs, evaluates and
+saves at their intervals; `pp_train.exits` decides, on all ranks together, when to stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pp_comm import NullTimers
+from pp_optim import MegatronOptimizer, OptimizerParamScheduler
+from pp_state import ParallelState, Placement
+from pp_train.evaluation import evaluate
+from pp_train.exits import SigtermFlag, exit_reason
+from pp_train.norms import calc_params_l2_norm
+from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
+from pp_train.reporting import TrainingLogger
+from pp_train.run import ExitReason, TrainingConfig, TrainingProgress, TrainingRun, every
+from pp_train.schedule_profile import ScheduleProfile
+from pp_train.step import ForwardBackwardFunc, ForwardStepFunc, StepResult
+from pp_train.step_log import log_step, timers_line
+
+__all__ = ["TrainLoop", "train"]
+
+
+def train(  # noqa: PLR0917 - Megatron's positional order
+    forward_step_func: ForwardStepFunc,
+    model: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    train_data_iterator: Any,
+    valid_data_iterator: Any,
+    *,
+    state: ParallelState,
+    config: TrainingConfig,
+    forward_backward_func: ForwardBackwardFunc,
+    calculator: NumMicroBatchesCalculator,
+    progress: TrainingProgress,
+    logger: TrainingLogger,
+    timers: Any = None,
+    checkpoint_args: dict[str, Any] | None = None,
+    autoresume: Callable[[], bool] | None = None,
+    print_fn: Callable[[str], None] = print,
+    placement: Placement | None = None,
+) -> ExitReason:
+    """Trains until `config.train_iters` or an early exit, as Megatron's ``train``.
+
+    Each iteration: update the microbatch count from the consumed samples, `train_step`,
+    count the samples, log; evaluate every `eval_interval`; save every `save_interval`;
+    then stop, saving first, on SIGTERM, an autoresume request, `exit_duration_in_mins` or
+    `exit_interval`; every rank takes each of these decisions together. With
+    `config.profile_schedule_path`, one iteration's schedule is recorded and written as a
+    Chrome trace, and its summary line goes to `print_fn`. `placement` is the one the run's
+    resolved schedule runs (None: `schedule_placement` asks `forward_backward_func`).
+
+    Returns:
+        Why training stopped.
+
+    Raises:
+        ValueError: `config.profile_schedule_path` cannot be written.
+        TypeError: Profiling was asked for without pp-schedules' executor.
+    """
+    timers = timers if timers is not None else NullTimers()
+    run = TrainingRun(
+        state, model, optimizer, scheduler, config, progress, checkpoint_args or {}, print_fn,
+        placement,
+    )  # fmt: skip
+    profile = ScheduleProfile(
+        config, forward_backward_func, state, start=progress.iteration, print_fn=print_fn
+    )
+    for chunk in model:
+        chunk.train()
+    loop = TrainLoop(
+        run, forward_step_func, forward_backward_func, calculator, logger, timers, profile
+    )
+    return loop.until_exit(train_data_iterator, valid_data_iterator, autoresume)
+
+
+@dataclasses.dataclass
+class TrainLoop:
+    """`train`'s iterations over one run, and the log interval they are timed over."""
+
+    run: TrainingRun
+    forward_step_func: ForwardStepFunc
+    forward_backward_func: ForwardBackwardFunc
+    calculator: NumMicroBatchesCalculator
+    logger: TrainingLogger
+    timers: Any
+    profile: ScheduleProfile
+    interval_started: float = dataclasses.field(default_factory=time.perf_counter, init=False)
+    """When the current log interval started."""
+    interval_iterations: int = dataclasses.field(default=0, init=False)
+    """Iterations trained in the current log interval."""
+
+    def until_exit(
+        self,
+        train_data_iterator: Any,
+        valid_data_iterator: Any,
+        autoresume: Callable[[], bool] | None,
+    ) -> ExitReason:
+        """Iterates to `train_iters` or an early exit, saving first; why it stopped."""
+        run, config, progress = self.run, self.run.config, self.run.progress
+        started = time.monotonic()
+        with SigtermFlag(config.exit_signal_handler) as signals:
+            while progress.iteration < config.train_iters:
+                self.iteration(train_data_iterator, valid_data_iterator)
+                reason = exit_reason(
+                    config,
+                    progress.iteration,
+                    started=started,
+                    signals=signals,
+                    autoresume=autoresume,
+                )
+                if reason is not None:
+                    return run.stop(reason)
+        if not run.saved and progress.iteration > 0:
+            run.save()  # the final state, unless the last iteration just saved it
+        run.finish_saves()
+        return "train_iters"
+
+    def iteration(self, train_data_iterator: Any, valid_data_iterator: Any) -> None:
+        """One iteration: the step (profiled at its turn), the log, evaluation and saving."""
+        run, calculator = self.run, self.calculator
+        config, progress = run.config, run.progress
+        calculator.update(progress.consumed_train_samples, True)
+        profiling = self.profile.starts(progress.iteration + 1)
+        step = run.step(
+            self.forward_step_func,
+            train_data_iterator,
+            self.forward_backward_func,
+            num_microbatches=calculator.get(),
+            timers=self.timers,
+        )
+        if profiling:
+            run.print_fn(self.profile.finish(calculator.get()))
+        progress.iteration += 1
+        batch = calculator.get_current_global_batch_size()
+        progress.consumed_train_samples += batch
+        self._log(step, batch)
+        if (
+            every(config.eval_interval, progress.iteration)
+            and valid_data_iterator is not None
+            and config.eval_iters > 0
+        ):
+            self._evaluate(valid_data_iterator)
+        run.save_on_interval()
+        if run.async_saver is not None:
+            run.async_saver.poll(run.state)
+
+    def _log(self, step: StepResult, global_batch_size: int) -> None:
+        """The iteration's log line, with time and timers averaged over the log interval."""
+        run = self.run
+        self.interval_iterations += 1
+        log_now = run.progress.iteration % run.config.log_interval == 0
+        log_step(
+            self.logger,
+            run.optimizer,
+            run.progress,
+            step,
+            global_batch_size=global_batch_size,
+            elapsed_per_iteration=(time.perf_counter() - self.interval_started)
+            / self.interval_iterations,
+            timers_line=timers_line(self.timers, self.interval_iterations) if log_now else None,
+            params_norm=calc_params_l2_norm(run.model, run.state)
+            if run.config.log_params_norm
+            else None,
+        )
+        if log_now:
+            self.interval_started, self.interval_iterations = time.perf_counter(), 0
+
+    def _evaluate(self, valid_data_iterator: Any) -> None:
+        """`evaluate` on the validation data; counts its samples and logs its losses."""
+        run, calculator = self.run, self.calculator
+        config, progress = run.config, run.progress
+        losses = evaluate(
+            self.forward_step_func,
+            valid_data_iterator,
+            run.model,
+            forward_backward_func=self.forward_backward_func,
+            state=run.state,
+            eval_iters=config.eval_iters,
+            num_microbatches=calculator.get(),
+            micro_batch_size=config.micro_batch_size,
+            seq_length=config.seq_length,
+            decoder_seq_length=config.decoder_seq_length,
+            placement=run.placement,
+        )
+        progress.consumed_valid_samples += (
+            config.eval_iters * calculator.get_current_global_batch_size()
+        )
+        if losses:
+            text = " | ".join(
+                f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}"
+                for key, value in losses.items()
+            )
+            self.logger.validation_log(
+                losses,
+                iteration=progress.iteration,
+                consumed_samples=progress.consumed_train_samples,
+                line=text,
+            )

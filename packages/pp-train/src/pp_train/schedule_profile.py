@@ -1,0 +1,94 @@
+"""Recording one training iteration's pipeline schedule as a Chrome trace (Perfetto opens it).
+
+See `TrainingConfig.profile_schedule_path` and `profile_schedule_iteration`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from pp_schedules import PipelineExecutor, check_trace_path, write_schedule_trace
+from pp_state import ParallelState
+from pp_state.collectives import collective
+from pp_train.checkpoint.agreement import collective_device
+from pp_train.run import TrainingConfig
+
+__all__ = ["ScheduleProfile"]
+
+
+class ScheduleProfile:
+    """Records one training iteration's schedule and writes its trace (see TrainingConfig).
+
+    Args:
+        config: Where to write the trace and which iteration to record.
+        forward_backward_func: pp-schedules' executor (it records the timeline).
+        state: The parallel state (the pipeline that records).
+        start: The iteration this run starts at (trained iterations are not profiled).
+        print_fn: Says so when the iteration to profile was trained before this run.
+
+    Raises:
+        TypeError: A trace is asked for but `forward_backward_func` is not the executor.
+        ValueError: The trace path cannot be written.
+    """
+
+    def __init__(
+        self,
+        config: TrainingConfig,
+        forward_backward_func: Any,
+        state: ParallelState,
+        *,
+        start: int,
+        print_fn: Callable[[str], None],
+    ) -> None:
+        self.iteration: int | None = None
+        self.path = config.profile_schedule_path
+        if self.path is None:
+            return
+        if not isinstance(forward_backward_func, PipelineExecutor):
+            raise TypeError(
+                "profile_schedule_path needs pp-schedules' executor as forward_backward_func "
+                f"(build_forward_backward_func), got {type(forward_backward_func).__name__}"
+            )
+        check_trace_path(self.path)
+        self.executor = forward_backward_func
+        self.state = state
+        # One pipeline is enough (the others run the same plan); its first stage writes.
+        self.records = 0 in state.group_ranks("pp")
+        target = config.profile_schedule_iteration
+        if target is None:
+            target = min(start + 2, config.train_iters)
+        if target <= start < config.train_iters:
+            print_fn(
+                f"not profiling the schedule: iteration {target} was trained before this run "
+                f"started at iteration {start}"
+            )
+            return
+        self.iteration = target
+
+    def starts(self, iteration: int) -> bool:
+        """Turns recording on when `iteration` (1-based, about to run) is the profiled one."""
+        active = iteration == self.iteration
+        if active and self.records:
+            self.executor.record_timeline(True)
+        return active
+
+    def finish(self, num_microbatches: int) -> str:
+        """Turns recording off, writes the trace (collective over every rank); the summary."""
+        assert self.path is not None
+        summary = None
+        if self.records:
+            self.executor.record_timeline(False)
+            summary = write_schedule_trace(
+                self.path,
+                self.executor,
+                num_microbatches=num_microbatches,
+                group=self.state.group("pp"),
+            )
+        # Global rank 0 is in the profiled pipeline; every rank gets its summary.
+        shared: list[object] = [summary]
+        with collective("schedule profile broadcast", iteration=self.iteration):
+            dist.broadcast_object_list(shared, src=0, device=collective_device())
+        return f"schedule profile of iteration {self.iteration} written to {self.path}: {shared[0]}"

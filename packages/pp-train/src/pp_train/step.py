@@ -1,0 +1,362 @@
+"""One training step: the schedule's forward-backward function, gradient finalisation, the update.
+
+`build_forward_backward_func` wires pp-schedules' executor to the model and optimizer;
+`train_step` zeroes the grads, runs it, `finalize_model_grads` and steps the optimizer and
+scheduler, as Megatron's ``train_step``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from pp_comm import CommConfig, NullTimers, P2PCommunicator, Timers
+from pp_optim import (
+    MegatronOptimizer,
+    NonFiniteGradError,
+    OptimizerParamScheduler,
+    all_reduce_grads,
+)
+from pp_schedules import (
+    PipelineExecutor,
+    Plan,
+    ResolvedSchedule,
+    ScheduleConfig,
+    get_forward_backward_func,
+)
+from pp_state import ParallelState, Placement
+from pp_state.collectives import collective
+from pp_train.checkpoint.agreement import gather_ints
+from pp_train.embeddings import split_position_embedding, sum_tied_gradients
+from pp_train.models import checked_placement
+from pp_train.reporting import Timers as LevelledTimers
+from pp_train.wrappers import unwrap_model
+
+__all__ = [
+    "ForwardBackwardFunc",
+    "ForwardStepFunc",
+    "NonFiniteError",
+    "StepResult",
+    "average_losses",
+    "build_forward_backward_func",
+    "finalize_model_grads",
+    "schedule_placement",
+    "train_step",
+]
+
+ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[Any, Callable[..., Any]]]
+"""Megatron's ``forward_step(data_iterator, model) -> (output, loss_func)``."""
+
+StepResult = tuple[dict[str, float], int, float | None, int | None]
+"""What `train_step` returns: ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``."""
+
+
+class ForwardBackwardFunc(Protocol):
+    """What `pp_schedules.get_forward_backward_func` returns (Megatron's interface).
+
+    A function with a ``placement`` attribute (pp-schedules' executor) says which virtual
+    stage each chunk holds; any other is taken to run Megatron's looped placement.
+    """
+
+    def __call__(
+        self,
+        *,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Any,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+    ) -> list[Any]:
+        """Runs one step's forward (and backward) passes; loss dicts on the last stage."""
+
+
+def build_forward_backward_func(
+    state: ParallelState,
+    model: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    *,
+    hidden_size: int,
+    device: torch.device | None = None,
+    timers: Timers | None = None,
+    comm_config: CommConfig | None = None,
+    schedule: str | None = None,
+    plan: Plan | str | None = None,
+    placement: Placement | None = None,
+    resolved: ResolvedSchedule | None = None,
+) -> PipelineExecutor:
+    """The schedule for `state`'s pipeline, wired to the optimizer's loss scale and DDP's no_sync.
+
+    Activations travel in the model's dtype (fp16/bf16 chunks send half tensors). The result
+    is pp-schedules' executor: its ``placement`` says which stage each chunk holds, and
+    `train` can record its timeline (`TrainingConfig.profile_schedule_path`).
+
+    Args:
+        state: The parallel state; its pipeline group carries the transfers.
+        model: This rank's chunks (from `get_model`).
+        optimizer: Its ``scale_loss`` scales each loss before backward.
+        hidden_size: Width of the activations between stages.
+        device: Where received tensors go.
+        timers: Megatron-style timers for the compute and communication phases.
+        comm_config: pp-comm settings; by default the model's dtype on the wire.
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b"; by default Megatron's choice
+            (interleaved 1F1B with virtual stages, 1F1B otherwise, no pipelining for one
+            stage).
+        plan: A plan to run instead (a `pp_schedules.Plan` or its text); it carries its
+            placement.
+        placement: The placement the model was built for (`get_model`); checked against
+            the plan's. Looped when None and no plan is given.
+        resolved: The run's schedule resolved once (`pp_schedules.resolve_schedule`, as
+            `pp_train.check_world` does): the executor runs its validated plans and plans
+            nothing itself. Not with `schedule`, `plan` or `placement`.
+
+    Raises:
+        ValueError: A schedule and a plan together, a resolved schedule with either, or a
+            plan, placement or resolved schedule that does not fit the pipeline.
+    """
+    if schedule is not None and plan is not None:
+        raise ValueError(f"give a schedule name or a plan, not both (schedule {schedule!r})")
+    if resolved is not None and (schedule, plan, placement) != (None, None, None):
+        raise ValueError(
+            "a resolved schedule carries its schedule, plan and placement; give it alone "
+            f"(schedule {schedule!r}, plan {'given' if plan is not None else None}, "
+            f"placement {placement})"
+        )
+    communicator = _pipeline_communicator(
+        state, model, device=device, timers=timers, comm_config=comm_config
+    )
+    return get_forward_backward_func(
+        communicator,
+        vp_size=len(model),
+        config=ScheduleConfig(
+            hidden_size=hidden_size,
+            schedule=schedule,
+            plan=plan,
+            placement=placement,
+            pipeline_model_parallel_split_rank=state.pipeline_model_parallel_split_rank
+            if state.pipeline_model_parallel_size > 1
+            else None,
+            grad_scale_func=optimizer.scale_loss,
+            no_sync_func=_no_sync_func(model),
+            timers=timers,
+        ),
+        resolved=resolved,
+    )
+
+
+def _pipeline_communicator(
+    state: ParallelState,
+    model: Sequence[torch.nn.Module],
+    *,
+    device: torch.device | None,
+    timers: Timers | None,
+    comm_config: CommConfig | None,
+) -> P2PCommunicator | None:
+    """The transfers between stages (None for one stage), by default in the model's dtype."""
+    dtype = next(unwrap_model(model[0]).parameters()).dtype
+    if state.pipeline_model_parallel_size <= 1:
+        return None
+    config = comm_config or CommConfig(pipeline_dtype=dtype)
+    return P2PCommunicator.from_parallel_state(state, config=config, device=device, timers=timers)
+
+
+def _no_sync_func(model: Sequence[torch.nn.Module]) -> Any:
+    """The chunks' ``no_sync`` (one, or a list for several); None unless every chunk has one."""
+    no_sync = [getattr(chunk, "no_sync", None) for chunk in model]
+    if not all(func is not None for func in no_sync):
+        return None
+    return no_sync if len(no_sync) > 1 else no_sync[0]
+
+
+def schedule_placement(forward_backward_func: Any, state: ParallelState) -> Placement:
+    """The placement a forward-backward function runs: the executor's, else Megatron's looped.
+
+    For callers that do not know it: `pretrain` hands the resolved schedule's placement to
+    `train`, `train_step` and `evaluate` instead (their ``placement`` keyword), and a user
+    with a Megatron-style function of their own passes the placement it runs there.
+
+    Args:
+        forward_backward_func: pp-schedules' executor (it has ``placement``) or any function
+            with Megatron's interface (taken to run the looped placement).
+        state: The parallel state (pipeline and virtual sizes).
+    """
+    placement = getattr(forward_backward_func, "placement", None)
+    if isinstance(placement, Placement):
+        return placement
+    return checked_placement(state, None)
+
+
+def finalize_model_grads(
+    model: Sequence[torch.nn.Module],
+    state: ParallelState,
+    *,
+    placement: Placement | None = None,
+) -> None:
+    """After backward: data-parallel reduction, then the tied embeddings' gradients.
+
+    Every chunk's grad buffer is reduced over data parallelism; the word embedding's copies on
+    the first and last stage are summed (over the embedding group, or in place when one rank
+    holds both, see `tied_embedding_sync`); with a split rank the position embedding over its
+    group (Megatron's encoder-decoder models).
+
+    Args:
+        model: This rank's chunks.
+        state: The parallel state.
+        placement: Which stage each chunk holds (the schedule's); looped when None.
+    """
+    for chunk in model:
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if callable(finish):
+            finish()
+    sum_tied_gradients(model, state, checked_placement(state, placement))
+    position = split_position_embedding(model, state)
+    if position is not None:
+        all_reduce_grads([position], group=state.group("position_embedding"))
+
+
+def average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[str, float]:
+    """Microbatch losses averaged, then over data-parallel ranks (last stage's ranks only).
+
+    Args:
+        losses: One dict of loss tensors per microbatch (the forward-backward function's).
+        state: The parallel state; a collective over its data (x context) parallel group.
+    """
+    if not losses:
+        return {}
+    averaged = {}
+    for key in losses[0]:
+        values = torch.stack(
+            [torch.as_tensor(x[key], dtype=torch.float32).detach().reshape(()) for x in losses]
+        )
+        averaged[key] = values.mean()
+    stacked = torch.stack(list(averaged.values())).cpu()
+    if state.group_size("dp_cp") > 1:
+        device = "cuda" if dist.get_backend(state.group("dp_cp")) == "nccl" else "cpu"
+        stacked = stacked.to(device)
+        with collective("loss averaging over data parallel", group=state.group("dp_cp")):
+            dist.all_reduce(stacked, group=state.group("dp_cp"))
+        stacked = stacked.cpu() / state.group_size("dp_cp")
+    return {key: float(value) for key, value in zip(averaged, stacked.tolist(), strict=True)}
+
+
+def train_step(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Any,
+    model: Sequence[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    *,
+    forward_backward_func: ForwardBackwardFunc,
+    state: ParallelState,
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+    decoder_seq_length: int | None = None,
+    timers: Timers | None = None,
+    barrier_with_l1_time: bool = True,
+    iteration: int | None = None,
+    placement: Placement | None = None,
+) -> StepResult:
+    """One iteration, as Megatron's ``train_step``.
+
+    Zeroes the grads, runs the forward-backward function, `finalize_model_grads`, steps the
+    optimizer and, unless it skipped, the scheduler by ``microbatches * mbs * dp`` samples.
+    Phases "forward-backward", "grads-all-reduce", "optimizer" are timed at level 1 (after a
+    barrier and a device sync with `barrier_with_l1_time`).
+
+    `placement` says which stage each chunk holds (the run's resolved schedule's); when None,
+    `schedule_placement` asks the forward-backward function.
+
+    Returns:
+        ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
+        microbatches and data-parallel ranks (on the rank holding the last stage; else empty).
+
+    Raises:
+        NonFiniteError: A NaN or inf gradient norm without a loss scaler; nothing applied.
+    """
+    timers = timers or NullTimers()
+    for zero in (getattr(chunk, "zero_grad_buffer", None) for chunk in model):
+        if callable(zero):
+            zero()
+    optimizer.zero_grad()
+    _phase(timers, "forward-backward").start(**_barrier(timers, barrier_with_l1_time))
+    losses = forward_backward_func(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=list(model),
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=False,
+    )
+    _phase(timers, "forward-backward").stop()
+    placement = placement or schedule_placement(forward_backward_func, state)
+    _phase(timers, "grads-all-reduce").start()
+    finalize_model_grads(model, state, placement=placement)
+    _phase(timers, "grads-all-reduce").stop()
+    step = _optimizer_step(optimizer, timers, barrier_with_l1_time, losses, iteration)
+    update_successful, grad_norm, num_zeros_in_grad = step
+    if update_successful:
+        scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp_cp"))
+    skipped_iter = 0 if update_successful else 1
+    holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
+    loss_dict = average_losses(losses, state) if holds_loss else {}
+    return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _optimizer_step(
+    optimizer: MegatronOptimizer,
+    timers: Timers,
+    barrier: bool,
+    losses: list[Any],
+    iteration: int | None,
+) -> tuple[bool, float | None, int | None]:
+    """The optimizer's step, timed; a non-finite norm becomes one `NonFiniteError`."""
+    _phase(timers, "optimizer").start(**_barrier(timers, barrier))
+    try:
+        result = optimizer.step()
+    except NonFiniteGradError as error:
+        raise _non_finite(error, losses, iteration) from error
+    _phase(timers, "optimizer").stop()
+    return result
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf loss or gradient norm stopped training before the step was applied."""
+
+
+def _non_finite(
+    error: NonFiniteGradError, losses: list[Any], iteration: int | None
+) -> NonFiniteError:
+    """The error every rank raises, naming the ranks whose loss was not finite (a collective)."""
+    bad_loss = any(
+        not math.isfinite(float(torch.as_tensor(v).float().reshape(-1)[0]))
+        for item in losses
+        for v in (item.values() if isinstance(item, dict) else [item])
+    )
+    flags = gather_ints(int(bad_loss), "non-finite loss check", iteration=iteration)
+    loss_ranks = [rank for rank, flag in enumerate(flags) if flag]
+    where = "" if iteration is None else f"iteration {iteration}: "
+    loss = f"non-finite loss on rank(s) {loss_ranks}; " if loss_ranks else ""
+    return NonFiniteError(
+        f"{where}{loss}{error}; training stopped, the last checkpoint is as it was "
+        "(--no-check-for-nan-in-loss-and-grad turns this check off)"
+    )
+
+
+def _phase(timers: Timers, name: str) -> Any:
+    """A once-per-iteration phase's timer: level 1 with pp-train's `Timers` (Megatron's)."""
+    return timers(name, log_level=1) if isinstance(timers, LevelledTimers) else timers(name)
+
+
+def _barrier(timers: Timers, barrier: bool) -> dict[str, bool]:
+    """``start``'s keywords: pp-train's timers take a barrier; a plain `Timers` hook none."""
+    return {"barrier": barrier} if isinstance(timers, LevelledTimers) else {}
