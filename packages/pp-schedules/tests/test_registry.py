@@ -201,3 +201,15 @@ def test_the_package_has_no_import_cycle() -> None:
         } - {name}
     assert {"pp_schedules.registry", "pp_schedules.resolution"} <= set(graph)
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
+
+
+def test_every_schedule_has_a_title_for_people() -> None:
+    titles = {name: spec.title for name, spec in SCHEDULE_REGISTRY.items()}
+    assert titles == {
+        "no_pipelining": "no pipelining",
+        "gpipe": "GPipe",
+        "1f1b": "1F1B",
+        "interleaved_1f1b": "interleaved 1F1B",
+        "zb_h1": "zero-bubble ZB-H1",
+        "zbv": "zero-bubble ZB-V (V placement)",
+    }

@@ -43,6 +43,7 @@ class ScheduleSpec:
 
     Attributes:
         name: The name `plan` takes.
+        title: How a person names it ("interleaved 1F1B"), for log lines and tables.
         placement: The placement it runs on by default: "looped" (Megatron's) or "v". A
             schedule on "v" runs on no other.
         chunks: Model chunks per rank it takes: 1, 2, or None for any number the generator
@@ -58,6 +59,7 @@ class ScheduleSpec:
     """
 
     name: str
+    title: str
     placement: PlacementName
     chunks: int | None
     split_backward: bool
@@ -172,28 +174,34 @@ SCHEDULE_REGISTRY: Mapping[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
         ScheduleSpec(
-            name="no_pipelining", placement="looped", chunks=1, split_backward=False,
+            name="no_pipelining", title="no pipelining",
+            placement="looped", chunks=1, split_backward=False,
             generator=no_pipelining, instead=_ONE_CHUNK,
         ),
         ScheduleSpec(
-            name="gpipe", placement="looped", chunks=None, split_backward=False,
+            name="gpipe", title="GPipe",
+            placement="looped", chunks=None, split_backward=False,
             generator=gpipe, options=frozenset({VP_SIZE}), auto_rank=2,
         ),
         ScheduleSpec(
-            name="1f1b", placement="looped", chunks=1, split_backward=False,
+            name="1f1b", title="1F1B",
+            placement="looped", chunks=1, split_backward=False,
             generator=one_f_one_b, instead=_ONE_CHUNK, auto_rank=0,
         ),
         ScheduleSpec(
-            name="interleaved_1f1b", placement="looped", chunks=None, split_backward=False,
+            name="interleaved_1f1b", title="interleaved 1F1B",
+            placement="looped", chunks=None, split_backward=False,
             generator=interleaved_1f1b, options=frozenset({VP_SIZE, GROUP}), min_chunks=2,
             auto_rank=0,
         ),
         ScheduleSpec(
-            name="zb_h1", placement="looped", chunks=1, split_backward=True,
+            name="zb_h1", title="zero-bubble ZB-H1",
+            placement="looped", chunks=1, split_backward=True,
             generator=zb_h1, instead="use 'zbv' or 'gpipe'", auto_rank=1,
         ),
         ScheduleSpec(
-            name="zbv", placement="v", chunks=2, split_backward=True, generator=zbv,
+            name="zbv", title="zero-bubble ZB-V (V placement)",
+            placement="v", chunks=2, split_backward=True, generator=zbv,
             instead="use vp_size=2 (or 'zb_h1' with one chunk)", auto_rank=1,
         ),
     )

@@ -181,10 +181,13 @@ class ModelArgs:
     seq_length: int = 64
     """Tokens per sample."""
 
+    decoder_seq_length: int | None = None
+    """Encoder-decoder models: the decoder's tokens per sample (None: --seq-length)."""
+
     def __post_init__(self) -> None:
         """Checks the sizes and that the heads divide the hidden size."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
-        _check_at_least(self, (*names, "seq_length"))
+        _check_at_least(self, (*names, "seq_length", "decoder_seq_length"))
         if self.hidden_size % self.num_attention_heads:
             divisors = [d for d in range(1, self.hidden_size + 1) if self.hidden_size % d == 0]
             raise ValueError(
@@ -211,8 +214,8 @@ class TrainingArgs:
     )
     """START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES."""
 
-    eval_interval: int = 100
-    """Evaluate every this many iterations."""
+    eval_interval: int | None = 100
+    """Evaluate every this many iterations (None, in the library: never during training)."""
 
     eval_iters: int = 4
     """Global batches per evaluation (0: no evaluation)."""
@@ -226,13 +229,17 @@ class TrainingArgs:
     exit_signal_handler: bool = True
     """On SIGTERM, finish the iteration, save and stop."""
 
+    adlr_autoresume_interval: int = 1000
+    """Ask the autoresume hook (the library's ``autoresume``) every this many iterations
+    whether to save and stop."""
+
     seed: int = 1234
     """Seed of the weights, the data order and dropout."""
 
     def __post_init__(self) -> None:
         """Checks counts and intervals."""
         names = ("train_iters", "micro_batch_size", "global_batch_size", "eval_interval")
-        _check_at_least(self, (*names, "exit_interval"))
+        _check_at_least(self, (*names, "exit_interval", "adlr_autoresume_interval"))
         _check_at_least(self, ("eval_iters", "seed"), minimum=0)
         _check_positive_real(self, ("exit_duration_in_mins",))
 
@@ -403,7 +410,8 @@ class PretrainConfig:
         """
         training = self.training
         gbs, eval_iters = training.global_batch_size, training.eval_iters
-        evaluations = training.train_iters // training.eval_interval + 1
+        interval = training.eval_interval
+        evaluations = (0 if interval is None else training.train_iters // interval) + 1
         return training.train_iters * gbs, evaluations * eval_iters * gbs, eval_iters * gbs
 
     @property

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from pp_state.collectives import at_iteration, collective
+from pp_train.arguments import TrainingArgs
 from pp_train.checkpoint.agreement import collective_device
-from pp_train.run import ExitReason, TrainingConfig, every
+from pp_train.run import ExitReason, every
 
 __all__ = ["SigtermFlag", "any_rank", "exit_reason"]
 
@@ -59,7 +60,7 @@ def any_rank(flags: list[bool]) -> list[bool]:
 
 
 def exit_reason(
-    config: TrainingConfig,
+    training: TrainingArgs,
     iteration: int,
     *,
     started: float,
@@ -69,26 +70,26 @@ def exit_reason(
     """Why the run stops after `iteration`, or None; the same answer on every rank.
 
     Args:
-        config: The exit settings (signal handler, autoresume interval, duration, interval).
+        training: The exit settings (signal handler, autoresume interval, duration, interval).
         iteration: The iteration just trained (1-based).
         started: When training started (``time.monotonic()``).
         signals: Whether this rank received SIGTERM.
         autoresume: Asked every `adlr_autoresume_interval` iterations whether to stop.
     """
-    asks = autoresume is not None and iteration % config.adlr_autoresume_interval == 0
-    timed = config.exit_duration_in_mins is not None
-    if config.exit_signal_handler or asks or timed:
+    asks = autoresume is not None and iteration % training.adlr_autoresume_interval == 0
+    timed = training.exit_duration_in_mins is not None
+    if training.exit_signal_handler or asks or timed:
         # The checks every rank must agree on share one all-reduce per iteration.
         local = [
-            config.exit_signal_handler and signals.received,
+            training.exit_signal_handler and signals.received,
             asks and autoresume is not None and autoresume(),
-            timed and (time.monotonic() - started) / 60.0 > (config.exit_duration_in_mins or 0),
+            timed and (time.monotonic() - started) / 60.0 > (training.exit_duration_in_mins or 0),
         ]
         with at_iteration(iteration):
             agreed = any_rank(local)
         for reason, flagged in zip(_AGREED_EXITS, agreed, strict=True):
             if flagged:
                 return reason
-    if every(config.exit_interval, iteration):
+    if every(training.exit_interval, iteration):
         return "exit_interval"
     return None

@@ -9,8 +9,16 @@ import torch
 
 from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
+from pp_train.arguments import PretrainConfig
 from pp_train.reporting import TrainingLogger
-from pp_train.run import ExitReason, TrainingConfig, TrainingProgress, TrainingRun, every
+from pp_train.run import (
+    ExitReason,
+    TrainingConfig,
+    TrainingProgress,
+    TrainingRun,
+    every,
+    loop_config,
+)
 from pp_train.step import ForwardBackwardFunc, ForwardStepFunc
 from pp_train.step_log import log_step
 
@@ -27,7 +35,7 @@ def finetune(
     epochs: int,
     train_iters_per_epoch: int,
     state: ParallelState,
-    config: TrainingConfig,
+    config: TrainingConfig | PretrainConfig,
     forward_backward_func: ForwardBackwardFunc,
     progress: TrainingProgress,
     logger: TrainingLogger,
@@ -41,20 +49,19 @@ def finetune(
     `epoch_batches(epoch)` yields the epoch's microbatches in order (shuffle by epoch inside
     it). A run resumed at iteration ``i`` starts in epoch ``i // train_iters_per_epoch`` and
     skips its first ``i % train_iters_per_epoch`` batches, so it sees what an unbroken run
-    would. After each epoch: save (when `config.save`) and call
-    ``end_of_epoch_callback(model, epoch)``.
+    would. After each epoch: save (when a save directory is set) and call
+    ``end_of_epoch_callback(model, epoch)``. `config` as `train` takes it.
 
     Returns:
-        "exit_interval" when `config.exit_interval` stopped it, else "train_iters".
+        "exit_interval" when the exit interval stopped it, else "train_iters".
     """
     if train_iters_per_epoch < 1 or epochs < 1:
         raise ValueError(
             f"epochs and train_iters_per_epoch must be >= 1, got {epochs} and "
             f"{train_iters_per_epoch}"
         )
-    run = TrainingRun(
-        state, model, optimizer, scheduler, config, progress, checkpoint_args or {}, print_fn
-    )
+    sections, extra = loop_config(config), checkpoint_args or {}
+    run = TrainingRun(state, model, optimizer, scheduler, sections, progress, extra, print_fn)
     start_epoch = progress.iteration // train_iters_per_epoch
     skip = progress.iteration % train_iters_per_epoch
     for chunk in model:
@@ -94,11 +101,11 @@ def _finetune_iteration(
         forward_backward_func,
         num_microbatches=1,
     )
-    global_batch_size = run.config.micro_batch_size * run.state.group_size("dp_cp")
+    global_batch_size = run.config.training.micro_batch_size * run.state.group_size("dp_cp")
     progress.iteration += 1
     progress.consumed_train_samples += global_batch_size
     log_step(logger, run.optimizer, progress, step, global_batch_size=global_batch_size)
     run.save_on_interval()
-    if every(run.config.exit_interval, progress.iteration):
+    if every(run.config.training.exit_interval, progress.iteration):
         return run.stop("exit_interval")
     return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pp_schedules import Costs, LayerBalance, balance_layers
+from pp_schedules import Costs, LayerBalance, balance_layers, schedule_spec
 from pp_state import LayerLayoutError, PipelineLayerLayout
 from pp_state.numbers import divisors
 from pp_train.arguments import ParallelArgs
@@ -131,20 +131,22 @@ def balanced(
 ) -> LayerSplit:
     """The split with the shortest simulated step, the ends weighing `costs` layers each.
 
-    The schedule simulated is the named one (Megatron's default for the sizes otherwise); zbv
-    splits over two chunks per rank on the V placement, interleaved 1F1B over two looped ones,
-    every other schedule over one chunk per rank.
+    The schedule simulated is the named one (Megatron's default for the sizes otherwise), on
+    the chunks per rank and the placement its registry record gives (two chunks for one that
+    takes any number and needs several, as interleaved 1F1B; one otherwise).
     """
     schedule = parallel.pipeline_schedule
     named = None if schedule in (None, "auto") else schedule
-    vp = 2 if named in ("zbv", "interleaved_1f1b") else 1
+    spec = None if named is None else schedule_spec(named)
+    vp = 1 if spec is None else spec.chunks or max(spec.min_chunks, 1)
     per_layer = Costs() if layer is None else layer
     try:
         balance = balance_layers(
             num_layers, parallel.pipeline_model_parallel_size, vp_size=vp,
             layer_cost=per_layer, embedding_cost=_times(per_layer, costs[0]),
             loss_cost=_times(per_layer, costs[1]), schedule=named,
-            num_microbatches=num_microbatches, placement="v" if named == "zbv" else "looped",
+            num_microbatches=num_microbatches,
+            placement="looped" if spec is None else spec.placement,
         )  # fmt: skip
     except ValueError as error:
         raise ValueError(

@@ -17,12 +17,20 @@ import torch
 from pp_comm import NullTimers
 from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState, Placement
+from pp_train.arguments import PretrainConfig
 from pp_train.evaluation import evaluate
 from pp_train.exits import SigtermFlag, exit_reason
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
 from pp_train.reporting import TrainingLogger
-from pp_train.run import ExitReason, TrainingConfig, TrainingProgress, TrainingRun, every
+from pp_train.run import (
+    ExitReason,
+    TrainingConfig,
+    TrainingProgress,
+    TrainingRun,
+    every,
+    loop_config,
+)
 from pp_train.schedule_profile import ScheduleProfile
 from pp_train.step import ForwardBackwardFunc, ForwardStepFunc, StepResult
 from pp_train.step_log import log_step, timers_line
@@ -39,7 +47,7 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     valid_data_iterator: Any,
     *,
     state: ParallelState,
-    config: TrainingConfig,
+    config: TrainingConfig | PretrainConfig,
     forward_backward_func: ForwardBackwardFunc,
     calculator: NumMicroBatchesCalculator,
     progress: TrainingProgress,
@@ -50,30 +58,38 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     print_fn: Callable[[str], None] = print,
     placement: Placement | None = None,
 ) -> ExitReason:
-    """Trains until `config.train_iters` or an early exit, as Megatron's ``train``.
+    """Trains until ``train_iters`` or an early exit, as Megatron's ``train``.
 
     Each iteration: update the microbatch count from the consumed samples, `train_step`,
     count the samples, log; evaluate every `eval_interval`; save every `save_interval`;
     then stop, saving first, on SIGTERM, an autoresume request, `exit_duration_in_mins` or
     `exit_interval`; every rank takes each of these decisions together. With
-    `config.profile_schedule_path`, one iteration's schedule is recorded and written as a
-    Chrome trace, and its summary line goes to `print_fn`. `placement` is the one the run's
+    a profile path, one iteration's schedule is recorded and written as a Chrome trace, and
+    its summary line goes to `print_fn`. `config` is a `TrainingConfig` (Megatron's shape,
+    handed on as `as_pretrain_config`'s sections) or the run's `PretrainConfig`, whose
+    sections the loop reads as they are. `placement` is the one the run's
     resolved schedule runs (None: `schedule_placement` asks `forward_backward_func`).
 
     Returns:
         Why training stopped.
 
     Raises:
-        ValueError: `config.profile_schedule_path` cannot be written.
+        ValueError: The profile path cannot be written.
         TypeError: Profiling was asked for without pp-schedules' executor.
     """
     timers = timers if timers is not None else NullTimers()
+    sections = loop_config(config)
     run = TrainingRun(
-        state, model, optimizer, scheduler, config, progress, checkpoint_args or {}, print_fn,
+        state, model, optimizer, scheduler, sections, progress, checkpoint_args or {}, print_fn,
         placement,
     )  # fmt: skip
     profile = ScheduleProfile(
-        config, forward_backward_func, state, start=progress.iteration, print_fn=print_fn
+        sections.logging,
+        sections.training.train_iters,
+        forward_backward_func,
+        state,
+        start=progress.iteration,
+        print_fn=print_fn,
     )
     for chunk in model:
         chunk.train()
@@ -108,11 +124,12 @@ class TrainLoop:
         """Iterates to `train_iters` or an early exit, saving first; why it stopped."""
         run, config, progress = self.run, self.run.config, self.run.progress
         started = time.monotonic()
-        with SigtermFlag(config.exit_signal_handler) as signals:
-            while progress.iteration < config.train_iters:
+        training = config.training
+        with SigtermFlag(training.exit_signal_handler) as signals:
+            while progress.iteration < training.train_iters:
                 self.iteration(train_data_iterator, valid_data_iterator)
                 reason = exit_reason(
-                    config,
+                    training,
                     progress.iteration,
                     started=started,
                     signals=signals,
@@ -145,9 +162,9 @@ class TrainLoop:
         progress.consumed_train_samples += batch
         self._log(step, batch)
         if (
-            every(config.eval_interval, progress.iteration)
+            every(config.training.eval_interval, progress.iteration)
             and valid_data_iterator is not None
-            and config.eval_iters > 0
+            and config.training.eval_iters > 0
         ):
             self._evaluate(valid_data_iterator)
         run.save_on_interval()
@@ -158,7 +175,7 @@ class TrainLoop:
         """The iteration's log line, with time and timers averaged over the log interval."""
         run = self.run
         self.interval_iterations += 1
-        log_now = run.progress.iteration % run.config.log_interval == 0
+        log_now = run.progress.iteration % run.config.logging.log_interval == 0
         log_step(
             self.logger,
             run.optimizer,
@@ -169,7 +186,7 @@ class TrainLoop:
             / self.interval_iterations,
             timers_line=timers_line(self.timers, self.interval_iterations) if log_now else None,
             params_norm=calc_params_l2_norm(run.model, run.state)
-            if run.config.log_params_norm
+            if run.config.logging.log_params_norm
             else None,
         )
         if log_now:
@@ -185,15 +202,15 @@ class TrainLoop:
             run.model,
             forward_backward_func=self.forward_backward_func,
             state=run.state,
-            eval_iters=config.eval_iters,
+            eval_iters=config.training.eval_iters,
             num_microbatches=calculator.get(),
-            micro_batch_size=config.micro_batch_size,
-            seq_length=config.seq_length,
-            decoder_seq_length=config.decoder_seq_length,
+            micro_batch_size=config.training.micro_batch_size,
+            seq_length=config.model.seq_length,
+            decoder_seq_length=config.model.decoder_seq_length,
             placement=run.placement,
         )
         progress.consumed_valid_samples += (
-            config.eval_iters * calculator.get_current_global_batch_size()
+            config.training.eval_iters * calculator.get_current_global_batch_size()
         )
         if losses:
             text = " | ".join(

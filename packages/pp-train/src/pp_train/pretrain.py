@@ -18,6 +18,7 @@ import datetime
 import inspect
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
-from pp_schedules import Choice, Costs, resolve_schedule
+from pp_schedules import Choice, Costs, resolve_schedule, schedule_spec
 from pp_state import ParallelConfig, ParallelState
 from pp_train.arguments import PretrainConfig
 from pp_train.checkpoint import (
@@ -77,15 +78,6 @@ LayoutMeasure = Callable[[], tuple[Costs, float, float]]
 """Measures, the same on every rank: one transformer layer's step costs, and the embedding's
 and the loss's time in transformer layers (for balancing an uneven split)."""
 
-_SCHEDULE_TITLES = {
-    "no_pipelining": "no pipelining",
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved_1f1b": "interleaved 1F1B",
-    "zb_h1": "zero-bubble ZB-H1",
-    "zbv": "zero-bubble ZB-V (V placement)",
-}
-
 
 def pretrain(
     train_valid_test_datasets_provider: DatasetsProvider,
@@ -103,12 +95,11 @@ def pretrain(
 ) -> ExitReason:
     """Trains a model as `config` says, on the processes torchrun started (or this one).
 
-    Checks `config` against the world first (`check_world`, unless the caller already did and
-    passes its `layout`); then starts the process group
-    unless one is running (torchrun's environment; one process without it), builds the
-    parallel state, the chunks, optimizer and scheduler (restored from ``--load``), the
-    datasets and their microbatch streams, runs `train`, and evaluates at the end. The rank
-    holding the last stage in the last data-parallel replica prints.
+    Checks `config` against the world first (`check_world`, unless `layout` is given); then
+    starts the process group unless one is running (torchrun's environment; one process
+    without it), builds the parallel state, the chunks, optimizer and scheduler (restored from
+    ``--load``), the datasets and their microbatch streams, runs `train`, and evaluates at the
+    end. The rank holding the last stage in the last data-parallel replica prints.
 
     Args:
         train_valid_test_datasets_provider: Builds the datasets (see the module docstring).
@@ -117,17 +108,14 @@ def pretrain(
         forward_step_func: One microbatch through a chunk.
         config: The run's configuration.
         model_type: One stack, or an encoder and a decoder split at a pipeline rank.
-        checkpoint_args: More settings saved in checkpoints and checked on load (e.g. the
-            vocabulary size).
-        measure_schedule: With ``--pipeline-schedule auto``, chooses again with measured
-            costs (the default choice simulates equal costs).
+        checkpoint_args: More settings saved in checkpoints (e.g. the vocabulary size).
+        measure_schedule: With ``auto``, chooses again with measured costs (once).
         measure_layout: For a split balanced by simulation whose end costs are not both
             configured: balances again with measured costs before the model is built.
         model_name: Names the model in the first line printed.
         layer_counts: Transformer layers of each virtual stage (see `check_world`).
-        layout: `check_world`'s result for this `config` and world, when the caller has it
-            (the command checks its flags before calling): the configuration is not checked,
-            nor the schedule resolved, a second time.
+        layout: `check_world`'s result, when the caller has it: then nothing is checked or
+            resolved again.
 
     Returns:
         Why training stopped (see `train`).
@@ -136,10 +124,9 @@ def pretrain(
         ValueError: The configuration does not fit the world (nothing was started).
         CheckpointError: ``--load`` holds a checkpoint this run cannot load.
     """
-    if layout is None:
-        layout = check_world(
-            config, _world_size(), layer_counts=layer_counts, transport=default_transport()
-        )
+    layout = layout or check_world(
+        config, _world_size(), layer_counts=layer_counts, transport=default_transport()
+    )
     with _process_group(config) as device:
         state = _parallel_state(config, layout)
         try:
@@ -148,11 +135,8 @@ def pretrain(
                 layout = _measured(layout, measure_schedule)
             run = _Run(config, layout, state, device, model_name, measured)
             model = _with_context(model_provider, state, layout)
-            extra = checkpoint_args or {}
-            return run.train(
-                train_valid_test_datasets_provider, model, forward_step_func,
-                model_type=model_type, checkpoint_args=extra,
-            )  # fmt: skip
+            datasets, extra = train_valid_test_datasets_provider, checkpoint_args or {}
+            return run.train(datasets, model, forward_step_func, model_type, extra)
         finally:
             state.destroy()
 
@@ -310,12 +294,22 @@ def _load_format(config: PretrainConfig) -> dict[str, Any]:
 
 
 def training_config(config: PretrainConfig) -> TrainingConfig:
-    """The loop's settings from the run's flags."""
+    """The loop's settings from the run's flags, as a `TrainingConfig`.
+
+    Deprecated, and removed in pp-train 0.9: `train` and `finetune` take the `PretrainConfig`
+    itself and read its sections; nothing in pp-train calls this.
+    """
+    warnings.warn(
+        "pp_train.pretrain.training_config is deprecated: pass the PretrainConfig to train",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     training, logging, checkpoint = config.training, config.logging, config.checkpoint
     return TrainingConfig(
         train_iters=training.train_iters,
         micro_batch_size=training.micro_batch_size,
         seq_length=config.model.seq_length,
+        decoder_seq_length=config.model.decoder_seq_length,
         eval_interval=training.eval_interval,
         eval_iters=training.eval_iters,
         log_interval=logging.log_interval,
@@ -326,6 +320,7 @@ def training_config(config: PretrainConfig) -> TrainingConfig:
         exit_interval=training.exit_interval,
         exit_duration_in_mins=training.exit_duration_in_mins,
         exit_signal_handler=training.exit_signal_handler,
+        adlr_autoresume_interval=training.adlr_autoresume_interval,
         profile_schedule_path=logging.profile_schedule,
         profile_schedule_iteration=logging.profile_schedule_iteration,
         log_params_norm=logging.log_params_norm,
@@ -366,7 +361,6 @@ class _Run:
         datasets_provider: DatasetsProvider,
         model_provider: Callable[..., torch.nn.Module],
         forward_step_func: ForwardStepFunc,
-        *,
         model_type: ModelType,
         checkpoint_args: Mapping[str, Any],
     ) -> ExitReason:
@@ -385,14 +379,14 @@ class _Run:
         )  # fmt: skip
         calculator = microbatch_calculator(config, state.group_size("dp_cp"))
         logger, writer = self._logger()
-        for message in self._startup(forward_backward.schedule, train_ds):
+        for message in self._startup(train_ds):
             self.say(message)
         try:
             reason = train(
                 forward_step_func, model, optimizer, scheduler,
                 self._streams(train_ds, progress.consumed_train_samples),
                 self._streams(valid_ds, progress.consumed_valid_samples),
-                state=state, config=training_config(config),
+                state=state, config=config,
                 forward_backward_func=forward_backward, calculator=calculator,
                 progress=progress, logger=logger, timers=timers,
                 checkpoint_args=saved_args, print_fn=self.say, placement=layout.placement,
@@ -547,15 +541,16 @@ class _Run:
         )
         return logger, writer
 
-    def _startup(self, schedule: str, train_ds: SampleDataset | None) -> list[str]:
+    def _startup(self, train_ds: SampleDataset | None) -> list[str]:
         """The line that describes the run; with ``auto``, also the schedule choice."""
         state, layout = self.state, self.layout
         pp, vp = state.pipeline_model_parallel_size, state.virtual_pipeline_model_parallel_size
         path = self.config.parallel.pipeline_schedule_file
+        name = layout.schedule  # None for the plan of a file
         title = (
-            f"plan {path} ({layout.placement} placement)"
-            if path is not None
-            else _SCHEDULE_TITLES.get(schedule, schedule)
+            schedule_spec(name).title
+            if name is not None
+            else f"plan {path} ({layout.placement} placement)"
         )
         epoch = getattr(train_ds, "samples_per_epoch", None)
         if epoch is None and hasattr(train_ds, "__len__"):

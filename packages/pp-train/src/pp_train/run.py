@@ -18,6 +18,13 @@ from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState, Placement
 from pp_state.collectives import at_iteration
 from pp_state.numbers import is_int
+from pp_train.arguments import (
+    CheckpointArgs,
+    LoggingArgs,
+    ModelArgs,
+    PretrainConfig,
+    TrainingArgs,
+)
 from pp_train.checkpoint import (
     AsyncCheckpointSaver,
     CkptFormat,
@@ -26,7 +33,15 @@ from pp_train.checkpoint import (
 )
 from pp_train.step import ForwardBackwardFunc, ForwardStepFunc, StepResult, train_step
 
-__all__ = ["ExitReason", "TrainingConfig", "TrainingProgress", "TrainingRun", "every"]
+__all__ = [
+    "ExitReason",
+    "TrainingConfig",
+    "TrainingProgress",
+    "TrainingRun",
+    "as_pretrain_config",
+    "every",
+    "loop_config",
+]
 
 ExitReason = Literal[
     "train_iters", "exit_interval", "exit_duration", "signal", "autoresume", "converted"
@@ -149,6 +164,46 @@ class TrainingConfig:
                 )
 
 
+def as_pretrain_config(config: TrainingConfig) -> PretrainConfig:
+    """`config` as the sections of a `PretrainConfig`, which the loop reads.
+
+    The Megatron-shaped `train` and `finetune` take a `TrainingConfig` and hand this on; a
+    `PretrainConfig` goes to them as it is. A save interval without a save directory saves
+    nothing, as before, so it is left out.
+    """
+    return PretrainConfig(
+        model=ModelArgs(seq_length=config.seq_length, decoder_seq_length=config.decoder_seq_length),
+        training=TrainingArgs(
+            train_iters=config.train_iters,
+            micro_batch_size=config.micro_batch_size,
+            eval_interval=config.eval_interval,
+            eval_iters=config.eval_iters,
+            exit_interval=config.exit_interval,
+            exit_duration_in_mins=config.exit_duration_in_mins,
+            exit_signal_handler=config.exit_signal_handler,
+            adlr_autoresume_interval=config.adlr_autoresume_interval,
+        ),
+        checkpoint=CheckpointArgs(
+            save=config.save,
+            save_interval=config.save_interval if config.save is not None else None,
+            ckpt_format=config.ckpt_format,
+            async_save=config.async_save,
+        ),
+        logging=LoggingArgs(
+            log_interval=config.log_interval,
+            log_params_norm=config.log_params_norm,
+            barrier_with_l1_time=config.barrier_with_l1_time,
+            profile_schedule=config.profile_schedule_path,
+            profile_schedule_iteration=config.profile_schedule_iteration,
+        ),
+    )
+
+
+def loop_config(config: TrainingConfig | PretrainConfig) -> PretrainConfig:
+    """What the loop reads: a `PretrainConfig` as it is, a `TrainingConfig` as its sections."""
+    return as_pretrain_config(config) if isinstance(config, TrainingConfig) else config
+
+
 @dataclasses.dataclass
 class TrainingProgress:
     """Where a run stands; saved in checkpoints."""
@@ -175,7 +230,8 @@ class TrainingRun:
     model: Sequence[torch.nn.Module]
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
-    config: TrainingConfig
+    config: PretrainConfig
+    """The run's sections (`loop_config` turns a `TrainingConfig` into them)."""
     progress: TrainingProgress
     checkpoint_args: dict[str, Any]
     print_fn: Callable[[str], None]
@@ -189,9 +245,9 @@ class TrainingRun:
 
     def __post_init__(self) -> None:
         """Checks the save directory; starts the background writer when asked for."""
-        if self.config.save is not None:
-            check_save_directory(self.config.save, self.state)
-        if self.config.async_save:
+        if self.config.checkpoint.save is not None:
+            check_save_directory(self.config.checkpoint.save, self.state)
+        if self.config.checkpoint.async_save:
             self.async_saver = AsyncCheckpointSaver()
 
     def step(
@@ -215,18 +271,18 @@ class TrainingRun:
                 forward_backward_func=forward_backward_func,
                 state=self.state,
                 num_microbatches=num_microbatches,
-                micro_batch_size=self.config.micro_batch_size,
-                seq_length=self.config.seq_length,
-                decoder_seq_length=self.config.decoder_seq_length,
+                micro_batch_size=self.config.training.micro_batch_size,
+                seq_length=self.config.model.seq_length,
+                decoder_seq_length=self.config.model.decoder_seq_length,
                 timers=timers,
-                barrier_with_l1_time=self.config.barrier_with_l1_time,
+                barrier_with_l1_time=self.config.logging.barrier_with_l1_time,
                 iteration=iteration,
                 placement=self.placement,
             )
 
     def save_on_interval(self) -> None:
         """Saves when the iteration is a multiple of `save_interval`; sets `saved`."""
-        self.saved = every(self.config.save_interval, self.progress.iteration)
+        self.saved = every(self.config.checkpoint.save_interval, self.progress.iteration)
         if self.saved:
             self.save()
 
@@ -245,11 +301,12 @@ class TrainingRun:
 
     def save(self) -> None:
         """Saves a checkpoint of the current iteration when `TrainingConfig.save` is set."""
-        if self.config.save is None:
+        directory = self.config.checkpoint.save
+        if directory is None:
             return
         with at_iteration(self.progress.iteration):
             save_checkpoint(
-                self.config.save,
+                directory,
                 self.progress.iteration,
                 state=self.state,
                 model=list(self.model),
@@ -258,9 +315,7 @@ class TrainingRun:
                 args=self.checkpoint_args,
                 consumed_train_samples=self.progress.consumed_train_samples,
                 consumed_valid_samples=self.progress.consumed_valid_samples,
-                ckpt_format=self.config.ckpt_format,
+                ckpt_format=self.config.checkpoint.ckpt_format,
                 async_saver=self.async_saver,
             )
-        self.print_fn(
-            f"saved checkpoint at iteration {self.progress.iteration} to {self.config.save}"
-        )
+        self.print_fn(f"saved checkpoint at iteration {self.progress.iteration} to {directory}")

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from pp_schedules import PipelineExecutor, check_trace_path, write_schedule_trace
 from pp_state import ParallelState
 from pp_state.collectives import collective
+from pp_train.arguments import LoggingArgs
 from pp_train.checkpoint.agreement import collective_device
-from pp_train.run import TrainingConfig
 
 __all__ = ["ScheduleProfile"]
 
@@ -23,7 +23,8 @@ class ScheduleProfile:
     """Records one training iteration's schedule and writes its trace (see TrainingConfig).
 
     Args:
-        config: Where to write the trace and which iteration to record.
+        logging: Where to write the trace and which iteration to record.
+        train_iters: The run's length (the default iteration is at most the last).
         forward_backward_func: pp-schedules' executor (it records the timeline).
         state: The parallel state (the pipeline that records).
         start: The iteration this run starts at (trained iterations are not profiled).
@@ -36,7 +37,8 @@ class ScheduleProfile:
 
     def __init__(
         self,
-        config: TrainingConfig,
+        logging: LoggingArgs,
+        train_iters: int,
         forward_backward_func: Any,
         state: ParallelState,
         *,
@@ -44,7 +46,7 @@ class ScheduleProfile:
         print_fn: Callable[[str], None],
     ) -> None:
         self.iteration: int | None = None
-        self.path = config.profile_schedule_path
+        self.path = logging.profile_schedule
         if self.path is None:
             return
         if not isinstance(forward_backward_func, PipelineExecutor):
@@ -57,10 +59,10 @@ class ScheduleProfile:
         self.state = state
         # One pipeline is enough (the others run the same plan); its first stage writes.
         self.records = 0 in state.group_ranks("pp")
-        target = config.profile_schedule_iteration
+        target = logging.profile_schedule_iteration
         if target is None:
-            target = min(start + 2, config.train_iters)
-        if target <= start < config.train_iters:
+            target = min(start + 2, train_iters)
+        if target <= start < train_iters:
             print_fn(
                 f"not profiling the schedule: iteration {target} was trained before this run "
                 f"started at iteration {start}"

@@ -95,8 +95,7 @@ def build_forward_backward_func(
     """The schedule for `state`'s pipeline, wired to the optimizer's loss scale and DDP's no_sync.
 
     Activations travel in the model's dtype (fp16/bf16 chunks send half tensors). The result
-    is pp-schedules' executor: its ``placement`` says which stage each chunk holds, and
-    `train` can record its timeline (`TrainingConfig.profile_schedule_path`).
+    is pp-schedules' executor, whose timeline `train` can record (``--profile-schedule``).
 
     Args:
         state: The parallel state; its pipeline group carries the transfers.
@@ -106,29 +105,19 @@ def build_forward_backward_func(
         device: Where received tensors go.
         timers: Megatron-style timers for the compute and communication phases.
         comm_config: pp-comm settings; by default the model's dtype on the wire.
-        schedule: "gpipe", "1f1b" or "interleaved_1f1b"; by default Megatron's choice
-            (interleaved 1F1B with virtual stages, 1F1B otherwise, no pipelining for one
-            stage).
-        plan: A plan to run instead (a `pp_schedules.Plan` or its text); it carries its
-            placement.
+        schedule: A schedule name (`pp_schedules.SCHEDULE_REGISTRY`); by default the
+            registry's default for the sizes (Megatron's choice).
+        plan: A plan to run instead (a `pp_schedules.Plan` or its text, with its placement).
         placement: The placement the model was built for (`get_model`); checked against
             the plan's. Looped when None and no plan is given.
-        resolved: The run's schedule resolved once (`pp_schedules.resolve_schedule`, as
-            `pp_train.check_world` does): the executor runs its validated plans and plans
-            nothing itself. Not with `schedule`, `plan` or `placement`.
+        resolved: The schedule resolved once (`pp_schedules.resolve_schedule`; `check_world`'s
+            `RunLayout.resolved`): the executor plans nothing itself. Given alone.
 
     Raises:
         ValueError: A schedule and a plan together, a resolved schedule with either, or a
             plan, placement or resolved schedule that does not fit the pipeline.
     """
-    if schedule is not None and plan is not None:
-        raise ValueError(f"give a schedule name or a plan, not both (schedule {schedule!r})")
-    if resolved is not None and (schedule, plan, placement) != (None, None, None):
-        raise ValueError(
-            "a resolved schedule carries its schedule, plan and placement; give it alone "
-            f"(schedule {schedule!r}, plan {'given' if plan is not None else None}, "
-            f"placement {placement})"
-        )
+    _check_one_schedule(schedule, plan, placement, resolved)
     communicator = _pipeline_communicator(
         state, model, device=device, timers=timers, comm_config=comm_config
     )
@@ -149,6 +138,23 @@ def build_forward_backward_func(
         ),
         resolved=resolved,
     )
+
+
+def _check_one_schedule(
+    schedule: str | None,
+    plan: Plan | str | None,
+    placement: Placement | None,
+    resolved: ResolvedSchedule | None,
+) -> None:
+    """A name or a plan, or a resolved schedule alone (it carries its name, plan, placement)."""
+    if schedule is not None and plan is not None:
+        raise ValueError(f"give a schedule name or a plan, not both (schedule {schedule!r})")
+    if resolved is not None and (schedule, plan, placement) != (None, None, None):
+        raise ValueError(
+            "a resolved schedule carries its schedule, plan and placement; give it alone "
+            f"(schedule {schedule!r}, plan {'given' if plan is not None else None}, "
+            f"placement {placement})"
+        )
 
 
 def _pipeline_communicator(
@@ -269,10 +275,8 @@ def train_step(
     Zeroes the grads, runs the forward-backward function, `finalize_model_grads`, steps the
     optimizer and, unless it skipped, the scheduler by ``microbatches * mbs * dp`` samples.
     Phases "forward-backward", "grads-all-reduce", "optimizer" are timed at level 1 (after a
-    barrier and a device sync with `barrier_with_l1_time`).
-
-    `placement` says which stage each chunk holds (the run's resolved schedule's); when None,
-    `schedule_placement` asks the forward-backward function.
+    barrier and a device sync with `barrier_with_l1_time`). `placement`: which stage each
+    chunk holds (None: `schedule_placement` asks).
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
@@ -282,10 +286,7 @@ def train_step(
         NonFiniteError: A NaN or inf gradient norm without a loss scaler; nothing applied.
     """
     timers = timers or NullTimers()
-    for zero in (getattr(chunk, "zero_grad_buffer", None) for chunk in model):
-        if callable(zero):
-            zero()
-    optimizer.zero_grad()
+    _zero_grads(model, optimizer)
     _phase(timers, "forward-backward").start(**_barrier(timers, barrier_with_l1_time))
     losses = forward_backward_func(
         forward_step_func=forward_step_func,
@@ -310,6 +311,14 @@ def train_step(
     holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
     loss_dict = average_losses(losses, state) if holds_loss else {}
     return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _zero_grads(model: Sequence[torch.nn.Module], optimizer: MegatronOptimizer) -> None:
+    """Zeroes the chunks' grad buffers (pp-optim's DDP) and the optimizer's gradients."""
+    for zero in (getattr(chunk, "zero_grad_buffer", None) for chunk in model):
+        if callable(zero):
+            zero()
+    optimizer.zero_grad()
 
 
 def _optimizer_step(
