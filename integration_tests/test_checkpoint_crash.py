@@ -34,11 +34,17 @@ from pp_testing import run_distributed
 from pp_testing.distributed import DistributedTestError
 from pp_train import save_checkpoint, setup_model_and_optimizer
 from pp_train.app import GPTChunk, GPTConfig, chunk_layers
-from pp_train.checkpoint import AsyncCheckpointSaver, CkptFormat, load_checkpoint
+from pp_train.checkpoint import (
+    CHECKPOINT_FILENAME,
+    TRACKER_FILENAME,
+    AsyncCheckpointSaver,
+    CkptFormat,
+    load_checkpoint,
+    read_tracker,
+)
 from pp_train.checkpoint import async_save as async_save_module
 from pp_train.checkpoint import torch_dist as torch_dist_module
 from pp_train.checkpoint import torch_format as legacy
-from pp_train.checkpointing import CHECKPOINT_FILENAME, TRACKER_FILENAME, read_tracker
 
 pytestmark = pytest.mark.reliability
 

@@ -248,3 +248,18 @@ def test_an_executor_given_a_resolved_schedule_never_plans_or_validates() -> Non
     assert results[0]["losses"] == [[], [], []]
     for got, want in zip(results[1]["losses"], expected, strict=True):
         assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_auto_on_nccl_passes_over_a_schedule_nccl_cannot_run() -> None:
+    # ZB-V's V placement sends activations and gradients the same way beyond two ranks,
+    # which NCCL cannot keep apart: auto takes the best schedule NCCL runs instead.
+    on_gloo = resolve_schedule("auto", pp_size=4, vp_size=2, microbatch_counts=[8])
+    on_nccl = resolve_schedule(
+        "auto", pp_size=4, vp_size=2, microbatch_counts=[8], transport="nccl"
+    )
+    assert on_gloo.name == "zbv"
+    assert on_nccl.name == "interleaved_1f1b"
+    assert on_nccl.choice is not None
+    assert "zbv" not in [candidate.name for candidate in on_nccl.choice.candidates]
+    with pytest.raises(ValueError, match="NCCL"):
+        resolve_schedule("zbv", pp_size=4, vp_size=2, microbatch_counts=[8], transport="nccl")

@@ -127,3 +127,13 @@ def test_groups_are_frozen_and_keyword_only() -> None:
         ModelArgs().num_layers = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
         LRScheduleArgs(0.1)  # type: ignore[call-arg]
+
+
+def test_the_schedule_flag_offers_the_registrys_pipelined_schedules_and_auto() -> None:
+    from typing import get_args
+
+    from pp_schedules import SCHEDULE_REGISTRY
+    from pp_train.arguments import PipelineScheduleName
+
+    pipelined = set(SCHEDULE_REGISTRY) - {"no_pipelining"}
+    assert set(get_args(PipelineScheduleName)) == pipelined | {"auto"}

@@ -34,3 +34,10 @@ def test_every_old_name_is_listed() -> None:
 def test_the_old_path_gives_the_new_homes_object(name: str) -> None:
     home, new_name = NEW_HOMES[name]
     assert getattr(checkpointing, name) is getattr(home, new_name)
+
+
+def test_importing_the_deprecated_module_warns_and_names_the_new_home() -> None:
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=r"import from pp_train\.checkpoint"):
+        importlib.reload(checkpointing)

@@ -37,11 +37,17 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from pp_state import CollectiveError, ParallelConfig, ParallelState
 from pp_testing import DistributedTestError, run_distributed
-from pp_train.checkpoint import AsyncCheckpointSaver, CkptFormat, load_checkpoint, save_checkpoint
+from pp_train.checkpoint import (
+    AsyncCheckpointSaver,
+    CheckpointError,
+    CkptFormat,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+)
 from pp_train.checkpoint import async_save as async_save_module
 from pp_train.checkpoint import torch_dist as torch_dist_module
 from pp_train.checkpoint import torch_format as legacy
-from pp_train.checkpointing import CheckpointError, read_tracker
 
 pytestmark = pytest.mark.reliability
 

@@ -28,17 +28,17 @@ from pp_optim import (
 )
 from pp_state import ParallelConfig, ParallelState
 from pp_testing import run_distributed
-from pp_train.checkpointing import (
+from pp_train.checkpoint import (
     TRACKER_FILENAME,
     CheckpointError,
     LoadedCheckpoint,
     checkpoint_path,
     get_rng_state,
-    load_checkpoint,
     read_tracker,
-    save_checkpoint,
     set_rng_state,
 )
+from pp_train.checkpoint.torch_format import load_torch_checkpoint as load_checkpoint
+from pp_train.checkpoint.torch_format import save_torch_checkpoint as save_checkpoint
 
 WIDTH = 4
 Results = tuple[Path, list[dict[str, Any]]]

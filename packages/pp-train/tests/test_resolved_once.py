@@ -23,7 +23,8 @@ import pp_schedules.auto
 import pp_schedules.validation
 import pp_train.world
 from pp_testing import run_distributed
-from pp_train.app import main
+from pp_train.app import build_parser, main, validate_args
+from pp_train.pretrain import pretrain
 
 FLAGS = [
     "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -130,3 +131,24 @@ def test_one_launch_reads_its_plan_file_once_per_rank(tmp_path: Path) -> None:
     counts = run_distributed(_counted_launch, 2, argv, str(plan), timeout=120)
     for rank, seen in enumerate(counts):
         assert seen == {"configuration check": 1, "plan file read": 1}, f"rank {rank}"
+
+
+@pytest.mark.reliability
+def test_a_layout_checked_for_another_run_is_refused_before_any_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = build_parser()
+    args = validate_args(parser, parser.parse_args(FLAGS), 2)  # checked for 2 processes
+    monkeypatch.setenv("WORLD_SIZE", "4")
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("nothing may be built")
+
+    with pytest.raises(
+        ValueError,
+        match=r"checked for 2 processes on gloo with pipeline size 2, but this run has 4 on gloo",
+    ):
+        pretrain(never, never, never, config=args.config, layout=args.layout)
+    with pytest.raises(ValueError, match="layer_counts and layout were both given"):
+        pretrain(never, never, never, config=args.config, layout=args.layout, layer_counts=(2, 2))
+    assert not dist.is_initialized()

@@ -21,9 +21,8 @@ from pp_state import ParallelConfig, ParallelState
 from pp_testing import run_distributed
 from pp_train import save_checkpoint, setup_model_and_optimizer
 from pp_train.app import GPTChunk, GPTConfig, chunk_layers
-from pp_train.checkpoint import AsyncCheckpointSaver, CkptFormat
+from pp_train.checkpoint import AsyncCheckpointSaver, CheckpointError, CkptFormat, read_tracker
 from pp_train.checkpoint.torch_dist import publish
-from pp_train.checkpointing import CheckpointError, read_tracker
 from pp_train.temporaries import STALE_AFTER, remove_stale_temporaries, restore_moved_aside
 
 pytestmark = pytest.mark.reliability

@@ -41,11 +41,16 @@ from pp_train import (
 )
 from pp_train.app import CorpusDataset, GPTChunk, GPTConfig, chunk_layers
 from pp_train.app import gpt_forward_step as forward_step
-from pp_train.checkpoint import ShardedStateKeys, detect_format, load_checkpoint
+from pp_train.checkpoint import (
+    CheckpointError,
+    ShardedStateKeys,
+    detect_format,
+    load_checkpoint,
+    read_tracker,
+)
 from pp_train.checkpoint.__main__ import main as checkpoint_main
 from pp_train.checkpoint.keys import chunk_global_keys
 from pp_train.checkpoint.torch_dist import write_common, writer_and_planner
-from pp_train.checkpointing import CheckpointError, read_tracker
 
 GPT = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
 MICRO, GLOBAL = 2, 8

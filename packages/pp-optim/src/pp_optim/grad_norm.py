@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pp_state.collectives import collective
+from pp_state.collectives import collective_device as group_device
 
 __all__ = [
     "clip_grad_by_total_norm",
@@ -84,9 +85,7 @@ def collective_device(
     """Where a small statistic is reduced: beside the gradients, or on the GPU NCCL needs."""
     if tensors:
         return tensors[0].device
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cpu") if group is None else group_device(group)
 
 
 def _check_norm_type(norm_type: float) -> float:

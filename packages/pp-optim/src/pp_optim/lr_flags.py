@@ -24,10 +24,6 @@ _SHARED: dict[str, Any] = {
 }
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LRScheduleArgs:
     """Learning-rate schedule (the peak rate is the optimizer's --lr)."""
@@ -70,11 +66,14 @@ class LRScheduleArgs:
                 more), the floor is negative, WSD lacks its anneal length, or both checkpoint
                 flags are set; the message names the flags.
         """
-        lengths = (("lr_decay_iters", 1), ("lr_wsd_decay_iters", 1), ("lr_warmup_iters", 0))
-        for name, least in lengths:
-            value = getattr(self, name)
+        lengths = (
+            ("--lr-decay-iters", self.lr_decay_iters, 1),
+            ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters, 1),
+            ("--lr-warmup-iters", self.lr_warmup_iters, 0),
+        )
+        for flag, value, least in lengths:
             if value is not None and not (is_int(value) and value >= least):
-                raise ValueError(f"{_flag(name)} must be an integer {least} or more, got {value!r}")
+                raise ValueError(f"{flag} must be an integer {least} or more, got {value!r}")
         if not self.min_lr >= 0.0:
             raise ValueError(f"--min-lr must be 0 or more, got {self.min_lr}")
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:

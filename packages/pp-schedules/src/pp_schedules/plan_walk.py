@@ -37,6 +37,7 @@ __all__ = [
     "EXCHANGE",
     "STEP_HANDLERS",
     "CallArguments",
+    "Handler",
     "Key",
     "PlanWalk",
     "PreparedPlan",

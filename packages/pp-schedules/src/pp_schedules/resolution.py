@@ -27,6 +27,7 @@ from pp_state.placement import Placement
 __all__ = [
     "TRANSPORTS",
     "ResolvedSchedule",
+    "check_nccl_links",
     "check_plan_fits",
     "check_prefetch",
     "check_transport",
@@ -271,6 +272,7 @@ class _Request:
     group: int | None
     placement: Placement | str | None
     include_forward_only: bool
+    transport: str = "gloo"
 
     def named(self, name: str, placement: Placement | str | None) -> dict[tuple[int, bool], Plan]:
         """Every plan of the schedule called `name` on `placement`."""
@@ -307,7 +309,9 @@ class _Request:
             if (where is None or on == where) and (choose.names is None or name in choose.names):
                 try:
                     runnable[name] = self.named(name, on)
+                    self.check_transport_runs(runnable[name][(self.counts[-1], False)])
                 except ValueError:
+                    runnable.pop(name, None)
                     continue
         choice = choose_schedule(
             pp_size=self.pp_size, num_microbatches=self.counts[-1], vp_size=self.vp_size,
@@ -315,6 +319,15 @@ class _Request:
             names=list(runnable),
         )  # fmt: skip
         return choice, runnable[choice.chosen.name]
+
+    def check_transport_runs(self, plan: Plan) -> None:
+        """On NCCL, refuse a candidate NCCL cannot run (`check_nccl_links`), so auto skips it.
+
+        Raises:
+            ValueError: The plan's placement sends activations and gradients the same way.
+        """
+        if self.transport == "nccl":
+            check_nccl_links(validate(plan, num_microbatches=self.counts[-1]), plan.placement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +429,7 @@ def resolve_schedule(
     early = early if prefetch is None else check_prefetch(prefetch, exchanges_shapes)
     request = _Request(
         pp_size, vp_size, counts, microbatch_group_size_per_vp_stage, placement,
-        include_forward_only,
+        include_forward_only, transport,
     )  # fmt: skip
     name, choice, given, plans = _plans(schedule, request, _AutoOptions(costs, memory_limit, names))
     where = next(iter(plans.values())).placement

@@ -31,7 +31,7 @@ from pp_schedules.lowering import (
 )
 from pp_state.placement import Placement
 
-__all__ = ["PlanError", "PlanReport", "render_grid", "validate"]
+__all__ = ["Links", "PlanError", "PlanReport", "render_grid", "validate"]
 
 
 class PlanError(ValueError):

@@ -10,8 +10,8 @@
   embedding or loss each (rank, chunk) holds; `LayerLayoutError` for a layout that cannot be.
 - `collective`: wrap a collective so a dead or silent peer raises one `CollectiveError`
   naming the rank, the peer, the operation and the iteration.
-- `is_int`, `is_real`, `check_int`, `divisors` (`pp_state.numbers`): the whole-number checks
-  every layer shares (a bool is never a count).
+- `is_int`, `is_real`, `check_int`, `check_at_least`, `divisors` (`pp_state.numbers`): the
+  whole-number checks every layer shares (a bool is never a count).
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
 
 Importing the package and using `rank_layout`, `expert_rank_layout`, `RankGenerator`,
@@ -49,7 +49,7 @@ from pp_state.layout import (
     group_containing,
     rank_layout,
 )
-from pp_state.numbers import check_int, divisors, is_int, is_real
+from pp_state.numbers import check_at_least, check_int, divisors, is_int, is_real
 from pp_state.placement import PLACEMENTS, Placement
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         CollectiveError,
         at_iteration,
         collective,
+        collective_device,
         collective_error,
         is_lost_peer,
     )
@@ -82,6 +83,7 @@ _LAZY = {
     "CollectiveError": "pp_state.collectives",
     "at_iteration": "pp_state.collectives",
     "collective": "pp_state.collectives",
+    "collective_device": "pp_state.collectives",
     "collective_error": "pp_state.collectives",
     "is_lost_peer": "pp_state.collectives",
     "NotInitializedError": "pp_state.default",
@@ -132,8 +134,10 @@ __all__ = [
     "StateDestroyedError",
     "__version__",
     "at_iteration",
+    "check_at_least",
     "check_int",
     "collective",
+    "collective_device",
     "collective_error",
     "destroy_model_parallel",
     "divisors",

@@ -20,9 +20,17 @@ from __future__ import annotations
 import re
 from types import TracebackType
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "at_iteration", "collective", "collective_error", "is_lost_peer"]
+__all__ = [
+    "CollectiveError",
+    "at_iteration",
+    "collective",
+    "collective_device",
+    "collective_error",
+    "is_lost_peer",
+]
 
 # Texts of gloo's, NCCL's and the socket layer's errors for a peer that died, hung or left.
 _LOST_PEER_MARKERS = (
@@ -217,3 +225,16 @@ def _name_iteration(error: CollectiveError, iteration: int | None) -> None:
     """Raises `error` again naming `iteration`, when it names none yet (else returns)."""
     if error.iteration is None and iteration is not None:
         raise error.with_iteration(iteration) from error.__cause__
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor of a collective over `group` lives.
+
+    The current GPU under NCCL (which reduces device tensors only), else the CPU.
+
+    Args:
+        group: The process group; None for the default one.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -22,9 +22,10 @@ class NotInitializedError(RuntimeError, AssertionError):
 
 
 _DEFAULT: ParallelState | None = None
-# Megatron's module-level overrides (set_tensor_model_parallel_rank, the virtual pipeline
-# rank, ...): the facade's mutable part, reset together with the default state.
-_OVERRIDES: dict[str, int | None] = {}
+OVERRIDES: dict[str, int | None] = {}
+"""Megatron's module-level overrides (``set_tensor_model_parallel_rank``, the virtual
+pipeline rank, ...): the mutable part of `pp_state.parallel_state`, which alone writes it;
+cleared whenever the default state is set or reset."""
 
 
 def set_default_state(state: ParallelState) -> None:
@@ -45,7 +46,7 @@ def set_default_state(state: ParallelState) -> None:
         )
     _DEFAULT = state
     # Overrides belong to the state they were set on.
-    _OVERRIDES.clear()
+    OVERRIDES.clear()
 
 
 def get_default_state() -> ParallelState:
@@ -77,4 +78,4 @@ def reset_default_state(*, destroy: bool = True) -> None:
     if destroy and _DEFAULT is not None:
         _DEFAULT.destroy()
     _DEFAULT = None
-    _OVERRIDES.clear()
+    OVERRIDES.clear()

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from pp_state.errors import LayerLayoutError
-from pp_state.numbers import check_int
+from pp_state.numbers import check_int, divisors
 from pp_state.placement import Placement
 
 __all__ = ["LayerLayoutError", "PipelineLayerLayout"]
@@ -333,7 +333,7 @@ def _check_stage_count(text: str, stages: int, pp_size: int) -> None:
         return
     below = stages - stages % pp_size
     multiples = ([below] if below else []) + [below + pp_size]
-    sizes = [p for p in range(1, stages + 1) if stages % p == 0]
+    sizes = divisors(stages)
     raise LayerLayoutError(
         text,
         f"{stages} stages (split by '|') are not a multiple of the pipeline size {pp_size}: "

@@ -6,7 +6,7 @@ refuse it.
 
 from __future__ import annotations
 
-__all__ = ["check_int", "divisors", "is_int", "is_real"]
+__all__ = ["check_at_least", "check_int", "divisors", "is_int", "is_real"]
 
 
 def is_int(value: object) -> bool:
@@ -31,6 +31,21 @@ def check_int(name: str, value: object, least: int) -> int:
     assert isinstance(value, int)
     if value < least:
         raise ValueError(f"{name} must be {least} or more, got {value}")
+    return value
+
+
+def check_at_least(name: str, value: object, minimum: int) -> int:
+    """`value`, checked as `check_int` does, in the wording of Megatron's batch-size checks.
+
+    Raises:
+        TypeError: "NAME must be an int, got V (TYPE)".
+        ValueError: "NAME must be >= MINIMUM, got V".
+    """
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    assert isinstance(value, int)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 

@@ -190,7 +190,7 @@ def initialize_model_parallel(
     state = ParallelState.create(config)
     set_default_state(state)
     if virtual_pipeline_model_parallel_size is not None:
-        _default._OVERRIDES[_VP_RANK] = 0  # Megatron starts at chunk 0
+        _default.OVERRIDES[_VP_RANK] = 0  # Megatron starts at chunk 0
 
 
 def destroy_model_parallel() -> None:
@@ -292,7 +292,7 @@ def get_tensor_and_context_parallel_group(
 
 # ------------------------------------------------------------------------------ sizes and ranks
 def _overridden(name: str) -> int | None:
-    return _default._OVERRIDES.get(name)
+    return _default.OVERRIDES.get(name)
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -418,9 +418,9 @@ def _set(name: str, value: int | None, *, least: int = 0) -> None:
     ):
         raise ValueError(f"expected an int of at least {least}, or None; got {value!r}")
     if value is None:
-        _default._OVERRIDES.pop(name, None)
+        _default.OVERRIDES.pop(name, None)
     else:
-        _default._OVERRIDES[name] = value
+        _default.OVERRIDES[name] = value
 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
@@ -445,8 +445,8 @@ def set_pipeline_model_parallel_rank(rank: int | None) -> None:
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     """Model chunks per pipeline rank, or None when not interleaving."""
-    if _VP_SIZE in _default._OVERRIDES:
-        return _default._OVERRIDES[_VP_SIZE]
+    if _VP_SIZE in _default.OVERRIDES:
+        return _default.OVERRIDES[_VP_SIZE]
     if not has_default_state():
         return None
     return get_default_state().virtual_pipeline_model_parallel_size
@@ -456,7 +456,7 @@ def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> No
     """Override the virtual pipeline size."""
     _set(_VP_SIZE, world_size, least=1)
     if world_size is None:  # an explicit "not interleaving", unlike removing the override
-        _default._OVERRIDES[_VP_SIZE] = None
+        _default.OVERRIDES[_VP_SIZE] = None
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
@@ -464,7 +464,7 @@ def get_virtual_pipeline_model_parallel_rank() -> int | None:
 
     The stage predicates do not read it: pass ``vp_stage`` to them.
     """
-    return _default._OVERRIDES.get(_VP_RANK)
+    return _default.OVERRIDES.get(_VP_RANK)
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:

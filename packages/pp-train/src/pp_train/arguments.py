@@ -23,6 +23,7 @@ import os
 from typing import Literal, get_type_hints
 
 from pp_optim import DDPConfig, LRScheduleArgs, OptimizerConfig
+from pp_state.numbers import divisors
 from pp_train.data.config import DataConfig
 from pp_train.flags import add_config_flags, config_from_args
 from pp_train.reporting import TimingLogOption
@@ -189,10 +190,9 @@ class ModelArgs:
         names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
         _check_at_least(self, (*names, "seq_length", "decoder_seq_length"))
         if self.hidden_size % self.num_attention_heads:
-            divisors = [d for d in range(1, self.hidden_size + 1) if self.hidden_size % d == 0]
             raise ValueError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}; use one of {divisors} heads"
+                f"{self.num_attention_heads}; use one of {divisors(self.hidden_size)} heads"
             )
 
 

@@ -8,6 +8,8 @@ alone (`pp_train.checkpoint.torch_format.save_torch_checkpoint` / ``load_torch_c
 
 from __future__ import annotations
 
+import warnings
+
 # Deprecated re-exports, removed in the next minor version; import from the modules named.
 from pp_train.checkpoint.agreement import collective_device, gather_ints
 from pp_train.checkpoint.errors import CheckpointError
@@ -39,3 +41,11 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
 ]
+
+warnings.warn(
+    "pp_train.checkpointing is deprecated and removed in pp-train 0.9: import from "
+    "pp_train.checkpoint (the torch format's own save and load are "
+    "pp_train.checkpoint.torch_format.save_torch_checkpoint / load_torch_checkpoint)",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pp_state.collectives import at_iteration, collective
+from pp_state.collectives import at_iteration, collective, collective_device
 from pp_train.arguments import TrainingArgs
-from pp_train.checkpoint.agreement import collective_device
 from pp_train.run import ExitReason, every
 
 __all__ = ["SigtermFlag", "any_rank", "exit_reason"]
@@ -30,7 +29,7 @@ class SigtermFlag:
     """Records SIGTERM instead of dying, so the loop can save first; restores on exit.
 
     Args:
-        enabled: Install the handler (`TrainingConfig.exit_signal_handler`); off, a no-op.
+        enabled: Install the handler (`TrainingArgs.exit_signal_handler`); off, a no-op.
     """
 
     def __init__(self, enabled: bool) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from pp_state.numbers import is_int
+from pp_state.numbers import check_at_least, divisors
 
 __all__ = [
     "ConstantNumMicroBatchesCalculator",
@@ -21,24 +21,6 @@ __all__ = [
     "RampupBatchsizeNumMicroBatchesCalculator",
     "build_num_microbatches_calculator",
 ]
-
-
-def check_at_least(name: str, value: object, *, minimum: int) -> int:
-    """`value`, checked to be an int (not a bool) of at least `minimum`.
-
-    Not `pp_state.numbers.check_int`: Megatron's batch-size messages read "NAME must be >=
-    MINIMUM", and the tests pin that wording.
-
-    Raises:
-        TypeError: `value` is not an int.
-        ValueError: `value` is below `minimum`.
-    """
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    assert isinstance(value, int)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _nearby_multiples(value: int, step: int) -> str:
@@ -54,9 +36,8 @@ def _multiple_hint(value: int, unit: int) -> str:
 
 def _nearby_divisors(value: int, near: int) -> str:
     """The divisors of `value` closest to `near` from below and from above."""
-    divisors = [d for d in range(1, value + 1) if value % d == 0]
-    below = [d for d in divisors if d < near]
-    above = [d for d in divisors if d > near]
+    below = [d for d in divisors(value) if d < near]
+    above = [d for d in divisors(value) if d > near]
     picks = ([below[-1]] if below else []) + ([above[0]] if above else [])
     return " or ".join(str(d) for d in picks)
 
@@ -75,7 +56,7 @@ class NumMicroBatchesCalculator(abc.ABC):
             TypeError: A size is not an int.
             ValueError: A size is below 1.
         """
-        self._micro_batch_size = check_at_least("micro batch size", micro_batch_size, minimum=1)
+        self._micro_batch_size = check_at_least("micro batch size", micro_batch_size, 1)
         self._data_parallel_size = check_at_least(
             "data-parallel size", data_parallel_size, minimum=1
         )
@@ -145,7 +126,7 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
                 ``micro_batch_size * data_parallel_size``.
         """
         super().__init__(micro_batch_size, data_parallel_size)
-        check_at_least("global batch size", global_batch_size, minimum=1)
+        check_at_least("global batch size", global_batch_size, 1)
         unit = self._samples_per_microbatch_round
         if global_batch_size % unit:
             raise ValueError(
@@ -206,10 +187,10 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
                 of `batch_size_increment`.
         """
         super().__init__(micro_batch_size, data_parallel_size)
-        self._global_batch_size = check_at_least("global batch size", global_batch_size, minimum=1)
-        self._start = check_at_least("start global batch size", start_global_batch_size, minimum=1)
-        self._increment = check_at_least("batch size increment", batch_size_increment, minimum=1)
-        self._ramp_samples = check_at_least("ramp-up samples", ramup_samples, minimum=0)
+        self._global_batch_size = check_at_least("global batch size", global_batch_size, 1)
+        self._start = check_at_least("start global batch size", start_global_batch_size, 1)
+        self._increment = check_at_least("batch size increment", batch_size_increment, 1)
+        self._ramp_samples = check_at_least("ramp-up samples", ramup_samples, 0)
         self._check_ramp()
         num_increments = (self._global_batch_size - self._start) // self._increment
         # Zero increments means no ramp at all: `update` then never divides by this.
@@ -262,7 +243,7 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             TypeError: `consumed_samples` is not an int.
             ValueError: `consumed_samples` is negative, or the consistency check fails.
         """
-        check_at_least("consumed samples", consumed_samples, minimum=0)
+        check_at_least("consumed samples", consumed_samples, 0)
         current = self._global_batch_size_at(consumed_samples)
         unit = self._samples_per_microbatch_round
         if consistency_check and current % unit:

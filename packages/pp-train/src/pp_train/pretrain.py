@@ -121,12 +121,11 @@ def pretrain(
         Why training stopped (see `train`).
 
     Raises:
-        ValueError: The configuration does not fit the world (nothing was started).
+        ValueError: The configuration does not fit the world, or `layout` was checked for
+            another world, transport or pipeline size (nothing was started).
         CheckpointError: ``--load`` holds a checkpoint this run cannot load.
     """
-    layout = layout or check_world(
-        config, _world_size(), layer_counts=layer_counts, transport=default_transport()
-    )
+    layout = _run_layout(config, layout, layer_counts)
     with _process_group(config) as device:
         state = _parallel_state(config, layout)
         try:
@@ -139,6 +138,35 @@ def pretrain(
             return run.train(datasets, model, forward_step_func, model_type, extra)
         finally:
             state.destroy()
+
+
+def _run_layout(
+    config: PretrainConfig, layout: RunLayout | None, layer_counts: Sequence[int] | None
+) -> RunLayout:
+    """`check_world`'s layout for this run: the caller's, once it is seen to fit, else made.
+
+    Raises:
+        ValueError: The configuration does not fit the world, or the caller's layout is for
+            another world size, transport or pipeline size, or comes with `layer_counts`.
+    """
+    world, transport = _world_size(), default_transport()
+    if layout is None:
+        return check_world(config, world, layer_counts=layer_counts, transport=transport)
+    if layer_counts is not None:
+        raise ValueError(
+            "layer_counts and layout were both given; the layout holds its split of the "
+            "layers (give the counts to check_world instead)"
+        )
+    pp = config.parallel.pipeline_model_parallel_size
+    checked = (layout.world_size, layout.resolved.transport, layout.resolved.pp_size)
+    if checked != (world, transport, pp):
+        raise ValueError(
+            f"the layout was checked for {layout.world_size} processes on "
+            f"{layout.resolved.transport} with pipeline size {layout.resolved.pp_size}, but "
+            f"this run has {world} on {transport} with pipeline size {pp}; pass check_world's "
+            "layout for this run, or none"
+        )
+    return layout
 
 
 def _parallel_state(config: PretrainConfig, layout: RunLayout) -> ParallelState:
@@ -594,6 +622,7 @@ class _Run:
             num_microbatches=num_microbatches,
             micro_batch_size=config.training.micro_batch_size,
             seq_length=config.model.seq_length,
+            decoder_seq_length=config.model.decoder_seq_length,
             placement=self.layout.placement,
         )
         for key, value in losses.items():

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pp_state.collectives import collective
+from pp_state.numbers import check_at_least
 
 __all__ = [
     "TIMING_LOG_OPTIONS",
@@ -455,15 +456,6 @@ class _IterationScalars:
     elapsed_per_iteration: float | None
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    # bool subclasses int, but True as an iteration count is always a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 class TrainingLogger:
     """Megatron's ``training_log``: counters across iterations, TensorBoard, a periodic line.
 
@@ -496,8 +488,8 @@ class TrainingLogger:
             TypeError: `train_iters` or `log_interval` is not an int.
             ValueError: `train_iters` or `log_interval` is below 1.
         """
-        self._train_iters = _check_positive_int("train_iters", train_iters)
-        self._log_interval = _check_positive_int("log_interval", log_interval)
+        self._train_iters = check_at_least("train_iters", train_iters, 1)
+        self._log_interval = check_at_least("log_interval", log_interval, 1)
         self._writer = writer
         self._is_logging_rank = is_logging_rank
         self._print = print_fn

@@ -8,6 +8,7 @@ saves the model, optimizer and scheduler, for `train` and `finetune` alike.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -126,7 +127,8 @@ class TrainingConfig:
         """Checks the numbers.
 
         Raises:
-            ValueError: A count or interval is not positive.
+            ValueError: A count or interval is not positive, or a value the loop's sections
+                refuse (`as_pretrain_config` runs here, so nothing fails later in `train`).
         """
         for name in ("train_iters", "micro_batch_size", "seq_length", "log_interval"):
             value = getattr(self, name)
@@ -134,7 +136,7 @@ class TrainingConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("eval_interval", "save_interval", "exit_interval", "decoder_seq_length"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if self.eval_iters < 0:
             raise ValueError(f"eval_iters must be >= 0, got {self.eval_iters}")
@@ -162,6 +164,7 @@ class TrainingConfig:
                     f"profile_schedule_iteration {iteration} is past train_iters "
                     f"{self.train_iters}; use 1 .. {self.train_iters}"
                 )
+        as_pretrain_config(self)
 
 
 def as_pretrain_config(config: TrainingConfig) -> PretrainConfig:
@@ -179,7 +182,10 @@ def as_pretrain_config(config: TrainingConfig) -> PretrainConfig:
             eval_interval=config.eval_interval,
             eval_iters=config.eval_iters,
             exit_interval=config.exit_interval,
-            exit_duration_in_mins=config.exit_duration_in_mins,
+            # Never, said as infinity, is None to the flags.
+            exit_duration_in_mins=None
+            if config.exit_duration_in_mins == math.inf
+            else config.exit_duration_in_mins,
             exit_signal_handler=config.exit_signal_handler,
             adlr_autoresume_interval=config.adlr_autoresume_interval,
         ),
@@ -222,8 +228,8 @@ def every(interval: int | None, iteration: int) -> bool:
 class TrainingRun:
     """The model, optimizer and scheduler a run steps, and how it saves them.
 
-    Checks the save directory when built; with `TrainingConfig.async_save` it owns the
-    background writer.
+    Checks the save directory when built; with an asynchronous save
+    (`CheckpointArgs.async_save`) it owns the background writer.
     """
 
     state: ParallelState
@@ -241,7 +247,7 @@ class TrainingRun:
     saved: bool = dataclasses.field(default=False, init=False)
     """Whether the latest iteration saved a checkpoint (`save_on_interval`)."""
     async_saver: AsyncCheckpointSaver | None = dataclasses.field(default=None, init=False)
-    """Writes checkpoints in the background (`TrainingConfig.async_save`)."""
+    """Writes checkpoints in the background (`CheckpointArgs.async_save`)."""
 
     def __post_init__(self) -> None:
         """Checks the save directory; starts the background writer when asked for."""
@@ -300,7 +306,7 @@ class TrainingRun:
             self.async_saver.wait(self.state)
 
     def save(self) -> None:
-        """Saves a checkpoint of the current iteration when `TrainingConfig.save` is set."""
+        """Saves a checkpoint of the current iteration when `CheckpointArgs.save` is set."""
         directory = self.config.checkpoint.save
         if directory is None:
             return

@@ -1,6 +1,7 @@
 """Recording one training iteration's pipeline schedule as a Chrome trace (Perfetto opens it).
 
-See `TrainingConfig.profile_schedule_path` and `profile_schedule_iteration`.
+See `LoggingArgs.profile_schedule` and `profile_schedule_iteration` (``--profile-schedule``;
+`TrainingConfig.profile_schedule_path` in the flat settings).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import torch.distributed as dist
 
 from pp_schedules import PipelineExecutor, check_trace_path, write_schedule_trace
 from pp_state import ParallelState
-from pp_state.collectives import collective
+from pp_state.collectives import collective, collective_device
 from pp_train.arguments import LoggingArgs
-from pp_train.checkpoint.agreement import collective_device
 
 __all__ = ["ScheduleProfile"]
 

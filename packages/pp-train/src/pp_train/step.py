@@ -29,7 +29,7 @@ from pp_schedules import (
     get_forward_backward_func,
 )
 from pp_state import ParallelState, Placement
-from pp_state.collectives import collective
+from pp_state.collectives import collective, collective_device
 from pp_train.checkpoint.agreement import gather_ints
 from pp_train.embeddings import split_position_embedding, sum_tied_gradients
 from pp_train.models import checked_placement
@@ -244,8 +244,7 @@ def average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[s
         averaged[key] = values.mean()
     stacked = torch.stack(list(averaged.values())).cpu()
     if state.group_size("dp_cp") > 1:
-        device = "cuda" if dist.get_backend(state.group("dp_cp")) == "nccl" else "cpu"
-        stacked = stacked.to(device)
+        stacked = stacked.to(collective_device(state.group("dp_cp")))
         with collective("loss averaging over data parallel", group=state.group("dp_cp")):
             dist.all_reduce(stacked, group=state.group("dp_cp"))
         stacked = stacked.cpu() / state.group_size("dp_cp")

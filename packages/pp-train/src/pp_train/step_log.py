@@ -35,7 +35,7 @@ def log_step(
         global_batch_size: Samples in the iteration.
         elapsed_per_iteration: Seconds per iteration over the log interval.
         timers_line: The phases' times (`timers_line`), on a logging iteration.
-        params_norm: The parameters' L2 norm (`TrainingConfig.log_params_norm`).
+        params_norm: The parameters' L2 norm (`LoggingArgs.log_params_norm`).
     """
     loss_dict, skipped, grad_norm, zeros = step
     logger.training_log(

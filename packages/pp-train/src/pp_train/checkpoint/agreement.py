@@ -10,17 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pp_state.collectives import collective
+from pp_state.collectives import collective, collective_device
 from pp_train.checkpoint.errors import CheckpointError
 
 __all__ = ["collective_device", "gather_ints", "raise_if_any_failed"]
-
-
-def collective_device() -> torch.device:
-    """Where a rank's small collective tensors live: the GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def gather_ints(

@@ -56,7 +56,7 @@ def split_sequences(bounds: tuple[float, float], count: int) -> npt.NDArray[nump
     return numpy.arange(start, end, dtype=numpy.int32)
 
 
-def check_min_int(name: str, value: object, minimum: int) -> None:
+def _check_min_int(name: str, value: object, minimum: int) -> None:
     """Checks that `value` is an int (not a bool) of at least `minimum`.
 
     Not `pp_state.numbers.check_int`: the dataset builder's messages read "NAME must be an int
@@ -70,14 +70,14 @@ def check_min_int(name: str, value: object, minimum: int) -> None:
 
 
 def _check_arguments(seq_length: int, seed: int, counts: tuple[int, int, int]) -> None:
-    check_min_int("seq_length", seq_length, 1)
-    check_min_int("seed", seed, 0)
+    _check_min_int("seq_length", seq_length, 1)
+    _check_min_int("seed", seed, 0)
     if seed >= 2**32:
         raise ValueError(f"seed must be below 2**32 (numpy's RandomState), got {seed}")
     if not isinstance(counts, tuple) or len(counts) != 3:
         raise ValueError(f"train_valid_test_num_samples must be 3 ints, got {counts!r}")
     for name, count in zip(SPLIT_NAMES, counts, strict=True):
-        check_min_int(f"{name} samples", count, 0)
+        _check_min_int(f"{name} samples", count, 0)
 
 
 def check_data(
