@@ -89,6 +89,7 @@ from pp_state.placement import Placement
 
 if TYPE_CHECKING:
     from pp_schedules.executor import (
+        ChunkIteratorError,
         ForwardStepFunc,
         PipelineExecutor,
         PlanLike,
@@ -108,6 +109,7 @@ if TYPE_CHECKING:
 __version__ = _version("pp-schedules")
 
 _EXECUTOR = {
+    "ChunkIteratorError",
     "ForwardStepFunc",
     "PipelineExecutor",
     "PlanLike",
@@ -139,6 +141,7 @@ __all__ = [
     "ActionKind",
     "Candidate",
     "Choice",
+    "ChunkIteratorError",
     "Costs",
     "Exchange",
     "ForwardStepFunc",

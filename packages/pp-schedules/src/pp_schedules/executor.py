@@ -44,6 +44,7 @@ from pp_schedules.validation import PlanReport, sends_delivered
 from pp_state.placement import Placement
 
 __all__ = [
+    "ChunkIteratorError",
     "ForwardStepFunc",
     "PipelineExecutor",
     "PlanLike",
@@ -53,6 +54,13 @@ __all__ = [
     "deallocate_output_tensor",
     "get_forward_backward_func",
 ]
+
+
+class ChunkIteratorError(ValueError, RuntimeError):
+    """A call's model chunks or data iterators do not fit the executor's chunks per rank.
+
+    A ValueError, and the RuntimeError a port of Megatron's schedule tests expects to catch.
+    """
 
 
 class PipelineExecutor:
@@ -272,10 +280,14 @@ class PipelineExecutor:
             check_torch_ddp_order(chunks, [s.compute for s in steps if s.compute])
         return prepared
 
-    def _check_call(
-        self, model: Any, data_iterator: Any, collect: bool, fwd: bool
+    def _chunks_and_iterators(
+        self, model: Any, data_iterator: Any
     ) -> tuple[list[torch.nn.Module], Sequence[Any]]:
-        """The call's chunks and per-chunk iterators, after checking they fit the executor."""
+        """The call's chunks and per-chunk iterators, after checking there is one per chunk.
+
+        Raises:
+            ChunkIteratorError: Not `vp_size` chunks and iterators.
+        """
         chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
         iterators = (
             data_iterator
@@ -283,15 +295,24 @@ class PipelineExecutor:
             else [data_iterator] * len(chunks)
         )
         if len(chunks) != self.vp_size or len(iterators) != self.vp_size:
-            raise ValueError(
+            raise ChunkIteratorError(
                 f"{self.vp_size} model chunks per rank expected (vp_size), got {len(chunks)} "
                 f"chunks and {len(iterators)} data iterators"
             )
+        return chunks, iterators
+
+    def _check_call(self, iterators: Sequence[Any], collect: bool, fwd: bool) -> None:
+        """Refuse a shared iterator, one no_sync_func for many chunks, or collect with backward.
+
+        Raises:
+            ChunkIteratorError: One iterator shared by several chunks.
+            ValueError: The other two.
+        """
         if self.vp_size > 1 and len({id(i) for i in iterators if i is not None}) < sum(
             i is not None for i in iterators
         ):
             # Each chunk pulls its own microbatches; one shared iterator would skip data.
-            raise ValueError(
+            raise ChunkIteratorError(
                 "with virtual stages, give each model chunk its own data iterator "
                 "(a list of distinct iterators, as Megatron's interleaved schedule takes)"
             )
@@ -305,7 +326,23 @@ class PipelineExecutor:
             raise ValueError(
                 "collect_non_loss_data needs forward_only=True: there is no loss to backward"
             )
-        return chunks, iterators
+
+    def _checked_plan(
+        self,
+        chunks: list[torch.nn.Module],
+        iterators: Sequence[Any],
+        num_microbatches: int,
+        forward_only: bool,
+        collect: bool,
+    ) -> PreparedPlan:
+        """The call's validated plan, after the call's other checks, in Megatron's order."""
+        if self.pp_size > 1:
+            # Megatron refuses a microbatch count before it looks at the iterators. One stage
+            # runs any count (its only refusal, interleaving without a pipeline, holds for
+            # every count), so there the call's own mistakes are named first.
+            self._prepared(num_microbatches, forward_only)
+        self._check_call(iterators, collect, forward_only)
+        return self._prepared_for(chunks, num_microbatches, forward_only)
 
     def __call__(
         self,
@@ -331,16 +368,18 @@ class PipelineExecutor:
             data); elsewhere [].
 
         Raises:
-            ValueError: The model chunks or data iterators do not match the virtual size, a
-                single no_sync_func or shared iterator comes with virtual stages,
-                `collect_non_loss_data` comes without `forward_only`, or the plan does not
-                fit the call.
+            ChunkIteratorError: The model chunks or data iterators do not match the virtual
+                size, or chunks share an iterator (a ValueError and a RuntimeError).
+            ScheduleConfigError: The schedule refuses the microbatch count; checked before
+                the iterators are shared or not, as in Megatron (a RuntimeError too).
+            ValueError: A single no_sync_func with virtual stages, `collect_non_loss_data`
+                without `forward_only`, or a plan that does not fit the call.
             PlanError: The plan is invalid; nothing was sent.
         """
-        chunks, iterators = self._check_call(
-            model, data_iterator, collect_non_loss_data, forward_only
+        chunks, iterators = self._chunks_and_iterators(model, data_iterator)
+        prepared = self._checked_plan(
+            chunks, iterators, num_microbatches, forward_only, collect_non_loss_data
         )
-        prepared = self._prepared_for(chunks, num_microbatches, forward_only)
         run = PlanWalk(
             self,
             CallArguments(

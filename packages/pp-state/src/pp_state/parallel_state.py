@@ -8,7 +8,8 @@ process-wide default state that `initialize_model_parallel` sets once; new code 
 Errors carry Megatron's types too: sizes that do not fit raise `ParallelSizeError` (a
 ValueError and a RuntimeError), a getter before initialisation `NotInitializedError` (a
 RuntimeError and an AssertionError, with a hint), initialising twice `AlreadyInitializedError`.
-`initialize_model_parallel` returns None, as Megatron's does.
+`initialize_model_parallel` returns None, as Megatron's does. Megatron's module globals
+(``_DATA_PARALLEL_GROUP``, ``_PIPELINE_GLOBAL_RANKS``, ...) read the default state's groups.
 
 Other differences from Megatron: `destroy_model_parallel` resets everything, overrides included,
 and a new default state starts without overrides; `is_pipeline_stage_at_split` is False when
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime
 import warnings
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch.distributed as dist
 
@@ -33,6 +35,7 @@ from pp_state.default import (
 )
 from pp_state.errors import AlreadyInitializedError, InvalidArgumentError
 from pp_state.layout import DEFAULT_ORDER, AnyGroupKind, RankGenerator
+from pp_state.megatron_globals import amax_reduction_kind, megatron_global
 from pp_state.stages import (
     after_split,
     at_split,
@@ -48,6 +51,7 @@ __all__ = [
     "RankGenerator",
     "create_all_gather_groups",
     "destroy_model_parallel",
+    "get_amax_reduction_group",
     "get_context_parallel_global_ranks",
     "get_context_parallel_group",
     "get_context_parallel_rank",
@@ -288,6 +292,32 @@ def get_tensor_and_context_parallel_group(
 ) -> dist.ProcessGroup | None:
     """This rank's tensor x context parallel group."""
     return _group("tp_cp", check_initialized)
+
+
+def get_amax_reduction_group(
+    with_context_parallel: bool = False, tp_only_amax_red: bool = False
+) -> dist.ProcessGroup:
+    """The group FP8 amax values are reduced over, by Megatron's rule.
+
+    Tensor x data parallel, or tensor x data x context parallel with `with_context_parallel`;
+    with `tp_only_amax_red`, tensor parallel, or tensor x context parallel.
+
+    Raises:
+        NotInitializedError: Before `initialize_model_parallel` (Megatron asserts).
+    """
+    kind = amax_reduction_kind(
+        with_context_parallel=with_context_parallel, tp_only_amax_red=tp_only_amax_red
+    )
+    return get_default_state().group(kind)
+
+
+def __getattr__(name: str) -> Any:
+    """Megatron's group globals (``_DATA_PARALLEL_GROUP``, ``_PIPELINE_GLOBAL_RANKS``, ...).
+
+    Each reads this rank's group (or global ranks) in the default state, None without one;
+    see `pp_state.megatron_globals`.
+    """
+    return megatron_global(name)
 
 
 # ------------------------------------------------------------------------------ sizes and ranks

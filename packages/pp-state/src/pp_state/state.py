@@ -453,6 +453,18 @@ class ParallelState:
         self._member(kind)
         return self._groups[kind]
 
+    def group_or_none(self, kind: AnyGroupKind) -> dist.ProcessGroup | None:
+        """This rank's process group of `kind`, or None where it is in none (see `in_group`).
+
+        What Megatron's module globals hold: a middle stage's embedding group is None.
+
+        Raises:
+            ValueError: `kind` is not one of `ALL_KINDS`.
+            StateDestroyedError: `destroy` was called.
+        """
+        self._alive()
+        return self.group(kind) if self.in_group(kind) else None
+
     def group_ranks(self, kind: AnyGroupKind) -> list[int]:
         """Global ranks of this rank's group of `kind`, in group-rank order."""
         return list(self._member(kind))
