@@ -6,12 +6,18 @@ torchrun before the group starts) and asserts the exact error it prints.
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
 from pp_train.app import main
 
 pytestmark = pytest.mark.reliability
+
+Torchrun = Callable[..., subprocess.CompletedProcess[str]]
 
 CASES: list[tuple[list[str], str]] = [
     (
@@ -64,6 +70,20 @@ CASES: list[tuple[list[str], str]] = [
         "--distributed-timeout-minutes must be a positive finite number, got 0.0",
     ),
     (["--lr", "-1"], "invalid OptimizerConfig: lr must be >= 0, got -1.0"),
+    (
+        ["--lr", "inf"],
+        "invalid OptimizerConfig: lr must be a finite number, got inf (Megatron's --lr)",
+    ),
+    (
+        ["--lr", "nan"],
+        "invalid OptimizerConfig: lr must be a finite number, got nan (Megatron's --lr)",
+    ),
+    (
+        ["--seq-length", "30000"],
+        "--seq-length 30000 is longer than the bundled corpus allows: it holds 220124 tokens, "
+        "22012 of them in the validation split, and a sample needs --seq-length + 1; use "
+        "--seq-length 22011 or less, or train on --data-path",
+    ),
     (["--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.003"),
     (
         ["--lr-warmup-iters", "500"],
@@ -245,3 +265,56 @@ def test_a_bad_flag_is_one_line_before_any_process_group(
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1
     assert errors[0].startswith(f"pp-train: error: {message}")
+
+
+def test_a_tensorboard_folder_under_a_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "notes").write_text("a file")
+    folder = tmp_path / "notes" / "tb"
+    test_a_bad_flag_is_one_line_before_any_process_group(
+        ["--tensorboard-dir", str(folder)],
+        f"--tensorboard-dir {folder}: {tmp_path / 'notes'} is a file, so no folder can be made",
+        monkeypatch,
+        capsys,
+    )
+    assert not folder.exists()
+
+
+# Rank 0 starts 5 s late: before pp-train 0.8 the other rank left after 3 s and torchrun tore
+# rank 0 down before it printed anything ("exitcode: 2" and no message).
+_SLOW_RANK_0 = """\
+import os
+import runpy
+import sys
+import time
+
+if os.environ.get("RANK") == "0":
+    time.sleep(5)
+sys.argv[0] = "pp-train"
+runpy.run_module("pp_train", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--optimizer", "lamb"], "argument --optimizer: invalid choice: 'lamb' (choose from"),
+        (["--seq-length", "30000"], "--seq-length 30000 is longer than the bundled corpus"),
+    ],
+    ids=["argparse", "data"],
+)
+def test_under_torchrun_a_late_rank_0_prints_the_error_once(
+    argv: list[str], message: str, tmp_path: Path, torchrun: Torchrun
+) -> None:
+    script = tmp_path / "slow_rank_0.py"
+    script.write_text(_SLOW_RANK_0)
+    done = torchrun(script, 2, *argv, timeout=120)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("pp-train: error:")]
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith(f"pp-train: error: {message}")
+    assert done.stderr.count("usage: pp-train") == 1
+    # torchrun's summary: the first rank to leave left with the command's status 2 (which
+    # one depends on the scheduling; the other may then be torn down by torchrun).
+    assert "exitcode  : 2" in done.stderr.split("Root Cause")[1]

@@ -8,6 +8,7 @@ growth and backoff factors.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any
 
 import torch
@@ -32,12 +33,14 @@ class GradScaler(abc.ABC):
         """Starts at `initial_scale`.
 
         Args:
-            initial_scale: The first scale; must be positive.
+            initial_scale: The first scale; must be positive and finite.
 
         Raises:
-            ValueError: `initial_scale` is not positive.
+            ValueError: `initial_scale` is not positive, or is inf or NaN.
         """
         initial = _checked_number("initial_scale", initial_scale)
+        if not math.isfinite(initial):
+            raise ValueError(f"initial_scale must be a finite number, got {initial_scale}")
         if not initial > 0.0:
             raise ValueError(f"initial_scale must be > 0, got {initial_scale}")
         self._scale = _scalar(initial)
@@ -115,8 +118,8 @@ class DynamicGradScaler(GradScaler):
 
         Args:
             initial_scale: The first scale (Megatron's default ``2**32``).
-            min_scale: Floor of the scale, > 0 and <= `initial_scale`.
-            growth_factor: Multiplier on growth, > 1.
+            min_scale: Floor of the scale, > 0 and <= `initial_scale` (so finite too).
+            growth_factor: Multiplier on growth, > 1 and finite.
             backoff_factor: Multiplier on overflow, strictly between 0 and 1.
             growth_interval: Clean steps in a row before the scale grows, > 0
                 (Megatron's ``--loss-scale-window``).
@@ -130,7 +133,10 @@ class DynamicGradScaler(GradScaler):
         checks = [
             (_checked_number("min_scale", min_scale) > 0.0, "min_scale must be > 0"),
             (float(min_scale) <= float(initial_scale), "min_scale must be <= initial_scale"),
-            (_checked_number("growth_factor", growth_factor) > 1.0, "growth_factor must be > 1"),
+            (
+                1.0 < _checked_number("growth_factor", growth_factor) < math.inf,
+                "growth_factor must be > 1 and finite",
+            ),
             (
                 0.0 < _checked_number("backoff_factor", backoff_factor) < 1.0,
                 "backoff_factor must be in (0, 1)",

@@ -13,6 +13,10 @@
 - `is_int`, `is_real`, `check_int`, `check_at_least`, `divisors` (`pp_state.numbers`): the
   whole-number checks every layer shares (a bool is never a count).
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
+- `StoreChannel` (`pp_state.store_channel`): keys every rank can set and wait for through
+  torchrun's store, before and after the process groups exist.
+- `ProcessGroupCollection` (`pp_state.process_groups_config`): Megatron's holder of process
+  groups by short names (``tp``, ``pp``, ``dp_cp``, ...), from a `ParallelState` or the default.
 
 Importing the package and using `rank_layout`, `expert_rank_layout`, `RankGenerator`,
 `Placement`, `PipelineLayerLayout` or the number checks does not import torch; the names
@@ -74,7 +78,9 @@ if TYPE_CHECKING:
         initialize_model_parallel,
         model_parallel_is_initialized,
     )
+    from pp_state.process_groups_config import ProcessGroupCollection
     from pp_state.state import ParallelConfig, ParallelState, StateDestroyedError
+    from pp_state.store_channel import StoreChannel, StoreTimeoutError
 
 __version__ = _version("pp-state")
 
@@ -96,7 +102,10 @@ _LAZY = {
     "model_parallel_is_initialized": "pp_state.parallel_state",
     "ParallelConfig": "pp_state.state",
     "ParallelState": "pp_state.state",
+    "ProcessGroupCollection": "pp_state.process_groups_config",
     "StateDestroyedError": "pp_state.state",
+    "StoreChannel": "pp_state.store_channel",
+    "StoreTimeoutError": "pp_state.store_channel",
 }
 
 
@@ -130,8 +139,11 @@ __all__ = [
     "ParallelState",
     "PipelineLayerLayout",
     "Placement",
+    "ProcessGroupCollection",
     "RankGenerator",
     "StateDestroyedError",
+    "StoreChannel",
+    "StoreTimeoutError",
     "__version__",
     "at_iteration",
     "check_at_least",

@@ -11,7 +11,9 @@ instead of checking again.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from pp_schedules import (
     Choice,
@@ -32,7 +34,7 @@ from pp_train.num_microbatches_calculator import (
     build_num_microbatches_calculator,
 )
 
-__all__ = ["RunLayout", "check_world", "microbatch_calculator"]
+__all__ = ["RunLayout", "check_creatable_folder", "check_world", "microbatch_calculator"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +107,9 @@ def check_world(
 
     Raises:
         ValueError: The sizes do not fit the world, the batches do not divide, the schedule
-            cannot run them, or the plan file is unreadable, invalid or for other sizes; the
-            message names the flags and what would work.
+            cannot run them, the plan file is unreadable, invalid or for other sizes, the
+            TensorBoard folder cannot be made, or the data is refused; the message names the
+            flags and what would work.
     """
     dp = _check_world_size(config, world_size)
     _check_batches(config, dp)
@@ -126,6 +129,8 @@ def check_world(
             check_trace_path(config.logging.profile_schedule)
         except ValueError as error:
             raise ValueError(f"--profile-schedule: {error}") from error
+    if config.logging.tensorboard_dir is not None:
+        check_creatable_folder("--tensorboard-dir", config.logging.tensorboard_dir)
     if config.data.data_path is not None:
         check_data(
             config.data,
@@ -134,6 +139,26 @@ def check_world(
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
     return RunLayout(world_size, dp, vp, tuple(counts), resolved, split)
+
+
+def check_creatable_folder(flag: str, path: str) -> None:
+    """Checks, creating nothing, that a folder can be made (or written) at `path`.
+
+    No existing component of the path may be a file, and the nearest existing folder must be
+    writable: every rank can check this before the logging rank creates the folder.
+
+    Raises:
+        ValueError: The message names `flag`, the path and the component in the way.
+    """
+    target = Path(path)
+    for part in (target, *target.parents):
+        if part.is_dir():
+            if not os.access(part, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {path}: folder {part} is not writable")
+            return
+        if os.path.lexists(part):
+            kind = "a file" if part.is_file() else "not a folder"
+            raise ValueError(f"{flag} {path}: {part} is {kind}, so no folder can be made there")
 
 
 def _check_world_size(config: PretrainConfig, world: int) -> int:

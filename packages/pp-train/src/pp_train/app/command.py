@@ -11,15 +11,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
 
 from pp_schedules import Choice, Costs
+from pp_state.store_channel import StoreChannel, StoreTimeoutError
 from pp_train.app.auto_schedule import choose_measured, layout_costs
-from pp_train.app.corpus import CorpusDataset, corpus_tokens, split_corpus
+from pp_train.app.corpus import (
+    CorpusDataset,
+    check_corpus_seq_length,
+    corpus_tokens,
+    split_corpus,
+)
 from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_config_from_args
 from pp_train.checkpoint import CheckpointError
@@ -29,32 +34,96 @@ from pp_train.training import NonFiniteError
 from pp_train.world import check_world
 from pp_train.wrappers import unwrap_model
 
-__all__ = ["build_parser", "gpt_forward_step", "main", "run", "validate_args"]
+__all__ = [
+    "build_parser",
+    "gpt_forward_step",
+    "main",
+    "refuse_once",
+    "run",
+    "validate_args",
+]
 
 
-# How long the other ranks wait before leaving on a flag error, so that rank 0 prints it and
-# exits first: torchrun tears every rank down as soon as the first one exits.
-_ERROR_GRACE_SECONDS = 3.0
+# How long a rank waits for rank 0 to print a flag error (it may start much later under
+# torchrun) before it prints the error itself and leaves.
+_ERROR_WAIT_SECONDS = 60.0
+_PRINTED = "flag-error/printed"
 
 
 class _Parser(argparse.ArgumentParser):
     """Under torchrun every process parses the flags; only rank 0 prints the error."""
 
+    def __init__(self, *args: Any, environ: Mapping[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.environ = environ
+
     def error(self, message: str) -> NoReturn:
-        """Prints usage and `message` on rank 0 (or without torchrun); exits with status 2."""
-        if os.environ.get("RANK", "0") == "0":
-            self.print_usage(sys.stderr)
-            self.exit(2, f"{self.prog}: error: {message}\n")
-        time.sleep(_ERROR_GRACE_SECONDS)
+        """Prints usage and `message` once for the whole job; exits with status 2."""
+        refuse_once(self, message, self.environ)
+
+
+def _print_refusal(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+
+
+def _error_channel(environ: Mapping[str, str]) -> StoreChannel | None:
+    """The store rank 0 says it has printed in; None without a job of 2+ ranks."""
+    return StoreChannel.from_torchrun_environment(
+        environ, namespace="pp-train", timeout=_ERROR_WAIT_SECONDS
+    )
+
+
+def refuse_once(
+    parser: argparse.ArgumentParser, message: str, environ: Mapping[str, str]
+) -> NoReturn:
+    """Exits with status 2 after the job has printed usage and `message` once.
+
+    Every rank finds the same error. Rank 0 prints it, then sets a key in torchrun's store;
+    the others wait for that key and leave silently, so whichever rank starts first, none
+    exits (and none is torn down by torchrun) before rank 0 has printed. A rank that waits in
+    vain for 60 s (rank 0 found no error) or cannot reach the store prints its own. Without
+    torchrun (no ``MASTER_ADDR``, or one process) rank 0 prints and the others leave at once.
+    """
+    if environ.get("RANK", "0") == "0":
+        _print_refusal(parser, message)
+        _tell_printed(environ)
         sys.exit(2)
+    try:
+        channel = _error_channel(environ)
+        if channel is not None:
+            channel.wait([_PRINTED])
+            channel.set(f"{_PRINTED}/seen/{channel.rank}", "1")
+    except (StoreTimeoutError, RuntimeError, ValueError):
+        _print_refusal(parser, message)
+    sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _tell_printed(environ: Mapping[str, str]) -> None:
+    """Sets the key; a rank hosting the store also waits until every other rank read it."""
+    try:
+        channel = _error_channel(environ)
+        if channel is None:
+            return
+        channel.set(_PRINTED, "1")
+        if channel.hosts_store:
+            others = range(1, channel.world_size)
+            channel.wait([f"{_PRINTED}/seen/{rank}" for rank in others])
+    except (StoreTimeoutError, RuntimeError, ValueError):
+        pass  # printed already; the others time out and print their own
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Megatron's flag names, generated from `pp_train.arguments`' configuration dataclasses.
 
     The defaults train the small GPT on CPU in about a minute.
+
+    Args:
+        environ: The environment torchrun set (default: ``os.environ``); a flag error is
+            printed once for the whole job (see `refuse_once`).
     """
     parser = _Parser(
+        environ=os.environ if environ is None else environ,
         prog="pp-train",
         description="Train the bundled small GPT with pipeline parallelism (run under torchrun).",
     )
@@ -67,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_args(
     parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int
 ) -> argparse.Namespace:
-    """Checks the flags against each other and the world size, before any process group.
+    """Checks the flags against each other, the world size and the data, before any group.
+
+    Without ``--data-path`` the bundled corpus must hold a sample of ``--seq-length``.
 
     Calls ``parser.error`` (exit status 2, usage and the message) naming the numbers and what
     would work. Sets ``config`` (the `PretrainConfig`) and ``layout`` (its `RunLayout` on the
@@ -79,6 +150,8 @@ def validate_args(
     try:
         args.config = pretrain_config_from_args(args)
         args.layout = check_world(args.config, world_size, transport=default_transport())
+        if args.config.data.data_path is None:
+            check_corpus_seq_length(args.config.model.seq_length)
     except ValueError as error:
         parser.error(str(error))
     args.virtual_pipeline_model_parallel_size = args.layout.virtual_pipeline_model_parallel_size

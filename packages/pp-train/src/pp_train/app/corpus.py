@@ -13,7 +13,13 @@ import torch
 from pp_state.numbers import check_int, is_int
 from pp_train.data import Microbatch
 
-__all__ = ["CorpusDataset", "corpus_tokens", "load_corpus", "split_corpus"]
+__all__ = [
+    "CorpusDataset",
+    "check_corpus_seq_length",
+    "corpus_tokens",
+    "load_corpus",
+    "split_corpus",
+]
 
 _CORPUS_FILE = "corpus.txt"
 
@@ -70,6 +76,31 @@ def split_corpus(
     valid_size = int(tokens.numel() * valid_fraction)
     cut = tokens.numel() - valid_size
     return tokens[:cut], tokens[cut:]
+
+
+def check_corpus_seq_length(seq_length: int, tokens: torch.Tensor | None = None) -> None:
+    """Checks that both splits of the corpus (see `split_corpus`) hold one sample.
+
+    A sample needs ``seq_length + 1`` tokens; the validation tail is the shorter split.
+
+    Args:
+        seq_length: Tokens per sample (``--seq-length``).
+        tokens: The corpus's tokens (default: the bundled corpus's).
+
+    Raises:
+        ValueError: A split is too short; the message names ``--seq-length``, the corpus's
+            tokens and the longest value that fits.
+    """
+    tokens = corpus_tokens() if tokens is None else tokens
+    train, valid = split_corpus(tokens)
+    longest = min(train.numel(), valid.numel()) - 1
+    if seq_length > longest:
+        raise ValueError(
+            f"--seq-length {seq_length} is longer than the bundled corpus allows: it holds "
+            f"{tokens.numel()} tokens, {valid.numel()} of them in the validation split, and a "
+            f"sample needs --seq-length + 1; use --seq-length {longest} or less, or train on "
+            "--data-path"
+        )
 
 
 class CorpusDataset:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import numpy
 import numpy.typing as npt
 
+from pp_state.numbers import check_int
 from pp_train.data.cache import cached_or_built
 from pp_train.data.config import normalize
 from pp_train.data.gpt_dataset import GPTDataset, sample_of_window
@@ -49,6 +51,19 @@ def build_blending_indices(
     return dataset_index, sample_index
 
 
+def _check_blend(datasets: Sequence[GPTDataset], weights: Sequence[float], size: int) -> None:
+    """Refuses what would divide by zero or index nothing later, naming the numbers."""
+    if not datasets:
+        raise ValueError("a blend needs at least one dataset, got none")
+    values = [float(w) for w in weights]
+    if len(values) != len(datasets):
+        raise ValueError(f"a blend needs one weight per dataset: {len(datasets)} datasets, "
+                         f"{len(values)} weights {values}")  # fmt: skip
+    if not all(0.0 <= w < math.inf for w in values) or not sum(values) > 0.0:
+        raise ValueError(f"blend weights must be finite, 0 or more and not all 0, got {values}")
+    check_int("size", size, 0)
+
+
 class BlendedDataset:
     """`size` samples drawn from `datasets` in proportion to `weights`, as Megatron's.
 
@@ -59,7 +74,9 @@ class BlendedDataset:
         cache_dir: Where the blending indices are cached (None: not cached).
 
     Raises:
-        ValueError: The blend needs more samples of a dataset than it has.
+        ValueError: No datasets, not one weight per dataset, a weight negative or not
+            finite, weights adding up to 0, a negative `size`, or a blend that needs more
+            samples of a dataset than it has.
     """
 
     def __init__(
@@ -70,6 +87,7 @@ class BlendedDataset:
         *,
         cache_dir: Path | None = None,
     ) -> None:
+        _check_blend(datasets, weights, size)
         self.datasets = list(datasets)
         self.weights = normalize(weights)
         self.size = size

@@ -105,18 +105,40 @@ def check_data(
         raise ValueError("data_path is None: name a dataset prefix (--data-path)")
     matrix = split_matrix(parse_split(config.split))
     opened = [IndexedDataset(prefix) for prefix in blend[0]]
+    tokens: dict[tuple[str, str], int] = {}
     for indexed in opened:
         for name, bounds in zip(SPLIT_NAMES, matrix, strict=True):
             if bounds is None:
                 continue
             ids = split_sequences(bounds, len(indexed))
-            if int(indexed.sequence_lengths[ids].sum(dtype=numpy.int64)) == 0:
+            tokens[indexed.path_prefix, name] = int(
+                indexed.sequence_lengths[ids].sum(dtype=numpy.int64)
+            )
+            if tokens[indexed.path_prefix, name] == 0:
                 raise ValueError(
                     f"{indexed.path_prefix}: the {name} split ({bounds[1] - bounds[0]:.2%} of "
                     f"{len(indexed)} sequences: {ids.size}) holds no tokens; give {name} a "
                     f"larger share in split {config.split!r}, or 0, or use more documents"
                 )
+    if len(opened) > 1 and blend[1] is None:
+        _check_one_epoch_holds_a_sample(tokens, seq_length)
     return opened
+
+
+def _check_one_epoch_holds_a_sample(tokens: dict[tuple[str, str], int], seq_length: int) -> None:
+    """Unweighted blends take one epoch of each split: it must hold ``seq_length + 1`` tokens.
+
+    (A single prefix or a weighted blend repeats its documents for as many epochs as the
+    samples need, as Megatron does, so any ``seq_length`` works there.)
+    """
+    (prefix, name), least = min(tokens.items(), key=lambda item: item[1])
+    if seq_length >= least:
+        raise ValueError(
+            f"--seq-length {seq_length} is longer than the {name} split of {prefix} allows: it "
+            f"holds {least} tokens and a sample needs --seq-length + 1, and a blend without "
+            f"weights takes one epoch of each dataset; use --seq-length {least - 1} or less, "
+            "or give weights in --data-path"
+        )
 
 
 def _cache_dir(config: DataConfig, indexed: IndexedDataset) -> Path:

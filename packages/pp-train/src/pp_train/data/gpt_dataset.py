@@ -22,6 +22,7 @@ import numpy
 import numpy.typing as npt
 import torch
 
+from pp_state.numbers import check_int
 from pp_train.data.cache import cached_or_built
 from pp_train.data.indexed import IndexedDataset
 from pp_train.data.sampler import Microbatch
@@ -130,8 +131,11 @@ def build_gpt_indices(
         The document index, the sample index and the shuffle index.
 
     Raises:
-        ValueError: The split holds no tokens.
+        TypeError: `seq_length` or `num_samples` is not an int.
+        ValueError: The split holds no tokens, `seq_length` is below 1 or `num_samples`
+            below 0.
     """
+    _check_sizes(seq_length, num_samples)
     tokens_per_epoch = int(numpy.asarray(sequence_lengths)[documents].sum(dtype=numpy.int64))
     if tokens_per_epoch == 0:
         raise ValueError(f"the split's {len(documents)} sequences hold no tokens")
@@ -150,6 +154,12 @@ def build_gpt_indices(
     total = sample_index.shape[0] - 1
     shuffle_index = build_shuffle_index(before_final if separate else total, total, rng)
     return document_index, sample_index, shuffle_index
+
+
+def _check_sizes(seq_length: int, num_samples: int | None) -> None:
+    check_int("seq_length", seq_length, 1)
+    if num_samples is not None:
+        check_int("num_samples", num_samples, 0)
 
 
 def sample_of_window(window: npt.NDArray[numpy.int64]) -> Microbatch:
@@ -173,6 +183,11 @@ class GPTDataset:
         split_name: ``train``, ``valid`` or ``test``.
         cache_dir: Where the indices are cached (None: not cached).
         identifiers: What else identifies the indices in the cache (the split, ...).
+
+    Raises:
+        TypeError: `seq_length` or `num_samples` is not an int.
+        ValueError: `seq_length` is below 1, `num_samples` below 0, or the split holds no
+            tokens.
     """
 
     def __init__(
@@ -187,6 +202,7 @@ class GPTDataset:
         cache_dir: Path | None = None,
         identifiers: dict[str, Any] | None = None,
     ) -> None:
+        _check_sizes(seq_length, num_samples)
         self.indexed = indexed
         self.seq_length = seq_length
         self.split_name = split_name

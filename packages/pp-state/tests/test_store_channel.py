@@ -1,0 +1,104 @@
+"""`StoreChannel`: keys every rank sets and waits for, over a FileStore or a real TCPStore."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from pp_state import StoreChannel, StoreTimeoutError
+
+pytestmark = pytest.mark.reliability
+
+TORCHRUN = {
+    "WORLD_SIZE": "2",
+    "RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RUN_ID": "job7",
+    "TORCHELASTIC_RESTART_COUNT": "3",
+}
+
+
+def test_a_file_store_channel_sets_gets_and_waits(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    writer = StoreChannel.from_file(path, rank=0, world_size=2, timeout=5)
+    reader = StoreChannel.from_file(path, rank=1, world_size=2, timeout=5)
+    writer.set("ready", "yes")
+    reader.wait(["ready"])
+    assert reader.get("ready") == b"yes"
+
+
+def test_a_key_never_set_times_out_naming_the_key_rank_and_seconds(tmp_path: Path) -> None:
+    channel = StoreChannel.from_file(str(tmp_path / "store"), rank=3, world_size=4, timeout=5)
+    with pytest.raises(StoreTimeoutError) as caught:
+        channel.wait(["printed"], timeout=0.2)
+    assert str(caught.value).startswith(
+        "rank 3 waited 0.2 s for store key(s) printed; no rank set it in that time"
+    )
+    assert isinstance(caught.value, TimeoutError)
+    assert (caught.value.keys, caught.value.rank, caught.value.seconds) == (["printed"], 3, 0.2)
+
+
+def test_prefixes_keep_runs_apart(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    first = StoreChannel.from_file(path, rank=0, world_size=1, prefix="run/0", timeout=5)
+    second = StoreChannel.from_file(path, rank=0, world_size=1, prefix="run/1", timeout=5)
+    first.set("done", "1")
+    with pytest.raises(StoreTimeoutError, match="done"):
+        second.wait(["done"], timeout=0.2)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_a_timeout_must_be_positive(tmp_path: Path, timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+        StoreChannel.from_file(str(tmp_path / "store"), rank=0, world_size=1, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{}, {"WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, {"WORLD_SIZE": "2"}],
+)
+def test_no_channel_without_a_job_of_two_or_more(environ: dict[str, str]) -> None:
+    assert StoreChannel.from_torchrun_environment(environ) is None
+
+
+def test_a_bad_variable_is_named() -> None:
+    with pytest.raises(ValueError, match="environment variable MASTER_PORT must be a whole"):
+        StoreChannel.from_torchrun_environment({**TORCHRUN, "MASTER_PORT": "x"})
+
+
+def test_torchrun_keys_carry_the_run_id_and_restart_count() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    environ = {**TORCHRUN, "MASTER_PORT": str(server.port)}
+    channel = StoreChannel.from_torchrun_environment(environ, namespace="demo", timeout=5)
+    assert channel is not None
+    assert (channel.rank, channel.world_size, channel.hosts_store) == (1, 2, False)
+    channel.set("k", "v")
+    assert server.get("demo/job7/3/k") == b"v"
+
+
+_PEER = """
+import sys
+from pp_state import StoreChannel
+channel = StoreChannel.connect("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, timeout=30)
+channel.wait(["question"])
+channel.set("answer", channel.get("question") + b"!")
+"""
+
+
+def test_two_processes_talk_through_a_real_tcp_store() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    channel = StoreChannel.connect("127.0.0.1", server.port, rank=0, world_size=2, timeout=60)
+    peer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_PEER), str(server.port)])
+    try:
+        channel.set("question", "hello")
+        assert channel.get("answer", timeout=60) == b"hello!"
+        assert peer.wait(timeout=60) == 0
+    finally:
+        peer.kill()
+        peer.wait()
