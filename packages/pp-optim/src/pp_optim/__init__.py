@@ -48,10 +48,16 @@ from pp_optim.optimizer import (
     get_megatron_optimizer,
     get_param_groups,
 )
+from pp_optim.timing import (
+    OPTIMIZER_TIMERS,
+    NullOptimizerTimers,
+    OptimizerTimers,
+)
 
 __version__ = _version("pp-optim")
 
 __all__ = [
+    "OPTIMIZER_TIMERS",
     "ConstantGradScaler",
     "DDPConfig",
     "DistributedDataParallel",
@@ -68,9 +74,11 @@ __all__ = [
     "LRScheduleConfig",
     "MegatronOptimizer",
     "NonFiniteGradError",
+    "NullOptimizerTimers",
     "OptimizerConfig",
     "OptimizerParamScheduler",
     "OptimizerParamSchedulerError",
+    "OptimizerTimers",
     "WDIncrStyle",
     "WSDDecayStyle",
     "__version__",

@@ -10,6 +10,7 @@ parameters without copies. Both read gradients from ``main_grad`` when a contigu
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from pp_optim.grad_norm import (
     grads_for_norm,
 )
 from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
+from pp_optim.timing import NullOptimizerTimers, OptimizerTimers, timed
 from pp_state.collectives import collective
 
 if TYPE_CHECKING:
@@ -130,7 +132,11 @@ class OptimizerConfig:
                 "grad_norm_skip_threshold must be > 0 (inf disables), got "
                 f"{self.grad_norm_skip_threshold}"
             )
-        for name in ("lr", "weight_decay", "sgd_momentum"):
+        if not math.isfinite(self.lr):
+            problems.append(f"lr must be a finite number, got {self.lr} (Megatron's --lr)")
+        elif self.lr < 0.0:
+            problems.append(f"lr must be >= 0, got {self.lr} (Megatron's --lr)")
+        for name in ("weight_decay", "sgd_momentum"):
             if not getattr(self, name) >= 0.0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("adam_beta1", "adam_beta2"):
@@ -319,7 +325,9 @@ class MegatronOptimizer(abc.ABC):
         )
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int | None]:
+    def step(
+        self, timers: OptimizerTimers | None = None, *, barrier_with_l1_time: bool = False
+    ) -> tuple[bool, float | None, int | None]:
         """One update, as Megatron's mixed-precision step.
 
         Copies the gradients to the main parameters, unscales them and looks for inf/nan on
@@ -330,6 +338,11 @@ class MegatronOptimizer(abc.ABC):
         `zero_grad`) and adds one to `num_skipped_steps`. Without a scaler and with
         ``config.check_for_nan_in_loss_and_grad``, a NaN or inf norm raises instead.
 
+        Args:
+            timers: Time each phase under Megatron's names (`pp_optim.timing.OPTIMIZER_TIMERS`,
+                level 1), e.g. pp-train's ``Timers``; None times nothing.
+            barrier_with_l1_time: Start each phase's timer after a barrier across ranks.
+
         Raises:
             NonFiniteGradError: The norm is NaN or inf (no scaler, check on); nothing applied.
 
@@ -339,24 +352,35 @@ class MegatronOptimizer(abc.ABC):
             None on overflow or when not asked for. A step skipped for its norm returns
             ``(False, grad_norm, num_zeros_in_grad)``.
         """
-        self._copy_model_grads_to_main_grads()
+        clock = timers if timers is not None else NullOptimizerTimers()
+
+        def phase(name: str) -> contextlib.AbstractContextManager[None]:
+            return timed(clock, name, barrier=barrier_with_l1_time)
+
+        with phase("optimizer-copy-to-main-grad"):
+            self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
-            found_inf = self._unscale_main_grads_and_check_for_nan(self.grad_scaler)
+            with phase("optimizer-unscale-and-check-inf"):
+                found_inf = self._unscale_main_grads_and_check_for_nan(self.grad_scaler)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.num_skipped_steps += 1
                 return False, None, None
-        grad_norm = self._norm_and_clip()
+        with phase("optimizer-clip-main-grad"):
+            grad_norm = self._norm_and_clip()
         if grad_norm is not None and not math.isfinite(grad_norm) and self._checks_nan():
             # Every rank of the group sees the same norm, so all of them refuse together.
             raise NonFiniteGradError(grad_norm, self._non_finite_ranks())
-        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        with phase("optimizer-count-zeros"):
+            num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         if grad_norm is not None and grad_norm > self.config.grad_norm_skip_threshold:
             self.num_skipped_steps += 1
             self.num_grad_norm_skips += 1
             return False, grad_norm, num_zeros
-        self.optimizer.step()
-        self._copy_main_params_to_model_params()
+        with phase("optimizer-inner-step"):
+            self.optimizer.step()
+        with phase("optimizer-copy-main-to-model-params"):
+            self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
 
     def state_dict(self) -> dict[str, Any]:

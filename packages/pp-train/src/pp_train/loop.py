@@ -22,7 +22,7 @@ from pp_train.evaluation import evaluate
 from pp_train.exits import SigtermFlag, exit_reason
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
-from pp_train.reporting import TrainingLogger
+from pp_train.reporting import Timers, TrainingLogger
 from pp_train.run import (
     ExitReason,
     TrainingConfig,
@@ -33,7 +33,7 @@ from pp_train.run import (
 )
 from pp_train.schedule_profile import ScheduleProfile
 from pp_train.step import ForwardBackwardFunc, ForwardStepFunc, StepResult
-from pp_train.step_log import log_step, timers_line
+from pp_train.step_log import log_step, timers_line, write_timers
 
 __all__ = ["TrainLoop", "train"]
 
@@ -63,10 +63,11 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     Each iteration: update the microbatch count from the consumed samples, `train_step`,
     count the samples, log; evaluate every `eval_interval`; save every `save_interval`;
     then stop, saving first, on SIGTERM, an autoresume request, `exit_duration_in_mins` or
-    `exit_interval`; every rank takes each of these decisions together. With
-    a profile path, one iteration's schedule is recorded and written as a Chrome trace, and
-    its summary line goes to `print_fn`. `config` is a `TrainingConfig` (Megatron's shape,
-    handed on as `as_pretrain_config`'s sections) or the run's `PretrainConfig`, whose
+    `exit_interval`; every rank takes each of these decisions together. With a profile
+    path, one iteration's schedule is recorded as a Chrome trace, its summary line going to
+    `print_fn`. With ``config.logging.tensorboard_dir`` each log line's timers also go to
+    TensorBoard (`write_timers`). `config` is a `TrainingConfig` (Megatron's shape, handed
+    on as `as_pretrain_config`'s sections) or the run's `PretrainConfig`, whose
     sections the loop reads as they are. `placement` is the one the run's
     resolved schedule runs (None: `schedule_placement` asks `forward_backward_func`).
 
@@ -176,6 +177,10 @@ class TrainLoop:
         run = self.run
         self.interval_iterations += 1
         log_now = run.progress.iteration % run.config.logging.log_interval == 0
+        if log_now and run.config.logging.tensorboard_dir is not None:
+            # Every rank takes part in the gather; the log line's read below resets the timers.
+            iteration, iterations = run.progress.iteration, self.interval_iterations
+            write_timers(self.timers, self.logger.writer, iteration, iterations)
         log_step(
             self.logger,
             run.optimizer,
@@ -208,6 +213,10 @@ class TrainLoop:
             seq_length=config.model.seq_length,
             decoder_seq_length=config.model.decoder_seq_length,
             placement=run.placement,
+            # Megatron's loop evaluates quietly (verbose False): the time line only.
+            log_interval=config.logging.log_interval,
+            print_fn=run.print_fn,
+            timers=self.timers if isinstance(self.timers, Timers) else None,
         )
         progress.consumed_valid_samples += (
             config.training.eval_iters * calculator.get_current_global_batch_size()

@@ -561,6 +561,9 @@ class _Run:
                     "pip install 'pp-train[tensorboard]'"
                 ) from error
             writer = SummaryWriter(log_dir=directory, max_queue=1000)
+            # Megatron's write_args_to_tensorboard: every setting once, as text.
+            for key, value in self._checkpoint_args({}).items():
+                writer.add_text(key, str(value))
         logger = TrainingLogger(
             train_iters=self.config.training.train_iters,
             log_interval=self.config.logging.log_interval,
@@ -610,7 +613,10 @@ class _Run:
         valid: Any,
         num_microbatches: int,
     ) -> None:
-        """Evaluates the trained model and says each loss, as Megatron does at the end."""
+        """Evaluates the trained model and says each loss, as Megatron does at the end.
+
+        Verbose, as Megatron's: rank 0 says ``Evaluating iter i/n`` every log interval.
+        """
         config = self.config
         losses = evaluate(
             forward_step_func,
@@ -624,6 +630,8 @@ class _Run:
             seq_length=config.model.seq_length,
             decoder_seq_length=config.model.decoder_seq_length,
             placement=self.layout.placement,
+            verbose=True,
+            log_interval=config.logging.log_interval,
         )
         for key, value in losses.items():
             self.say(f"validation at the end of training | {key}: {value:.6E}")

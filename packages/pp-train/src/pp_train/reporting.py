@@ -1,10 +1,12 @@
 """What training reports: named timers, Megatron's per-interval log line, TensorBoard scalars.
 
-`Timers` measures wall-clock time under names such as "forward-backward" and fits the
-``Timers`` protocol that pp-comm reports to. `TrainingLogger` keeps Megatron's counters
-between log lines (advanced, skipped and nan iterations, loss sums), writes the per-iteration
-scalars to a TensorBoard-like writer and, every ``log_interval`` iterations, prints one line
-in the format of Megatron's training log. `memory_report` is a one-line memory summary.
+`Timers` measures wall-clock time under names such as "forward-backward", fits the
+``Timers`` protocol that pp-comm reports to (and pp-optim's `OptimizerTimers`), and writes
+its times to TensorBoard as Megatron's ``<name>-time`` scalars. `TrainingLogger` keeps
+Megatron's counters between log lines (advanced, skipped and nan iterations, loss sums),
+writes the per-iteration scalars to a TensorBoard-like writer and, every ``log_interval``
+iterations, prints one line in the format of Megatron's training log. `memory_report` is a
+one-line memory summary.
 """
 
 from __future__ import annotations
@@ -299,21 +301,8 @@ class Timers:
         Raises:
             ValueError: `normalizer` is not a positive finite number.
         """
-        if not (isinstance(normalizer, (int, float)) and 0.0 < normalizer < math.inf):
-            raise ValueError(
-                f"normalizer must be a positive finite number such as 1.0 or the number of "
-                f"iterations timed, got {normalizer!r}"
-            )
-        seconds = torch.tensor(
-            [
-                self._timers[name].elapsed(reset=reset) if name in self._timers else _MISSING
-                for name in names
-            ],
-            dtype=torch.float64,
-        )
-        per_rank = seconds.unsqueeze(0)  # (ranks, names)
-        if group is not None and _distributed_ready() and len(names) > 0:
-            per_rank = _gather_over_group(seconds, group)
+        _check_normalizer(normalizer)
+        per_rank = self._seconds_per_rank(names, group, reset)
         parts = [
             f"{name}: {text}"
             for index, name in enumerate(names)
@@ -321,6 +310,74 @@ class Timers:
         ]
         body = " | ".join(parts)
         return f"{_HEADERS[self._log_option]} | {body}" if header and body else body
+
+    def write(
+        self,
+        names: Sequence[str],
+        writer: ScalarWriter | None,
+        iteration: int,
+        normalizer: float = 1.0,
+        reset: bool = False,
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, float]:
+        """Writes each timer's maximum time over the ranks as the scalar ``<name>-time``.
+
+        As Megatron's ``timers.write``: seconds divided by `normalizer`, at step `iteration`;
+        a name no rank has a timer for is left out. Every rank of the group must call this
+        with the same `names` (one all-gather); only the rank that writes needs a `writer`.
+
+        Args:
+            names: The timers to write.
+            writer: A TensorBoard ``SummaryWriter`` or any `ScalarWriter`; None writes
+                nothing (the ranks that only take part in the gather).
+            iteration: The step the scalars are written at.
+            normalizer: Divides every time (e.g. the iterations they cover).
+            reset: Reset the timers after reading them (Megatron's default does not, so that
+                the log line read after still sees them).
+            group: The ranks to take the maximum over; None: every rank of the default group
+                (this rank alone without torch.distributed).
+
+        Returns:
+            The seconds written, by timer name.
+
+        Raises:
+            ValueError: `normalizer` is not a positive finite number.
+        """
+        _check_normalizer(normalizer)
+        ranks = group if group is not None or not _distributed_ready() else dist.group.WORLD
+        per_rank = self._seconds_per_rank(names, ranks, reset)
+        written = {}
+        for index, name in enumerate(names):
+            known = [value for value in per_rank[:, index].tolist() if value != _MISSING]
+            if known:
+                written[name] = max(known) / normalizer
+                if writer is not None:
+                    writer.add_scalar(f"{name}-time", written[name], iteration)
+        return written
+
+    def _seconds_per_rank(
+        self, names: Sequence[str], group: dist.ProcessGroup | None, reset: bool
+    ) -> torch.Tensor:
+        """Each rank's seconds of each name, one row per rank (`_MISSING` where it has none)."""
+        seconds = torch.tensor(
+            [
+                self._timers[name].elapsed(reset=reset) if name in self._timers else _MISSING
+                for name in names
+            ],
+            dtype=torch.float64,
+        )
+        if group is not None and _distributed_ready() and len(names) > 0:
+            return _gather_over_group(seconds, group)
+        return seconds.unsqueeze(0)
+
+
+def _check_normalizer(normalizer: object) -> None:
+    if not (isinstance(normalizer, (int, float)) and 0.0 < normalizer < math.inf):
+        raise ValueError(
+            f"normalizer must be a positive finite number such as 1.0 or the number of "
+            f"iterations timed, got {normalizer!r}"
+        )
 
 
 def _check_level(name: str, level: object) -> None:
@@ -497,6 +554,11 @@ class TrainingLogger:
         self._skipped = 0
         self._nan = 0
         self._loss_sums: dict[str, float] = {}
+
+    @property
+    def writer(self) -> ScalarWriter | None:
+        """Where this rank writes scalars: the writer on the logging rank, else None."""
+        return self._writer if self._is_logging_rank else None
 
     @property
     def advanced_iterations(self) -> int:

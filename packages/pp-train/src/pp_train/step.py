@@ -274,8 +274,9 @@ def train_step(
     Zeroes the grads, runs the forward-backward function, `finalize_model_grads`, steps the
     optimizer and, unless it skipped, the scheduler by ``microbatches * mbs * dp`` samples.
     Phases "forward-backward", "grads-all-reduce", "optimizer" are timed at level 1 (after a
-    barrier and a device sync with `barrier_with_l1_time`). `placement`: which stage each
-    chunk holds (None: `schedule_placement` asks).
+    barrier and a device sync with `barrier_with_l1_time`); pp-train's `Timers` also go to
+    the optimizer's step, which times its own phases at level 1 ("optimizer-inner-step", ...).
+    `placement`: which stage each chunk holds (None: `schedule_placement` asks).
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
@@ -329,8 +330,10 @@ def _optimizer_step(
 ) -> tuple[bool, float | None, int | None]:
     """The optimizer's step, timed; a non-finite norm becomes one `NonFiniteError`."""
     _phase(timers, "optimizer").start(**_barrier(timers, barrier))
+    # pp-train's levelled timers also time the step's phases; a plain hook has no levels.
+    levelled = timers if isinstance(timers, LevelledTimers) else None
     try:
-        result = optimizer.step()
+        result = optimizer.step(levelled, barrier_with_l1_time=barrier)
     except NonFiniteGradError as error:
         raise _non_finite(error, losses, iteration) from error
     _phase(timers, "optimizer").stop()

@@ -7,11 +7,12 @@ from typing import Any
 import torch.distributed as dist
 
 from pp_optim import MegatronOptimizer, get_canonical_lr_for_logging
-from pp_train.reporting import TrainingLogger
+from pp_optim.timing import OPTIMIZER_TIMERS
+from pp_train.reporting import ScalarWriter, TrainingLogger
 from pp_train.run import TrainingProgress
 from pp_train.step import StepResult
 
-__all__ = ["log_step", "timers_line"]
+__all__ = ["log_step", "timers_line", "write_timers"]
 
 
 def log_step(
@@ -60,13 +61,28 @@ def _logged_lr(optimizer: MegatronOptimizer) -> float:
     return float(optimizer.param_groups[0]["lr"] if lr is None else lr)
 
 
+# The phases the log line and TensorBoard show, in Megatron's order; those above the timing
+# level exist on no rank and are left out.
 _LOGGED_TIMERS = (
     "forward-backward",
     "forward-compute",
     "backward-compute",
     "grads-all-reduce",
+    *OPTIMIZER_TIMERS,
     "optimizer",
 )
+
+
+def write_timers(timers: Any, writer: ScalarWriter | None, iteration: int, iterations: int) -> None:
+    """The phases' per-iteration seconds, max over all ranks, as ``<name>-time`` scalars.
+
+    A collective: every rank calls it at the same log iterations, before `timers_line` (which
+    resets the timers); only the writing rank passes a `writer`. Timers without Megatron's
+    ``write`` (pp-comm's plain hook) write nothing.
+    """
+    write = getattr(timers, "write", None)
+    if callable(write):
+        write(_LOGGED_TIMERS, writer, iteration, normalizer=max(1, iterations), reset=False)
 
 
 def timers_line(timers: Any, iterations: int) -> str | None:
