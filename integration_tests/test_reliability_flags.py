@@ -258,6 +258,9 @@ def test_a_bad_flag_is_one_line_before_any_process_group(
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.delenv("RANK", raising=False)
+    # Not inside a job of this test's: rank 0 must not wait for a launcher's other ranks.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2

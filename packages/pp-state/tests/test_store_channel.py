@@ -55,7 +55,7 @@ def test_prefixes_keep_runs_apart(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
 def test_a_timeout_must_be_positive(tmp_path: Path, timeout: float) -> None:
-    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         StoreChannel.from_file(str(tmp_path / "store"), rank=0, world_size=1, timeout=timeout)
 
 

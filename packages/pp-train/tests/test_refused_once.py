@@ -64,16 +64,25 @@ def test_rank_0_prints_usage_and_the_error_then_sets_the_key(
 ) -> None:
     assert _refuse(_environ(agent_store, 0)) == 2
     assert _errors(capsys) == ["usage: pp-train [-h]", "pp-train: error: --lr inf is wrong"]
-    assert agent_store.get(KEY) == b"1"
+    assert agent_store.get(KEY) == b"--lr inf is wrong"  # the message rank 0 printed
 
 
 def test_another_rank_waits_for_rank_0_and_leaves_silently(
     agent_store: dist.TCPStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    agent_store.set(KEY, "1")
+    agent_store.set(KEY, "--lr inf is wrong")
     assert _refuse(_environ(agent_store, 1)) == 2
     assert _errors(capsys) == []
     assert agent_store.check([f"{KEY}/seen/1"])
+
+
+def test_a_rank_whose_error_differs_from_rank_0s_prints_its_own(
+    agent_store: dist.TCPStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Checks that read files can disagree between nodes: no rank's error may be lost.
+    agent_store.set(KEY, "--data-path a: cannot be read")
+    assert _refuse(_environ(agent_store, 1)) == 2
+    assert _errors(capsys) == ["usage: pp-train [-h]", "pp-train: error: --lr inf is wrong"]
 
 
 def test_a_rank_that_waits_in_vain_prints_the_error_itself(

@@ -44,8 +44,8 @@ def _write_on_two_ranks() -> dict[str, Any]:
         timers("only-on-rank-0").stop()
     writer = _Writer() if rank == 0 else None
     names = ["step", "only-on-rank-0", "on-no-rank"]
-    written = timers.write(names, writer, 7, normalizer=2.0)
-    # Not reset by default: a read after still sees the interval.
+    written = timers.write(names, writer, 7, normalizer=2.0, reset=False)
+    # Not reset when asked not to: a read after still sees the interval.
     line = timers.log_string(["step"], group=dist.group.WORLD, reset=False)
     again = timers.write(names, None, 8, reset=True)
     return {

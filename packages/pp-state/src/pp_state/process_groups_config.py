@@ -56,15 +56,15 @@ def _requested(required_pgs: Iterable[str] | None) -> list[str]:
     if required_pgs is None:
         return list(FIELD_KINDS)
     if isinstance(required_pgs, str):
-        raise TypeError(
-            f"required_pgs must be a list of field names such as ['tp', 'pp'], not the "
-            f"string {required_pgs!r}"
+        raise ValueError(
+            f"Invalid process groups requested: required_pgs must be a list of field names "
+            f"such as ['tp', 'pp'], not the string {required_pgs!r}"
         )
     names = list(required_pgs)
     unknown = [name for name in names if name not in FIELD_KINDS]
     if unknown:
         raise ValueError(
-            f"invalid process group names requested: {unknown}; a ProcessGroupCollection "
+            f"Invalid process groups requested: {unknown}; a ProcessGroupCollection "
             f"holds {', '.join(FIELD_KINDS)}"
         )
     return names

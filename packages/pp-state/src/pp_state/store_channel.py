@@ -23,10 +23,13 @@ its ``os.environ``.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Iterable, Mapping
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+
+from pp_state.numbers import is_real
 
 __all__ = ["StoreChannel", "StoreTimeoutError"]
 
@@ -55,8 +58,8 @@ class StoreTimeoutError(TimeoutError):
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {seconds!r}")
+    if not (is_real(seconds) and 0 < seconds < math.inf):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {seconds!r}")
     return datetime.timedelta(seconds=seconds)
 
 

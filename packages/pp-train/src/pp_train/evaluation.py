@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pp_state import ParallelState, Placement
+from pp_state.numbers import check_int
 from pp_train.reporting import Timers
 from pp_train.step import (
     ForwardBackwardFunc,
@@ -60,6 +61,8 @@ def evaluate(
         Each loss averaged over all microbatches and data-parallel ranks (on the rank holding
         the last stage; empty elsewhere).
     """
+    if verbose:
+        check_int("log_interval", log_interval, 1)
     if timers is not None:
         timers("evaluate", log_level=_EVALUATE_TIMER_LEVEL).start(barrier=True)
     for chunk in model:

@@ -317,7 +317,7 @@ class Timers:
         writer: ScalarWriter | None,
         iteration: int,
         normalizer: float = 1.0,
-        reset: bool = False,
+        reset: bool = True,
         *,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, float]:
@@ -333,8 +333,8 @@ class Timers:
                 nothing (the ranks that only take part in the gather).
             iteration: The step the scalars are written at.
             normalizer: Divides every time (e.g. the iterations they cover).
-            reset: Reset the timers after reading them (Megatron's default does not, so that
-                the log line read after still sees them).
+            reset: Reset the timers after reading them (Megatron's default); the training
+                loop passes False, so that the log line read after still sees them.
             group: The ranks to take the maximum over; None: every rank of the default group
                 (this rank alone without torch.distributed).
 

@@ -53,9 +53,9 @@ _PRINTED = "flag-error/printed"
 class _Parser(argparse.ArgumentParser):
     """Under torchrun every process parses the flags; only rank 0 prints the error."""
 
-    def __init__(self, *args: Any, environ: Mapping[str, str], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, environ: Mapping[str, str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.environ = environ
+        self.environ = os.environ if environ is None else environ
 
     def error(self, message: str) -> NoReturn:
         """Prints usage and `message` once for the whole job; exits with status 2."""
@@ -79,33 +79,36 @@ def refuse_once(
 ) -> NoReturn:
     """Exits with status 2 after the job has printed usage and `message` once.
 
-    Every rank finds the same error. Rank 0 prints it, then sets a key in torchrun's store;
-    the others wait for that key and leave silently, so whichever rank starts first, none
-    exits (and none is torn down by torchrun) before rank 0 has printed. A rank that waits in
-    vain for 60 s (rank 0 found no error) or cannot reach the store prints its own. Without
-    torchrun (no ``MASTER_ADDR``, or one process) rank 0 prints and the others leave at once.
+    Every rank checks the same flags. Rank 0 prints its error, then sets a key in the job's
+    store holding the message; the others wait for that key, so whichever rank starts first,
+    none exits (and none is torn down by torchrun) before rank 0 has printed. A rank whose
+    own error differs from rank 0's prints it too; one that waits in vain for 60 s (rank 0
+    found no error) or cannot reach the store prints its own. Without a job of 2 or more
+    ranks (no ``MASTER_ADDR``, or one process) each rank leaves at once, rank 0 printing.
     """
     if environ.get("RANK", "0") == "0":
         _print_refusal(parser, message)
-        _tell_printed(environ)
+        _tell_printed(environ, message)
         sys.exit(2)
     try:
         channel = _error_channel(environ)
         if channel is not None:
             channel.wait([_PRINTED])
             channel.set(f"{_PRINTED}/seen/{channel.rank}", "1")
+            if channel.get(_PRINTED).decode() != message:
+                _print_refusal(parser, message)  # another error than the one printed
     except (StoreTimeoutError, RuntimeError, ValueError):
         _print_refusal(parser, message)
     sys.exit(2)
 
 
-def _tell_printed(environ: Mapping[str, str]) -> None:
-    """Sets the key; a rank hosting the store also waits until every other rank read it."""
+def _tell_printed(environ: Mapping[str, str], message: str) -> None:
+    """Sets the key to `message`; a rank hosting the store waits until the others read it."""
     try:
         channel = _error_channel(environ)
         if channel is None:
             return
-        channel.set(_PRINTED, "1")
+        channel.set(_PRINTED, message)
         if channel.hosts_store:
             others = range(1, channel.world_size)
             channel.wait([f"{_PRINTED}/seen/{rank}" for rank in others])
