@@ -219,3 +219,39 @@ def test_a_folder_in_a_read_only_folder_is_refused(
     with pytest.raises(ValueError, match=f"folder {locked} is not writable"):
         check_creatable_folder("--tensorboard-dir", str(locked / "tb"))
     assert not (locked / "tb").exists()
+
+
+_RANK = """
+import argparse, sys
+from pp_train.app import command
+command.refuse_once(argparse.ArgumentParser(prog="pp-train"), "--lr inf is wrong", {
+    "RANK": sys.argv[1], "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[2],
+})
+"""
+
+
+def test_without_an_agent_store_rank_0_hosts_one_and_the_others_wait_for_it() -> None:
+    # Launchers other than torchrun (no agent store): rank 0 hosts the store on MASTER_PORT,
+    # as torch's env:// rendezvous would, and waits until every other rank has read the key.
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        command_line = [sys.executable, "-c", _RANK, str(rank), port]
+        return subprocess.Popen(command_line, env=environ, stderr=subprocess.PIPE, text=True)
+
+    other = start(1)  # starts first and waits for rank 0's store and key
+    time.sleep(1.0)
+    first = start(0)
+    errors = [process.communicate(timeout=60)[1] for process in (first, other)]
+    assert [process.returncode for process in (first, other)] == [2, 2]
+    assert errors[0].splitlines() == ["usage: pp-train [-h]", "pp-train: error: --lr inf is wrong"]
+    assert errors[1] == ""
