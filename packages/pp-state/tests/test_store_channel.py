@@ -102,3 +102,29 @@ def test_two_processes_talk_through_a_real_tcp_store() -> None:
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_a_hosting_rank_publishes_and_returns_once_every_other_rank_received(
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    path = str(tmp_path / "store")
+    store = dist.FileStore(path, 3)
+    host = StoreChannel(store, rank=0, world_size=3, timeout=5, hosts_store=True)
+    readers = [StoreChannel.from_file(path, rank=rank, world_size=3, timeout=5) for rank in (1, 2)]
+    publisher = threading.Thread(target=host.publish, args=("printed", "--lr inf"))
+    publisher.start()
+    assert readers[0].receive("printed") == "--lr inf"
+    publisher.join(timeout=0.3)
+    assert publisher.is_alive()  # rank 2 has not received it yet: the host stays
+    assert readers[1].receive("printed") == "--lr inf"
+    publisher.join(timeout=5)
+    assert not publisher.is_alive()
+
+
+def test_a_hosting_rank_whose_readers_never_come_times_out_naming_them(tmp_path: Path) -> None:
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    host = StoreChannel(store, rank=0, world_size=2, timeout=0.3, hosts_store=True)
+    with pytest.raises(StoreTimeoutError, match="printed/seen/1"):
+        host.publish("printed", "--lr inf")

@@ -248,6 +248,31 @@ class StoreChannel:
         self.wait([key], timeout)
         return self.store.get(self.prefix + key)
 
+    def publish(self, key: str, value: str) -> None:
+        """Sets `key` for every other rank to `receive`.
+
+        A rank hosting the store takes its keys with it when it exits, so it returns only
+        once every other rank has received the key (or the channel's timeout ran out).
+
+        Raises:
+            StoreTimeoutError: Hosting, a rank did not receive the key in time.
+        """
+        self.set(key, value)
+        if self.hosts_store:
+            readers = (rank for rank in range(self.world_size) if rank != self.rank)
+            self.wait([f"{key}/seen/{rank}" for rank in readers])
+
+    def receive(self, key: str, timeout: float | None = None) -> str:
+        """The value another rank `publish`-ed under `key`, waiting for it; says it was read.
+
+        Raises:
+            StoreTimeoutError: The key was not set in time.
+        """
+        value = self.get(key, timeout).decode()
+        # Said only once read: a rank hosting the store may leave as soon as all have said it.
+        self.set(f"{key}/seen/{self.rank}", "1")
+        return value
+
 
 def _int_variable(environ: Mapping[str, str], name: str, default: str) -> int:
     text = environ.get(name, default)

@@ -92,27 +92,19 @@ def refuse_once(
         sys.exit(2)
     try:
         channel = _error_channel(environ)
-        if channel is not None:
-            printed = channel.get(_PRINTED).decode()
-            # Read before saying so: a rank 0 hosting the store leaves once all have read.
-            channel.set(f"{_PRINTED}/seen/{channel.rank}", "1")
-            if printed != message:
-                _print_refusal(parser, message)  # another error than the one printed
+        if channel is not None and channel.receive(_PRINTED) != message:
+            _print_refusal(parser, message)  # another error than the one printed
     except (StoreTimeoutError, RuntimeError, ValueError):
         _print_refusal(parser, message)
     sys.exit(2)
 
 
 def _tell_printed(environ: Mapping[str, str], message: str) -> None:
-    """Sets the key to `message`; a rank hosting the store waits until the others read it."""
+    """Publishes the printed `message` for the other ranks."""
     try:
         channel = _error_channel(environ)
-        if channel is None:
-            return
-        channel.set(_PRINTED, message)
-        if channel.hosts_store:
-            others = range(1, channel.world_size)
-            channel.wait([f"{_PRINTED}/seen/{rank}" for rank in others])
+        if channel is not None:
+            channel.publish(_PRINTED, message)
     except (StoreTimeoutError, RuntimeError, ValueError):
         pass  # printed already; the others time out and print their own
 
