@@ -43,15 +43,21 @@ class RunLayout:
 
     world_size: int
     data_parallel_size: int
-    virtual_pipeline_model_parallel_size: int | None
-    """None without virtual stages (Megatron's convention)."""
-    microbatch_counts: tuple[int, ...]
-    """Every number of microbatches a step runs, smallest first."""
     resolved: ResolvedSchedule
     """The schedule, planned and validated for every microbatch count (and, with evaluation,
     forward only): the one place the run's plans, placement and ``auto`` choice live."""
     layer_split: LayerSplit
     """Transformer layers of each virtual stage, and where that split came from."""
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int | None:
+        """Model chunks per rank; None without virtual stages (Megatron's convention)."""
+        return self.resolved.vp_size if self.resolved.vp_size > 1 else None
+
+    @property
+    def microbatch_counts(self) -> tuple[int, ...]:
+        """Every number of microbatches a step runs, smallest first."""
+        return self.resolved.microbatch_counts
 
     @property
     def schedule(self) -> str | None:
@@ -138,7 +144,7 @@ def check_world(
             seed=config.training.seed,
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
-    return RunLayout(world_size, dp, vp, tuple(counts), resolved, split)
+    return RunLayout(world_size, dp, resolved, split)
 
 
 def check_creatable_folder(flag: str, path: str) -> None:
