@@ -234,6 +234,24 @@ class MegatronOptimizer(abc.ABC):
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer holds besides the model's parameters and gradients.
+
+        The inner optimizer's per-parameter state (Adam's ``exp_avg`` and ``exp_avg_sq``,
+        SGD's ``momentum_buffer``; made by the first step), for measuring memory: with the
+        parameters and gradient buffers they are a rank's static bytes. Scalar entries
+        (Adam's ``step`` count) are bookkeeping and left out.
+
+        Returns:
+            The tensors, each once, in parameter-group order.
+        """
+        return [
+            value
+            for param in self.main_params()
+            for value in self.optimizer.state.get(param, {}).values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        ]
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's parameter groups (the LR scheduler sets lr here)."""
@@ -527,6 +545,21 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             self.optimizer.state[main] = self.optimizer.state.pop(param)
         return main
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Adds the fp32 main copies and their gradients where those are storages of their own.
+
+        A main copy's gradient (made by `step`, freed by `zero_grad`) shares the storage of
+        an fp32 gradient buffer when the buffer is fp32 (``main_grad.float()`` is the buffer
+        itself): that one belongs to the gradients and is left out.
+        """
+        copies = [main for _, main in self._float16_pairs]
+        grads = [
+            main.grad
+            for model, main in self._float16_pairs
+            if main.grad is not None and not _shares_storage(main.grad, _model_grad(model))
+        ]
+        return [*super().state_tensors(), *copies, *grads]
+
     def _copy_model_grads_to_main_grads(self) -> None:
         for model_param, main_param in self._float16_pairs:
             source = getattr(model_param, "main_grad", None)
@@ -605,6 +638,18 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             ):
                 for param, value in zip(group, saved_group, strict=True):
                     param.copy_(value)
+
+
+def _model_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Where a model parameter's gradient is: its grad buffer view, else ``grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
+
+
+def _shares_storage(tensor: torch.Tensor, other: torch.Tensor | None) -> bool:
+    return other is not None and (
+        tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+    )
 
 
 def _shape(value: object) -> tuple[int, ...] | str:

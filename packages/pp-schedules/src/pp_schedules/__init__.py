@@ -12,13 +12,17 @@
 
 - `Plan`, `parse_schedule`, `format_schedule`: a plan as data (actions, placement, and its
   own exchanges if written), read from and written to text (torch's action strings too).
-- `chrome_trace`, `summary`: measured timelines beside the simulator's.
+- `chrome_trace`, `summary`: measured timelines beside the simulator's (with measured and
+  predicted memory as counter tracks: `memory_counters`).
 - `SCHEDULE_REGISTRY` (`ScheduleSpec` per schedule: placement, chunks per rank, split
   backward, generator), `default_schedule`, `placement_for`, `schedules_for`: the rules about
   named schedules, written once. `resolve_schedule(...)` -> `ResolvedSchedule`: a run's
   schedule planned and validated once for every microbatch count it steps with.
 - `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm; it walks
   the validated plan's steps (a `ResolvedSchedule`'s, when given one).
+- `MemoryProbe`, `MemorySample`: measured memory (static storage and tensors saved for
+  backward), sampled after each compute step by `PipelineExecutor.record_memory`, to compare
+  with the simulator's byte model step by step.
 
 The planning modules import no torch; the executor's names load it on first use.
 """
@@ -38,7 +42,15 @@ from pp_schedules.actions import (
     parse_action,
     parse_plan,
 )
-from pp_schedules.auto import Candidate, Choice, candidates_for, choose_schedule
+from pp_schedules.auto import (
+    Candidate,
+    Choice,
+    MemoryLimitError,
+    PlanOption,
+    candidates_for,
+    choose_fitting,
+    choose_schedule,
+)
 from pp_schedules.balance import LayerBalance, balance_layers, balanced_counts, even_counts
 from pp_schedules.generators import (
     ScheduleConfigError,
@@ -56,6 +68,7 @@ from pp_schedules.lowering import (
     lowered_actions,
     post_receives_early,
 )
+from pp_schedules.memory import MemoryModel, StageMemory, StaticBytes, format_bytes
 from pp_schedules.plans import Plan, as_plan, format_schedule, parse_schedule
 from pp_schedules.registry import (
     SCHEDULE_REGISTRY,
@@ -69,6 +82,7 @@ from pp_schedules.registry import (
 from pp_schedules.resolution import ResolvedSchedule, default_prefetch, plan, resolve_schedule
 from pp_schedules.simulation import (
     Costs,
+    MemoryTrack,
     Simulation,
     Span,
     StageCosts,
@@ -81,6 +95,7 @@ from pp_schedules.timeline import (
     TimelineRecorder,
     chrome_trace,
     measured_makespan,
+    memory_counters,
     summary,
 )
 from pp_schedules.validation import PlanError, PlanReport, render_grid, validate
@@ -99,8 +114,10 @@ if TYPE_CHECKING:
         deallocate_output_tensor,
         get_forward_backward_func,
     )
+    from pp_schedules.memory_probe import MemoryProbe, MemorySample
     from pp_schedules.profiling import (
         check_trace_path,
+        gather_memory,
         gather_timeline,
         measured_costs,
         write_schedule_trace,
@@ -121,7 +138,14 @@ _EXECUTOR = {
 }
 
 
-_PROFILING = {"check_trace_path", "gather_timeline", "measured_costs", "write_schedule_trace"}
+_PROFILING = {
+    "check_trace_path",
+    "gather_memory",
+    "gather_timeline",
+    "measured_costs",
+    "write_schedule_trace",
+}
+_MEMORY_PROBE = {"MemoryProbe", "MemorySample"}
 
 
 def __getattr__(name: str) -> Any:
@@ -129,6 +153,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("pp_schedules.executor"), name)
     if name in _PROFILING:
         return getattr(importlib.import_module("pp_schedules.profiling"), name)
+    if name in _MEMORY_PROBE:
+        return getattr(importlib.import_module("pp_schedules.memory_probe"), name)
     raise AttributeError(f"module 'pp_schedules' has no attribute {name!r}")
 
 
@@ -147,12 +173,18 @@ __all__ = [
     "ForwardStepFunc",
     "LayerBalance",
     "MeasuredSpan",
+    "MemoryLimitError",
+    "MemoryModel",
+    "MemoryProbe",
+    "MemorySample",
+    "MemoryTrack",
     "Message",
     "PipelineExecutor",
     "Placement",
     "Plan",
     "PlanError",
     "PlanLike",
+    "PlanOption",
     "PlanReport",
     "ResolvedSchedule",
     "RunStats",
@@ -162,6 +194,8 @@ __all__ = [
     "Simulation",
     "Span",
     "StageCosts",
+    "StageMemory",
+    "StaticBytes",
     "Step",
     "TimelineRecorder",
     "__version__",
@@ -171,6 +205,7 @@ __all__ = [
     "bubble_formula",
     "candidates_for",
     "check_trace_path",
+    "choose_fitting",
     "choose_schedule",
     "chrome_trace",
     "custom_backward",
@@ -178,8 +213,10 @@ __all__ = [
     "default_prefetch",
     "default_schedule",
     "even_counts",
+    "format_bytes",
     "format_plan",
     "format_schedule",
+    "gather_memory",
     "gather_timeline",
     "get_forward_backward_func",
     "gpipe",
@@ -191,6 +228,7 @@ __all__ = [
     "lowered_actions",
     "measured_costs",
     "measured_makespan",
+    "memory_counters",
     "no_pipelining",
     "one_f_one_b",
     "parse_action",

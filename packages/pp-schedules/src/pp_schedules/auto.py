@@ -2,12 +2,18 @@
 
 `choose_schedule` plans every schedule that can run the configuration (the model's chunks per
 rank fix which), simulates each with the given costs, and picks the smallest makespan among
-those whose peak activation memory stays under the limit. Costs may be given, or measured:
+those whose peak memory stays under the limit. Costs may be given, or measured:
 record one step's timeline (`PipelineExecutor.record_timeline`) and pass
 `measured_costs(gather_timeline(executor))`.
 
-Memory is counted in stage-sized units: one unit holds one microbatch's activations of one
-rank's share of the model, so a chunk of a rank with two chunks counts one half.
+Memory is counted in bytes when a `MemoryModel` is given (`memory_limit_bytes`: the most any
+rank may hold), else in stage-sized units (`memory_limit`): one unit holds one microbatch's
+activations of one rank's share of the model, so a chunk of a rank with two chunks counts one
+half.
+
+`choose_fitting` goes further: given several ways to build the model (`PlanOption`: chunks per
+rank, layer layout, recomputation, each with its costs and bytes), it simulates every schedule
+of every option and takes the shortest that fits the byte budget on every rank.
 """
 
 from __future__ import annotations
@@ -15,12 +21,44 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from pp_schedules.memory import MemoryModel, format_bytes
 from pp_schedules.plans import Plan
 from pp_schedules.registry import schedule_spec, schedules_for
-from pp_schedules.simulation import Costs, StageCosts, simulate
+from pp_schedules.simulation import Costs, Simulation, StageCosts, simulate
 from pp_schedules.validation import validate
 
-__all__ = ["Candidate", "Choice", "candidates_for", "choose_schedule"]
+__all__ = [
+    "Candidate",
+    "Choice",
+    "MemoryLimitError",
+    "PlanOption",
+    "candidates_for",
+    "choose_fitting",
+    "choose_schedule",
+]
+
+
+class MemoryLimitError(ValueError):
+    """No candidate fits the byte budget; the message names the smallest peak and its rank."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOption:
+    """One way to build the model, for `choose_fitting`.
+
+    Attributes:
+        label: Says what it is, e.g. ``"vp 2, even, recompute full"``.
+        vp_size: Model chunks per rank.
+        costs: Step costs (per virtual stage for uneven layouts).
+        memory: Bytes per virtual stage, dtypes and optimizer.
+        placement: Consider only schedules on this placement (a layout built for it).
+    """
+
+    label: str
+    vp_size: int
+    costs: Costs | StageCosts
+    memory: MemoryModel
+    placement: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +73,8 @@ class Candidate:
         peak_memory: Most activations a rank holds, in stage-sized units.
         note: Why it cannot run or does not fit; empty if it can.
         plan: The plan, when it can run.
+        option: The `PlanOption` label it was simulated with; empty for `choose_schedule`.
+        peak_bytes: Each rank's peak bytes, with a memory model; empty without.
     """
 
     name: str
@@ -44,6 +84,13 @@ class Candidate:
     peak_memory: float = 0.0
     note: str = ""
     plan: Plan | None = dataclasses.field(default=None, repr=False, compare=False)
+    option: str = ""
+    peak_bytes: tuple[int, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        """It can run and stays within the limit."""
+        return self.makespan is not None and not self.note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +103,8 @@ class Choice:
     """The costs simulated with, when the same on every stage."""
     stage_costs: StageCosts | None = None
     """The costs simulated with, when given per virtual stage."""
+    option: PlanOption | None = None
+    """The chosen option (`choose_fitting`)."""
 
     @property
     def plan(self) -> Plan:
@@ -64,19 +113,32 @@ class Choice:
         return self.chosen.plan
 
     def table(self) -> str:
-        """The candidates as a small table, the choice marked with '*'."""
-        lines = [f"  {'schedule':<18} {'placement':<9} {'makespan':>9} {'bubble':>7} {'memory':>7}"]
+        """The candidates as a small table, the choice marked with '*'.
+
+        With bytes: the option, each rank's peak and whether it fits (or why not).
+        """
+        with_bytes = any(c.peak_bytes for c in self.candidates)
+        option = max((len(c.option) for c in self.candidates), default=0)
+        head = f"  {'schedule':<18} {'placement':<9} " + (
+            f"{'option':<{option}} " if option else ""
+        )
+        head += f"{'makespan':>9} {'bubble':>7} " + ("peak per rank" if with_bytes else "memory")
+        lines = [head.rstrip()]
         for c in self.candidates:
             mark = "*" if c is self.chosen else " "
-            if c.makespan is None:
-                lines.append(
-                    f"{mark} {c.name:<18} {c.placement:<9} {'-':>9} {'-':>7} {'-':>7}  {c.note}"
-                )
-                continue
-            lines.append(
-                f"{mark} {c.name:<18} {c.placement:<9} {c.makespan:>9.1f} {c.bubble:>7.1%} "
-                f"{c.peak_memory:>7.1f}  {c.note}".rstrip()
+            row = f"{mark} {c.name:<18} {c.placement:<9} " + (
+                f"{c.option:<{option}} " if option else ""
             )
+            if c.makespan is None:
+                lines.append(f"{row}{'-':>9} {'-':>7} {'-':>7}  {c.note}")
+                continue
+            memory = (
+                ", ".join(format_bytes(b) for b in c.peak_bytes)
+                if with_bytes
+                else f"{c.peak_memory:>6.1f}"
+            )
+            fits = ("fits" if not c.note else c.note) if with_bytes else c.note
+            lines.append(f"{row}{c.makespan:>9.1f} {c.bubble:>7.1%} {memory}  {fits}".rstrip())
         return "\n".join(lines)
 
 
@@ -88,14 +150,34 @@ def candidates_for(vp_size: int) -> list[tuple[str, str]]:
     return schedules_for(vp_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+    """The memory limits a candidate is held to (none, stage units, bytes or both)."""
+
+    units: float | None = None
+    bytes: float | None = None
+
+    def note(self, units: float, simulation: Simulation) -> str:
+        """Why a simulated candidate does not fit; empty when it does."""
+        if self.units is not None and units > self.units:
+            return f"over the memory limit {self.units:g}"
+        peaks = simulation.peak_memory
+        if self.bytes is not None and peaks and max(peaks) > self.bytes:
+            rank = peaks.index(max(peaks))
+            return f"over {format_bytes(self.bytes)}: rank {rank} needs {format_bytes(peaks[rank])}"
+        return ""
+
+
 def _candidate(
-    name: str,
-    placement: str,
-    sizes: tuple[int, int, int],
+    spec: tuple[str, str, int],
+    sizes: tuple[int, int],
     costs: Costs | StageCosts,
-    limit: float | None,
+    limits: _Limits,
+    option: PlanOption | None = None,
 ) -> Candidate:
-    pp_size, num_microbatches, vp_size = sizes
+    name, placement, vp_size = spec
+    pp_size, num_microbatches = sizes
+    label = "" if option is None else option.label
     try:
         chosen = schedule_spec(name).plan(
             pp_size=pp_size,
@@ -104,19 +186,20 @@ def _candidate(
             placement=placement,
         )
     except ValueError as error:
-        return Candidate(name, placement, note=f"cannot run: {error}")
+        return Candidate(name, placement, note=f"cannot run: {error}", option=label)
     report = validate(chosen)
-    simulation = simulate(report, costs)
-    memory = max(report.peak_in_flight) / vp_size
-    over = limit is not None and memory > limit
+    simulation = simulate(report, costs, memory=None if option is None else option.memory)
+    units = max(report.peak_in_flight) / vp_size
     return Candidate(
         name,
         placement,
         makespan=simulation.makespan,
         bubble=sum(simulation.bubble_fraction) / len(simulation.bubble_fraction),
-        peak_memory=memory,
-        note=f"over the memory limit {limit:g}" if over else "",
+        peak_memory=units,
+        note=limits.note(units, simulation),
         plan=chosen,
+        option=label,
+        peak_bytes=tuple(simulation.peak_memory),
     )
 
 
@@ -129,8 +212,10 @@ def choose_schedule(
     memory_limit: float | None = None,
     placement: str | None = None,
     names: Sequence[str] | None = None,
+    memory: MemoryModel | None = None,
+    memory_limit_bytes: float | None = None,
 ) -> Choice:
-    """The schedule with the smallest simulated makespan that fits `memory_limit`.
+    """The schedule with the smallest simulated makespan that fits the memory limits.
 
     Args:
         pp_size: Pipeline ranks.
@@ -143,6 +228,9 @@ def choose_schedule(
             first rank holds `pp_size`); no limit by default.
         placement: Consider only schedules on this placement (the model is built for it).
         names: Consider only these schedules.
+        memory: The model's bytes per virtual stage: every candidate's peak bytes per rank
+            are simulated (and drawn by `Choice.table`).
+        memory_limit_bytes: Most bytes any rank may hold (needs `memory`).
 
     Returns:
         The choice and every candidate (`Choice.table` draws them).
@@ -150,7 +238,9 @@ def choose_schedule(
     Raises:
         ValueError: No schedule runs the configuration within the memory limit; the message
             lists each candidate's memory and why it was left out. Stage costs for another
-            number of virtual stages than ``pp_size * vp_size``.
+            number of virtual stages than ``pp_size * vp_size``; a byte limit without a
+            memory model.
+        MemoryLimitError: Schedules run, but none within `memory_limit_bytes`.
     """
     unit = costs or Costs(forward=1.0, backward=2.0)
     if isinstance(unit, StageCosts) and unit.num_stages != pp_size * vp_size:
@@ -158,25 +248,129 @@ def choose_schedule(
             f"stage costs cover {unit.num_stages} virtual stages, but {pp_size} ranks x "
             f"{vp_size} chunks make {pp_size * vp_size}"
         )
-    sizes = (pp_size, num_microbatches, vp_size)
+    if memory_limit_bytes is not None and memory is None:
+        raise ValueError("memory_limit_bytes needs a memory model (memory=MemoryModel(...))")
+    option = None if memory is None else PlanOption("", vp_size, unit, memory, placement)
+    limits = _Limits(memory_limit, memory_limit_bytes)
     considered = [
-        _candidate(name, where, sizes, unit, memory_limit)
+        _candidate((name, where, vp_size), (pp_size, num_microbatches), unit, limits, option)
         for name, where in candidates_for(vp_size)
         if (placement is None or where == placement) and (names is None or name in names)
     ]
-    fitting = [c for c in considered if c.makespan is not None and not c.note]
-    if not fitting:
-        reasons = "; ".join(
-            f"{c.name}: {c.note or 'fits'}"
-            + (f" (holds {c.peak_memory:g})" if c.makespan is not None else "")
-            for c in considered
+    best = _best(considered, limits, f"{pp_size} ranks x {vp_size} chunks", num_microbatches)
+    return _choice(best, considered, unit, option)
+
+
+def choose_fitting(
+    options: Sequence[PlanOption],
+    *,
+    pp_size: int,
+    num_microbatches: int,
+    memory_limit_bytes: float | None,
+    names: Sequence[str] | None = None,
+) -> Choice:
+    """The shortest simulated (option, schedule) whose peak bytes fit on every rank.
+
+    Every schedule that runs each option's chunks per rank is planned and simulated with the
+    option's costs and memory model.
+
+    Args:
+        options: The ways to build the model (chunks per rank, layout, recomputation).
+        pp_size: Pipeline ranks.
+        num_microbatches: Microbatches per step.
+        memory_limit_bytes: Most bytes any rank may hold; None: the shortest wins.
+        names: Consider only these schedules.
+
+    Returns:
+        The choice (`Choice.option` is the chosen option) and every candidate.
+
+    Raises:
+        ValueError: No options, or none of them can run.
+        MemoryLimitError: Nothing fits; the message names the smallest peak found, its rank
+            and candidate, and what would make it fit.
+    """
+    if not options:
+        raise ValueError("choose_fitting needs at least one PlanOption")
+    limits = _Limits(bytes=memory_limit_bytes)
+    considered: list[Candidate] = []
+    by_label = {option.label: option for option in options}
+    sizes = (pp_size, num_microbatches)
+    for option in options:
+        considered += [
+            _candidate((name, where, option.vp_size), sizes, option.costs, limits, option)
+            for name, where in candidates_for(option.vp_size)
+            if (option.placement is None or where == option.placement)
+            and (names is None or name in names)
+        ]
+    best = _best(considered, limits, f"{pp_size} ranks", num_microbatches, by_label)
+    chosen = by_label[best.option]
+    return _choice(best, considered, chosen.costs, chosen)
+
+
+def _choice(
+    best: Candidate,
+    considered: list[Candidate],
+    costs: Costs | StageCosts,
+    option: PlanOption | None,
+) -> Choice:
+    """The `Choice`, its costs in the field their kind goes to."""
+    if isinstance(costs, StageCosts):
+        return Choice(best, considered, stage_costs=costs, option=option)
+    return Choice(best, considered, costs, option=option)
+
+
+def _best(
+    considered: list[Candidate],
+    limits: _Limits,
+    what: str,
+    num_microbatches: int,
+    options: dict[str, PlanOption] | None = None,
+) -> Candidate:
+    """The fastest fitting candidate (the smaller peak breaks ties)."""
+    fitting = [c for c in considered if c.fits]
+    if fitting:
+        return min(fitting, key=lambda c: (c.makespan, max(c.peak_bytes, default=0), c.peak_memory))
+    runnable = [c for c in considered if c.makespan is not None]
+    if runnable and limits.bytes is not None and limits.units is None:
+        raise MemoryLimitError(_nothing_fits(runnable, limits.bytes, options or {}))
+    reasons = "; ".join(
+        f"{c.name}: {c.note or 'fits'}"
+        + (f" (holds {c.peak_memory:g})" if c.makespan is not None else "")
+        for c in considered
+    )
+    limit = limits.units if limits.bytes is None else format_bytes(limits.bytes)
+    raise ValueError(
+        f"no schedule runs {what} with {num_microbatches} microbatches within memory "
+        f"{limit}: {reasons or 'no candidates'}; raise the limit or use more microbatches"
+    )
+
+
+def _nothing_fits(runnable: list[Candidate], limit: float, options: dict[str, PlanOption]) -> str:
+    """The smallest peak, where it is, and what would bring it under `limit`."""
+    least = min(runnable, key=lambda c: max(c.peak_bytes))
+    peak = max(least.peak_bytes)
+    rank = least.peak_bytes.index(peak)
+    where = f"{least.name}" + (f" ({least.option})" if least.option else "")
+    message = (
+        f"no schedule fits the memory limit {format_bytes(limit)}: the smallest peak is "
+        f"{format_bytes(peak)} on rank {rank}, with {where}"
+    )
+    option = options.get(least.option)
+    if option is None:
+        return message + "; " + _hint(None, peak - limit)
+    assert least.plan is not None
+    static = option.memory.rank_static(least.plan.placement, rank)
+    return f"{message}; {_hint(static.total, peak - limit, limit)}"
+
+
+def _hint(static: int | None, over: float, limit: float = 0.0) -> str:
+    """What would fit: fewer static bytes per rank, or fewer activation bytes."""
+    if static is not None and static >= limit:
+        return (
+            f"parameters, gradients and optimizer state alone need {format_bytes(static)} "
+            "there: use more pipeline stages (or shard the optimizer state)"
         )
-        raise ValueError(
-            f"no schedule runs {pp_size} ranks x {vp_size} chunks with {num_microbatches} "
-            f"microbatches within memory {memory_limit}: {reasons or 'no candidates'}; raise "
-            "the limit or use more microbatches"
-        )
-    best = min(fitting, key=lambda c: (c.makespan, c.peak_memory))
-    if isinstance(unit, StageCosts):
-        return Choice(best, considered, stage_costs=unit)
-    return Choice(best, considered, unit)
+    return (
+        f"{format_bytes(over)} too much: recompute activations (--recompute-granularity "
+        "full), a smaller --micro-batch-size, or more pipeline stages"
+    )

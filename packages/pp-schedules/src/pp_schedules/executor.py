@@ -20,6 +20,7 @@ turn of a V) a tensor is handed over in memory.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from pp_comm import NullTimers, P2PCommunicator, Timers
 from pp_schedules.actions import Action
 from pp_schedules.autograd import check_torch_ddp_order, custom_backward, deallocate_output_tensor
+from pp_schedules.memory_probe import MemoryProbe, MemorySample
 from pp_schedules.plan_walk import CallArguments, PlanWalk, PreparedPlan, RunStats
 from pp_schedules.plans import as_plan
 from pp_schedules.registry import default_schedule, schedule_spec
@@ -106,6 +108,10 @@ class PipelineExecutor:
         self.stats = RunStats()
         self.timeline: list[MeasuredSpan] = []
         self.recording = False
+        self.memory_probe: MemoryProbe | None = None
+        """Counts saved tensors and samples bytes after each compute step (`record_memory`)."""
+        self.memory_samples: list[MemorySample] = []
+        """The samples of the last call, one per compute step (empty without a probe)."""
         self._resolutions: dict[int, ResolvedSchedule] = {}
         self._plans: dict[tuple[int, bool], PreparedPlan] = {}
 
@@ -209,6 +215,16 @@ class PipelineExecutor:
     def record_timeline(self, enabled: bool = True) -> None:
         """Record every compute step and exchange of the following calls in `timeline`."""
         self.recording = enabled
+
+    def record_memory(self, probe: MemoryProbe | None) -> None:
+        """Measure memory in the following calls with `probe`; None stops measuring.
+
+        Each call then runs inside ``probe.saved_tensors()`` and takes ``probe.sample(str(
+        action))`` right after each compute step (F, B, I, W), so ``probe.samples`` gain one
+        sample per compute step of this rank, in plan order: the order of the simulator's
+        predicted bytes for the same plan.
+        """
+        self.memory_probe = probe
 
     def plan_for(
         self, num_microbatches: int, forward_only: bool
@@ -394,16 +410,24 @@ class PipelineExecutor:
             ),
             prepared,
         )
+        self._walk(run)
+        self.stats = run.stats
+        self.timeline = run.recorder.spans if run.recorder is not None else []
+        return run.store
+
+    def _walk(self, run: PlanWalk) -> None:
+        """Walk the call's plan, measuring memory when asked; a failure stops the pipeline."""
+        probe = self.memory_probe
+        taken = len(probe.samples) if probe is not None else 0
         try:
-            run.walk()
+            with probe.saved_tensors() if probe is not None else contextlib.nullcontext():
+                run.walk()
         except BaseException as error:
             # Sends of this step may still be pending; a later step would receive them.
             if self.communicator is not None:
                 self.communicator.invalidate(f"a pipeline step failed: {type(error).__name__}")
             raise
-        self.stats = run.stats
-        self.timeline = run.recorder.spans if run.recorder is not None else []
-        return run.store
+        self.memory_samples = probe.samples[taken:] if probe is not None else []
 
 
 def get_forward_backward_func(

@@ -27,6 +27,7 @@ from pp_schedules.autograd import (
     tensor_list,
 )
 from pp_schedules.lowering import Exchange, Message, Step
+from pp_schedules.memory_probe import MemoryProbe, storage_bytes
 from pp_schedules.schedule_config import ForwardStepFunc, ScheduleConfig
 from pp_schedules.split_backward import WeightGradients, backward_input
 from pp_schedules.timeline import TimelineRecorder
@@ -74,12 +75,6 @@ class RunStats:
     steps: int = 0
 
 
-def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors`."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 def wrapped_attr(module: torch.nn.Module, name: str) -> Any:
     """An attribute of a module or of what it wraps (DDP, Float16Module: ``.module``)."""
     current: Any = module
@@ -108,6 +103,8 @@ class WalkHost(Protocol):
     timers: Timers
     recording: bool
     """Whether the call records its timeline."""
+    memory_probe: MemoryProbe | None
+    """Samples the rank's bytes after each compute step, when set."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,11 +167,18 @@ class PlanWalk:
         }
 
     def walk(self) -> None:
-        """Run every step of this rank in order, then complete the sends still in flight."""
+        """Run every step of this rank in order, then complete the sends still in flight.
+
+        With a memory probe, each compute step is followed by one sample labelled with its
+        action (``F0.1``): the samples line up with the rank's compute steps in plan order.
+        """
+        probe = self.x.memory_probe
         with self.sync_control():
             for index, step in enumerate(self.steps):
                 kind = EXCHANGE if step.compute is None else step.compute.kind
                 STEP_HANDLERS[kind](self, index, step)
+                if probe is not None and step.compute is not None:
+                    probe.sample(str(step.compute))
                 for done in self.delivered.get(index, ()):
                     self._complete_sends(done)
         self.finish()

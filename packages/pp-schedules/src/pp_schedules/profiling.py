@@ -3,7 +3,9 @@
 After a call of an executor with `PipelineExecutor.record_timeline` on, `write_schedule_trace`
 gathers the spans of every rank of the pipeline group, simulates the same plan with the costs
 measured in that step, writes one Chrome-trace JSON file (Perfetto opens it) from the first
-stage, and returns a one-line summary (measured vs simulated makespan and bubble).
+stage, and returns a one-line summary (measured vs simulated makespan and bubble). When the
+step also ran with a memory probe, each rank's measured bytes after every compute step (and the
+byte model's predicted bytes, when given) are drawn as counter tracks beside its spans.
 """
 
 from __future__ import annotations
@@ -17,10 +19,17 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pp_schedules.executor import PipelineExecutor
+from pp_schedules.memory_probe import MemorySample
 from pp_schedules.simulation import Costs, Simulation, simulate
 from pp_schedules.timeline import MeasuredSpan, chrome_trace, summary
 
-__all__ = ["check_trace_path", "gather_timeline", "measured_costs", "write_schedule_trace"]
+__all__ = [
+    "check_trace_path",
+    "gather_memory",
+    "gather_timeline",
+    "measured_costs",
+    "write_schedule_trace",
+]
 
 
 def check_trace_path(path: str | os.PathLike[str]) -> Path:
@@ -58,6 +67,21 @@ def gather_timeline(
     return sorted(ranks, key=lambda spans: spans[0].rank if spans else 0)
 
 
+def gather_memory(
+    executor: PipelineExecutor, group: dist.ProcessGroup | None = None
+) -> list[list[MemorySample]]:
+    """Every pipeline rank's memory samples of the executor's last call, in pipeline-rank order.
+
+    Empty lists where the call ran without a probe (`PipelineExecutor.record_memory`).
+    Collective over `group` (the pipeline group; the default group when None).
+    """
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    mine = (executor.rank, list(executor.memory_samples))
+    dist.all_gather_object(gathered, mine, group=group)
+    ranks: list[tuple[int, list[MemorySample]]] = gathered  # type: ignore[assignment]
+    return [samples for _, samples in sorted(ranks, key=lambda pair: pair[0])]
+
+
 def measured_costs(spans: Sequence[Sequence[MeasuredSpan]]) -> Costs:
     """Median forward, backward (or its halves) and exchange-posting times, in ms."""
 
@@ -83,8 +107,13 @@ def write_schedule_trace(
     num_microbatches: int,
     group: dist.ProcessGroup | None = None,
     costs: Costs | None = None,
+    predicted: Sequence[Sequence[int]] | None = None,
 ) -> str:
     """Write the measured and simulated timelines of the executor's last call; return a summary.
+
+    When that call also ran with a memory probe (`PipelineExecutor.record_memory`) on every
+    pipeline rank, each rank's bytes after each compute step are drawn as a counter track
+    beside its spans, with `predicted` as a second series.
 
     Args:
         path: The Chrome-trace JSON file, written by the first pipeline rank.
@@ -92,13 +121,21 @@ def write_schedule_trace(
         num_microbatches: The microbatches of that call (selects the plan to simulate).
         group: The pipeline group (the default group when None).
         costs: Costs for the simulator in milliseconds; by default the measured medians.
+        predicted: The byte model's bytes after each compute step, per pipeline rank, in the
+            rank's plan order (the simulator's ``MemoryTrack.after``); None to leave it out.
 
     Returns:
         One line: measured makespan and bubble, the simulator's, and their ratio.
+
+    Raises:
+        ValueError: `predicted` does not hold one value per compute step of every rank.
     """
     spans = gather_timeline(executor, group)
+    samples = gather_memory(executor, group)
+    memory = [[s.total_bytes for s in rank] for rank in samples] if all(samples) else None
     _, report = executor.plan_for(num_microbatches, forward_only=False)
     simulation: Simulation = simulate(report, costs or measured_costs(spans))
     if dist.get_rank(group) == 0:
-        Path(path).write_text(chrome_trace(spans, simulation), encoding="utf-8")
+        trace = chrome_trace(spans, simulation, memory=memory, predicted=predicted)
+        Path(path).write_text(trace, encoding="utf-8")
     return summary(spans, simulation)

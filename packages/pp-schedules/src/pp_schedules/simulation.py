@@ -1,10 +1,15 @@
-"""Timing a plan before running it: makespan, bubbles, activation memory, and pictures.
+"""Timing a plan before running it: makespan, bubbles, memory in bytes, and pictures.
 
 The simulator runs the lowered plan under the executor's rules (see `validation`) with given
 costs: a forward or backward step takes its cost and starts once the receives it uses have
 arrived; a transfer starts when its send is posted and takes the transfer cost; an exchange
 costs the rank its posting time. It is exact for the
 executor's model, so measured step times of synthetic stages can be compared with it.
+
+Given a `MemoryModel`, it also follows each rank's bytes: the static bytes (parameters,
+gradients, optimizer state) plus the activations of every forward not yet released by its
+last backward step (``B``, or ``W`` after a split backward), and a recomputing backward's
+transient; `Simulation.memory` holds one `MemoryTrack` per rank.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pp_schedules.actions import CATEGORIES, Action
+from pp_schedules.memory import MemoryModel, StaticBytes, format_bytes, stage_ends
 from pp_schedules.validation import Links, PlanReport
 
 __all__ = [
     "Costs",
+    "MemoryTrack",
     "Simulation",
     "Span",
     "StageCosts",
@@ -185,15 +192,7 @@ class StageCosts:
         Raises:
             ValueError: No stages, or a negative count.
         """
-        if not counts or min(counts) < 0:
-            raise ValueError(
-                f"layer counts must name at least one stage and none below 0, got {tuple(counts)}"
-            )
-        last = len(counts) - 1
-        extras = [
-            [part for part, here in ((embedding, s == 0), (loss, s == last)) if here and part]
-            for s in range(len(counts))
-        ]
+        extras = stage_ends(counts, embedding, loss)
         forward, backward, backward_input, backward_weight = (
             tuple(
                 n * layer.of(kind) + sum(part.of(kind) for part in extra)
@@ -222,6 +221,32 @@ class Span:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryTrack:
+    """One rank's bytes over a simulated step.
+
+    Attributes:
+        static: Parameters, gradients and optimizer state.
+        after: Live bytes (static and held activations) after each compute step, in the order
+            of the rank's spans: what `MemoryProbe` samples after the same steps.
+        during: The most live bytes during each step (a recomputing backward holds its
+            segment's saved tensors on top of what it releases afterwards).
+        peak: The most bytes the rank holds at any time.
+        peak_step: The index (into the rank's spans) of the step where the peak occurs; None
+            when the rank runs no step.
+        peak_time: When the peak occurs (the end of that step; 0 without steps).
+        peak_activations: The most activation bytes held at once (the peak less static).
+    """
+
+    static: StaticBytes
+    after: tuple[int, ...]
+    during: tuple[int, ...]
+    peak: int
+    peak_step: int | None
+    peak_time: float
+    peak_activations: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Simulation:
     """The simulated timeline of a plan.
 
@@ -230,19 +255,28 @@ class Simulation:
         makespan: When the last rank finishes.
         bubble_fraction: For each rank, the share of the makespan it spends not computing.
         peak_activations: For each rank, the most forwards held awaiting their backward.
+        memory: For each rank, its bytes over the step; None without a `MemoryModel`.
     """
 
     spans: list[list[Span]]
     makespan: float
     bubble_fraction: list[float]
     peak_activations: list[int]
+    memory: list[MemoryTrack] | None = None
 
-    def timeline(self, width: int = 100) -> str:
+    @property
+    def peak_memory(self) -> list[int]:
+        """The peak bytes of each rank (empty without a memory model)."""
+        return [track.peak for track in self.memory or []]
+
+    def timeline(self, width: int = 100, *, memory: bool = False) -> str:
         """An ASCII timeline, one row per rank.
 
         A forward shows as its microbatch's digit, a backward (or its input half I) as a letter
         (a for microbatch 0, b for 1, ...), a weight-gradient step W as a capital letter, idle
-        time as dots.
+        time as dots. With `memory` (and a memory model), each rank's row is followed by its
+        live bytes drawn from low to high as `` .:-=+*#%@`` (one scale for every rank, from
+        the smallest static bytes to the largest peak) and its peak.
         """
         scale = width / self.makespan if self.makespan else 1.0
         rows = []
@@ -257,7 +291,23 @@ class Simulation:
                 for cell in range(first, min(last, width)):
                     cells[cell] = mark
             rows.append(f"rank {rank} |{''.join(cells)}| bubble {self.bubble_fraction[rank]:.0%}")
+            if memory and self.memory is not None:
+                rows.append(self._memory_row(rank, width, scale))
         return "\n".join(rows)
+
+    def _memory_row(self, rank: int, width: int, scale: float) -> str:
+        """Rank `rank`'s bytes over time as one row of the timeline."""
+        assert self.memory is not None
+        low = min(track.static.total for track in self.memory)
+        span_of_scale = max(max(self.peak_memory) - low, 1)
+        track = self.memory[rank]
+        level = [track.static.total] * width
+        for span, after in zip(self.spans[rank], track.after, strict=True):
+            for cell in range(min(int(span.end * scale), width), width):
+                level[cell] = after
+        ramp = " .:-=+*#%@"
+        line = "".join(ramp[min(9, int((v - low) / span_of_scale * 9.999))] for v in level)
+        return f"  mem  |{line}| peak {format_bytes(track.peak)}"
 
     def chrome_trace(self, time_unit_us: float = 1000.0) -> str:
         """The timeline as Chrome-trace JSON (open it in Perfetto or chrome://tracing)."""
@@ -285,7 +335,35 @@ class Simulation:
             }
             for rank in range(len(self.spans))
         ]
+        events += self.memory_counters(pid=0, time_unit_us=time_unit_us)
         return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+
+    def memory_counters(
+        self, *, pid: int, time_unit_us: float = 1000.0, series: str = "predicted"
+    ) -> list[dict[str, object]]:
+        """Chrome-trace counter events of each rank's bytes (MB), one track per rank.
+
+        Each track is named ``memory rank R (MB)`` and holds one series, `series`: the static
+        bytes at time 0, then the live bytes at the end of every compute step. Empty without
+        a memory model.
+        """
+        events: list[dict[str, object]] = []
+        for rank, track in enumerate(self.memory or []):
+            name = f"memory rank {rank} (MB)"
+            points = [(0.0, track.static.total)] + [
+                (span.end, after) for span, after in zip(self.spans[rank], track.after, strict=True)
+            ]
+            events += [
+                {
+                    "name": name,
+                    "ph": "C",
+                    "pid": pid,
+                    "ts": at * time_unit_us,
+                    "args": {series: round(value / 2**20, 3)},
+                }
+                for at, value in points
+            ]
+        return events
 
 
 def _mark(action: Action) -> str:
@@ -302,8 +380,11 @@ _Link = tuple[int, int, str]
 class _Simulator:
     """The clocks of every rank while the lowered plan is run with `costs`."""
 
-    def __init__(self, report: PlanReport, costs: Costs | StageCosts) -> None:
+    def __init__(
+        self, report: PlanReport, costs: Costs | StageCosts, memory: MemoryModel | None = None
+    ) -> None:
         self.steps = report.steps
+        self.memory = None if memory is None else _MemoryFollower(report, memory)
         self.links = Links(report.steps)
         self.costs = costs
         self.placement = report.placement
@@ -359,6 +440,8 @@ class _Simulator:
         start = max([self.clock[rank], *arrivals])
         cost = self._cost(rank, step.compute)
         self.spans[rank].append(Span(rank, step.compute, start, start + cost))
+        if self.memory is not None:
+            self.memory.step(rank, step.compute)
         self.clock[rank] = start + cost
         self.busy[rank] += cost
         return True
@@ -371,25 +454,90 @@ class _Simulator:
         return self.costs.of(action.kind, self.placement.stage(rank, action.chunk))
 
 
-def simulate(report: PlanReport, costs: Costs | StageCosts | None = None) -> Simulation:
-    """Time a validated plan.
+class _MemoryFollower:
+    """Each rank's held activations while the simulator runs its compute steps."""
+
+    def __init__(self, report: PlanReport, model: MemoryModel) -> None:
+        assert report.placement is not None
+        model.check_placement(report.placement)
+        self.model, self.placement = model, report.placement
+        pp_size = len(report.steps)
+        self.static = [model.rank_static(self.placement, rank) for rank in range(pp_size)]
+        self.held = [0] * pp_size
+        self.after: list[list[int]] = [[] for _ in range(pp_size)]
+        self.during: list[list[int]] = [[] for _ in range(pp_size)]
+        # The step that releases each (rank, microbatch, chunk): its last backward step.
+        self.release = {
+            (rank, step.compute.microbatch, step.compute.chunk): step.compute.kind
+            for rank, steps in enumerate(report.steps)
+            for step in steps
+            if step.compute is not None and step.compute.kind in "BW"
+        }
+
+    def step(self, rank: int, action: Action) -> None:
+        """Account one compute step of `rank`."""
+        stage = self.model.stages[self.placement.stage(rank, action.chunk)]
+        base = self.static[rank].total
+        if action.kind == "F":
+            self.held[rank] += stage.activation_bytes
+            during = self.held[rank]
+        else:
+            during = self.held[rank] + stage.recompute_bytes
+            if self.release.get((rank, action.microbatch, action.chunk)) == action.kind:
+                self.held[rank] -= stage.activation_bytes
+        self.during[rank].append(base + during)
+        self.after[rank].append(base + self.held[rank])
+
+    def tracks(self, spans: list[list[Span]]) -> list[MemoryTrack]:
+        """One track per rank, with its peak and when it occurs."""
+        tracks = []
+        for rank, static in enumerate(self.static):
+            during = self.during[rank]
+            peak = max([static.total, *during])
+            at = next((i for i, v in enumerate(during) if v == peak), None)
+            tracks.append(
+                MemoryTrack(
+                    static=static,
+                    after=tuple(self.after[rank]),
+                    during=tuple(during),
+                    peak=peak,
+                    peak_step=at,
+                    peak_time=0.0 if at is None else spans[rank][at].end,
+                    peak_activations=peak - static.total,
+                )
+            )
+        return tracks
+
+
+def simulate(
+    report: PlanReport,
+    costs: Costs | StageCosts | None = None,
+    *,
+    memory: MemoryModel | None = None,
+) -> Simulation:
+    """Time a validated plan, and follow every rank's bytes when given a memory model.
 
     Args:
         report: What `pp_schedules.validate` returned for the plan.
         costs: Cost of a forward, a backward, a transfer and an exchange's posting: the same
             on every stage (`Costs`), or per virtual stage (`StageCosts`, looked up through
             the plan's placement).
+        memory: The model's bytes per virtual stage (looked up through the plan's
+            placement); `Simulation.memory` then holds each rank's track and peak.
 
     Returns:
-        The timeline, makespan, bubble fraction and peak activations of each rank.
+        The timeline, makespan, bubble fraction and peak activations of each rank, and its
+        memory track with a memory model.
 
     Raises:
-        ValueError: Stage costs for another number of virtual stages than the plan's, or
-            for a report that carries no placement.
+        ValueError: Stage costs or a memory model for another number of virtual stages than
+            the plan's, or for a report that carries no placement.
     """
     if isinstance(costs, StageCosts):
-        _check_stages(report, costs)
-    simulator = _Simulator(report, costs or Costs())
+        _check_stages(report, costs.num_stages, "stage costs", "cover")
+    if memory is not None:
+        _check_stages(report, memory.num_stages, "the memory model", "covers")
+    simulator = _Simulator(report, costs or Costs(), memory)
     simulator.run()
     makespan = max(simulator.clock) if simulator.clock else 0.0
     bubbles = [1.0 - busy / makespan if makespan else 0.0 for busy in simulator.busy]
@@ -398,17 +546,19 @@ def simulate(report: PlanReport, costs: Costs | StageCosts | None = None) -> Sim
         makespan=makespan,
         bubble_fraction=bubbles,
         peak_activations=list(report.peak_in_flight),
+        memory=None if simulator.memory is None else simulator.memory.tracks(simulator.spans),
     )
 
 
-def _check_stages(report: PlanReport, costs: StageCosts) -> None:
+def _check_stages(report: PlanReport, num_stages: int, what: str, verb: str) -> None:
     if report.placement is None:
         raise ValueError(
-            "stage costs need the plan's placement: simulate the report `validate` returned"
+            f"{what} {verb} virtual stages, found through the plan's placement, but the "
+            "report has none: simulate the report `validate` returned"
         )
-    if report.placement.num_stages != costs.num_stages:
+    if report.placement.num_stages != num_stages:
         raise ValueError(
-            f"stage costs cover {costs.num_stages} virtual stages, but the plan has "
+            f"{what} {verb} {num_stages} virtual stages, but the plan has "
             f"{report.placement.num_stages} ({report.placement.pp_size} ranks x "
             f"{report.placement.vp_size} chunks)"
         )

@@ -9,6 +9,13 @@ inputs that need gradients, such as the first with its embedding, or a parameter
 meets the input's path) take a backward from the outputs instead. Gradients are accumulated
 by autograd itself, into ``.grad`` and through every hook the parameters have (pp-optim's
 contiguous buffers and overlapped all-reduce included).
+
+Activation recomputation (non-reentrant `torch.utils.checkpoint`): a checkpointed forward
+recomputes when backward first needs its saved tensors, once per backward call. The W step's
+calls share one `torch.utils.checkpoint.GraphExecGroup`, so it recomputes once; but the I and
+the W step are separate backwards, so a recomputed chunk runs its forward twice under a split
+backward (once in I, once in W) against once under a plain backward. Cost models must count
+that extra forward in W.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import GraphExecGroup
 
 __all__ = ["WeightGradients", "backward_input"]
 
@@ -124,31 +132,42 @@ class WeightGradients:
     rest: list[torch.Tensor]
 
     def run(self) -> None:
-        """Accumulate every parameter's gradient, then let go of the graph."""
-        for group in self.groups:
-            edges: list[Any] = []
-            grads: list[torch.Tensor] = []
-            for node in group.nodes:
-                for index, grad in enumerate(self.captured.get(node, ())):
-                    if grad is not None:
-                        edges.append(GradientEdge(node, index))
-                        grads.append(grad)
-            # A node reached both as a start and from another start keeps its noted gradient.
-            clamps = [
-                node.register_prehook(_returning(self.captured[node]))
-                for node in group.nodes
-                if len(group.nodes) > 1 and node in self.captured
-            ]
-            try:
-                if edges:
-                    _engine(tuple(edges), tuple(grads), tuple(group.params), accumulate=True)
-            finally:
-                for clamp in clamps:
-                    clamp.remove()
-        if self.rest and self.roots:
-            _engine(self.roots, self.root_grads, tuple(self.rest), accumulate=True)
+        """Accumulate every parameter's gradient, then let go of the graph.
+
+        The engine calls (one per group, one for the rest) run in one
+        `torch.utils.checkpoint.GraphExecGroup`: a checkpointed forward is recomputed once for
+        the whole step, not once per call. The calls never share a saved tensor (groups that
+        meet at a node are merged; the rest's branches meet no group's), as the group requires.
+        """
+        with GraphExecGroup():
+            for group in self.groups:
+                self._run_group(group)
+            if self.rest and self.roots:
+                _engine(self.roots, self.root_grads, tuple(self.rest), accumulate=True)
         self.groups, self.captured, self.rest = [], {}, []
         self.roots, self.root_grads = (), ()
+
+    def _run_group(self, group: _Group) -> None:
+        """Backward from the group's branch points, with their noted gradients, to its params."""
+        edges: list[Any] = []
+        grads: list[torch.Tensor] = []
+        for node in group.nodes:
+            for index, grad in enumerate(self.captured.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, index))
+                    grads.append(grad)
+        # A node reached both as a start and from another start keeps its noted gradient.
+        clamps = [
+            node.register_prehook(_returning(self.captured[node]))
+            for node in group.nodes
+            if len(group.nodes) > 1 and node in self.captured
+        ]
+        try:
+            if edges:
+                _engine(tuple(edges), tuple(grads), tuple(group.params), accumulate=True)
+        finally:
+            for clamp in clamps:
+                clamp.remove()
 
 
 def _returning(grads: tuple[torch.Tensor | None, ...]) -> Any:

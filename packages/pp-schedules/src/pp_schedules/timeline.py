@@ -4,8 +4,9 @@ The executor records one `MeasuredSpan` per compute step and per exchange when a
 (`PipelineExecutor.record_timeline`); when not asked, it records nothing and pays one
 attribute test per step. `chrome_trace` writes the measured spans of every rank and, as
 separate tracks, the simulator's timeline of the same plan, as one Chrome-trace JSON document
-that Perfetto (ui.perfetto.dev) and chrome://tracing open. `summary` compares the two in one
-line.
+that Perfetto (ui.perfetto.dev) and chrome://tracing open; with memory samples, each rank gets
+a counter track of its measured bytes (and the byte model's predicted ones) after each compute
+step. `summary` compares the two in one line.
 
 Pure Python, no torch.
 """
@@ -20,7 +21,16 @@ from collections.abc import Sequence
 from pp_schedules.actions import CATEGORIES
 from pp_schedules.simulation import Simulation
 
-__all__ = ["MeasuredSpan", "TimelineRecorder", "chrome_trace", "measured_makespan", "summary"]
+__all__ = [
+    "MeasuredSpan",
+    "TimelineRecorder",
+    "chrome_trace",
+    "measured_makespan",
+    "memory_counters",
+    "summary",
+]
+
+_MB = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +90,14 @@ def _busy(spans: Sequence[MeasuredSpan]) -> float:
     return sum(s.end - s.start for s in spans if s.kind in CATEGORIES)
 
 
+def _origin(spans: Sequence[Sequence[MeasuredSpan]]) -> float:
+    """When the first span of any rank started (the trace's time 0)."""
+    return min((s.start for rank in spans for s in rank), default=0.0)
+
+
 def _measured_events(spans: Sequence[Sequence[MeasuredSpan]]) -> list[dict[str, object]]:
     flat = [span for rank in spans for span in rank]
-    origin = min((s.start for s in flat), default=0.0)
+    origin = _origin(spans)
     events: list[dict[str, object]] = []
     for span in flat:
         events.append(
@@ -97,6 +112,71 @@ def _measured_events(spans: Sequence[Sequence[MeasuredSpan]]) -> list[dict[str, 
                 "args": {"microbatch": span.microbatch, "chunk": span.chunk},
             }
         )
+    return events
+
+
+def _named_series(
+    memory: Sequence[Sequence[int]] | None, predicted: Sequence[Sequence[int]] | None, ranks: int
+) -> list[tuple[str, Sequence[Sequence[int]]]]:
+    """The counter series given, by name, after checking each has one list per rank.
+
+    Raises:
+        ValueError: A series is not given for every rank.
+    """
+    named = [(n, v) for n, v in (("measured", memory), ("predicted", predicted)) if v is not None]
+    for name, values in named:
+        if len(values) != ranks:
+            raise ValueError(
+                f"{name} memory is given for {len(values)} ranks, but the trace has {ranks}"
+            )
+    return named
+
+
+def memory_counters(
+    measured: Sequence[Sequence[MeasuredSpan]],
+    memory: Sequence[Sequence[int]] | None = None,
+    predicted: Sequence[Sequence[int]] | None = None,
+) -> list[dict[str, object]]:
+    """Chrome-trace counter events of each rank's bytes, at the end of each compute span.
+
+    One counter track per rank (named "memory (MB)", with the rank as its id, in the measured
+    process), one event per compute step holding up to two series: ``measured`` (the
+    `MemoryProbe` samples' total bytes) and ``predicted`` (the byte model's), in MB (2**20
+    bytes, as Megatron's memory report).
+
+    Args:
+        measured: Each rank's spans, in rank order; their compute spans give the times.
+        memory: Each rank's measured bytes after each of its compute steps, in order.
+        predicted: Each rank's predicted bytes after each of its compute steps, in order.
+
+    Returns:
+        The events (none when neither series is given).
+
+    Raises:
+        ValueError: A series does not hold one value per compute step of every rank.
+    """
+    origin = _origin(measured)
+    named = _named_series(memory, predicted, len(measured))
+    events: list[dict[str, object]] = []
+    for rank, spans in enumerate(measured):
+        ends = [s.end for s in spans if s.kind in CATEGORIES]
+        for name, values in named:
+            if len(values[rank]) != len(ends):
+                raise ValueError(
+                    f"rank {rank} ran {len(ends)} compute steps, but {len(values[rank])} "
+                    f"{name} memory values are given (one after each compute step, in order)"
+                )
+        events += [
+            {
+                "name": "memory (MB)",
+                "ph": "C",
+                "pid": 0,
+                "id": rank,
+                "ts": (end - origin) * 1e6,
+                "args": {name: values[rank][step] / _MB for name, values in named},
+            }
+            for step, end in enumerate(ends)
+        ]
     return events
 
 
@@ -117,6 +197,8 @@ def chrome_trace(
     simulation: Simulation | None = None,
     *,
     simulated_unit_s: float = 1e-3,
+    memory: Sequence[Sequence[int]] | None = None,
+    predicted: Sequence[Sequence[int]] | None = None,
 ) -> str:
     """One Chrome-trace JSON document: measured spans per rank, simulated ones beside them.
 
@@ -126,11 +208,18 @@ def chrome_trace(
             ("simulated") with one track per rank; None to leave it out.
         simulated_unit_s: Seconds per unit of the simulation's costs (1e-3 when costs are in
             milliseconds).
+        memory: Each rank's measured bytes after each of its compute steps (`MemoryProbe`
+            samples), drawn as a "memory (MB)" counter track per rank (`memory_counters`).
+        predicted: The byte model's bytes after the same steps, a second series of it.
 
     Returns:
         The JSON text.
+
+    Raises:
+        ValueError: `memory` or `predicted` does not match the compute steps of every rank.
     """
     events = _track_names(0, "measured", len(measured)) + _measured_events(measured)
+    events += memory_counters(measured, memory, predicted)
     if simulation is not None:
         events += _track_names(1, "simulated", len(simulation.spans))
         for rank_spans in simulation.spans:
