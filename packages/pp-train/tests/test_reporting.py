@@ -20,7 +20,6 @@ from pp_train.reporting import (
     Timers,
     TrainingLogger,
     format_log_line,
-    memory_report,
 )
 
 # --- Timers -----------------------------------------------------------------------------------
@@ -618,7 +617,9 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path: Path) -> None:
 
 
 def test_memory_report_on_this_machine() -> None:
-    report = memory_report()
+    """The old summary, deprecated: pp-train prints Megatron's line (`pp_train.memory`)."""
+    with pytest.deprecated_call(match="use pp_train.memory_report"):
+        report = reporting.memory_report()
     fields = report.split(" | ")
     assert fields[0] == "memory (MB)"
     name, value = fields[1].split(": ")

@@ -41,6 +41,7 @@ from pp_train.data import (
     microbatches,
 )
 from pp_train.layer_split import LayerSplit
+from pp_train.memory import MemoryReport, memory_report, training_state_tensors
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator,
@@ -49,6 +50,7 @@ from pp_train.num_microbatches_calculator import (
     build_num_microbatches_calculator,
 )
 from pp_train.pretrain import DatasetsProvider, pretrain, train_valid_test_num_samples
+from pp_train.recompute import RecomputeConfig, checkpoint_core_attention, run_layers
 from pp_train.reporting import (
     TIMING_LOG_OPTIONS,
     Timer,
@@ -56,7 +58,6 @@ from pp_train.reporting import (
     TimingLogOption,
     TrainingLogger,
     format_log_line,
-    memory_report,
 )
 from pp_train.stage_layers import get_num_layers_to_build, get_transformer_layer_offset
 from pp_train.training import (
@@ -100,6 +101,7 @@ __all__ = [
     "LayerSplit",
     "LoadedCheckpoint",
     "LoggingArgs",
+    "MemoryReport",
     "ModelArgs",
     "ModelProvider",
     "ModelType",
@@ -108,6 +110,7 @@ __all__ = [
     "ParallelArgs",
     "PretrainConfig",
     "RampupBatchsizeNumMicroBatchesCalculator",
+    "RecomputeConfig",
     "RunLayout",
     "SampleDataset",
     "TiedEmbeddingSync",
@@ -126,6 +129,7 @@ __all__ = [
     "build_train_valid_test_datasets",
     "calc_params_l2_norm",
     "check_world",
+    "checkpoint_core_attention",
     "checkpoint_path",
     "evaluate",
     "finalize_model_grads",
@@ -141,6 +145,7 @@ __all__ = [
     "pretrain",
     "pretrain_config_from_args",
     "read_tracker",
+    "run_layers",
     "save_checkpoint",
     "schedule_placement",
     "set_rng_state",
@@ -149,5 +154,6 @@ __all__ = [
     "train",
     "train_step",
     "train_valid_test_num_samples",
+    "training_state_tensors",
     "unwrap_model",
 ]

@@ -26,6 +26,7 @@ from pp_optim import DDPConfig, LRScheduleArgs, OptimizerConfig
 from pp_state.numbers import divisors
 from pp_train.data.config import DataConfig
 from pp_train.flags import add_config_flags, config_from_args
+from pp_train.recompute import RecomputeConfig
 from pp_train.reporting import TimingLogOption
 
 __all__ = [
@@ -145,12 +146,18 @@ class ParallelArgs:
     distributed_timeout_minutes: float = 10.0
     """How long any collective or transfer may wait before it fails."""
 
+    memory_limit_gb: float | None = None
+    """The most memory (GiB) any rank may use, as the byte model predicts it (parameters,
+    gradients, optimizer state and saved activations; measured on one microbatch in a warm-up).
+    With --pipeline-schedule auto: the schedule, virtual stages, layer split and recomputation
+    with the shortest simulated step that fits; with a named schedule: checked before training."""
+
     def __post_init__(self) -> None:
         """Checks sizes and the timeout; a schedule name and a plan file exclude each other."""
         _check_at_least(
             self, ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
         )
-        _check_positive_real(self, ("distributed_timeout_minutes",))
+        _check_positive_real(self, ("distributed_timeout_minutes", "memory_limit_gb"))
         _check_at_least(
             self, ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"), 0
         )
@@ -165,7 +172,10 @@ class ParallelArgs:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelArgs:
-    """The model's shape."""
+    """The model's shape.
+
+    Also its dropout and activation recomputation (in Megatron, model flags too).
+    """
 
     num_layers: int = 8
     """Transformer layers."""
@@ -185,8 +195,33 @@ class ModelArgs:
     decoder_seq_length: int | None = None
     """Encoder-decoder models: the decoder's tokens per sample (None: --seq-length)."""
 
+    hidden_dropout: float = 0.1
+    """Dropout probability on the embedding's, the attention's and the MLP's output (before
+    each residual add); Megatron's default 0.1 (the pp-train command's is 0)."""
+
+    attention_dropout: float = 0.1
+    """Dropout probability on the attention probabilities; Megatron's default 0.1 (the
+    pp-train command's is 0)."""
+
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Recompute activations in backward instead of keeping them: full (whole transformer
+    layers, with --recompute-method and --recompute-num-layers) or selective (the core
+    attention only)."""
+
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With --recompute-granularity full: uniform checkpoints groups of --recompute-num-layers
+    consecutive layers; block checkpoints the first --recompute-num-layers layers of each
+    model chunk and keeps the rest."""
+
+    recompute_num_layers: int | None = None
+    """With --recompute-granularity full: layers per group (uniform) or recomputed layers per
+    model chunk (block); at most the layers of the fullest chunk."""
+
+    recompute_activations: bool = False
+    """Megatron's shorthand for --recompute-granularity selective."""
+
     def __post_init__(self) -> None:
-        """Checks the sizes and that the heads divide the hidden size."""
+        """Checks the sizes, that the heads divide the hidden size, dropout and recompute."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
         _check_at_least(self, (*names, "seq_length", "decoder_seq_length"))
         if self.hidden_size % self.num_attention_heads:
@@ -194,6 +229,32 @@ class ModelArgs:
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; use one of {divisors(self.hidden_size)} heads"
             )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
+                raise ValueError(f"{_flag(name)} must be a probability in [0, 1), got {value!r}")
+        if self.recompute_activations and self.recompute_granularity not in (None, "selective"):
+            raise ValueError(
+                "--recompute-activations means --recompute-granularity selective, but "
+                f"--recompute-granularity is {self.recompute_granularity}; give one of the two"
+            )
+        _ = self.recompute  # building it checks the recompute flags against each other
+
+    @property
+    def recompute(self) -> RecomputeConfig | None:
+        """The recompute flags as the model takes them; None when nothing is recomputed.
+
+        Raises:
+            ValueError: The flags contradict each other (e.g. --recompute-method without
+                --recompute-granularity full); the message names them.
+        """
+        granularity = "selective" if self.recompute_activations else self.recompute_granularity
+        config = RecomputeConfig(
+            granularity=granularity,
+            method=self.recompute_method,
+            num_layers=self.recompute_num_layers,
+        )
+        return config if config.enabled else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -236,12 +297,23 @@ class TrainingArgs:
     seed: int = 1234
     """Seed of the weights, the data order and dropout."""
 
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Hand the CUDA allocator's cached, unused blocks back to the device (Megatron's flag):
+    1 after each step's forward and backward passes and after each evaluation step, 2 also
+    after the optimizer step. Costs time; helps when memory is fragmented. Nothing on CPU."""
+
     def __post_init__(self) -> None:
-        """Checks counts and intervals."""
+        """Checks counts, intervals and the memory level."""
         names = ("train_iters", "micro_batch_size", "global_batch_size", "eval_interval")
         _check_at_least(self, (*names, "exit_interval", "adlr_autoresume_interval"))
         _check_at_least(self, ("eval_iters", "seed"), minimum=0)
         _check_positive_real(self, ("exit_duration_in_mins",))
+        level = self.empty_unused_memory_level
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ValueError(
+                f"--empty-unused-memory-level must be 0, 1 or 2 (0: never empty the CUDA "
+                f"cache, 1: after forward-backward, 2: also after the optimizer), got {level!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from pp_state import ParallelState, Placement
 from pp_state.numbers import check_int
+from pp_train.memory import empty_unused_memory
 from pp_train.reporting import Timers
 from pp_train.step import (
     ForwardBackwardFunc,
@@ -47,6 +48,7 @@ def evaluate(
     log_interval: int = 1,
     print_fn: Callable[[str], None] = print_on_rank_0,
     timers: Timers | None = None,
+    empty_unused_memory_level: int = 0,
 ) -> dict[str, float]:
     """Forward-only over `eval_iters` global batches; the model is back in train mode after.
 
@@ -55,7 +57,8 @@ def evaluate(
     progress line ``Evaluating iter 2/4`` goes to `print_fn` before every `log_interval`-th
     global batch (by default printed on rank 0, as Megatron's ``print_rank_0``). With
     `timers`, the evaluation is timed as Megatron's ``"evaluate"`` (level 0, started after a
-    barrier) and, after it, its time over all ranks goes to `print_fn` (a collective).
+    barrier) and, after it, its time over all ranks goes to `print_fn` (a collective). With
+    `empty_unused_memory_level` 1 or more the CUDA cache is emptied after each global batch.
 
     Returns:
         Each loss averaged over all microbatches and data-parallel ranks (on the rank holding
@@ -74,15 +77,12 @@ def evaluate(
                 if verbose and iteration % log_interval == 0:
                     print_fn(f"Evaluating iter {iteration}/{eval_iters}")
                 collected += forward_backward_func(
-                    forward_step_func=forward_step_func,
-                    data_iterator=data_iterator,
-                    model=list(model),
-                    num_microbatches=num_microbatches,
-                    seq_length=seq_length,
-                    micro_batch_size=micro_batch_size,
-                    decoder_seq_length=decoder_seq_length,
-                    forward_only=True,
-                )
+                    forward_step_func=forward_step_func, data_iterator=data_iterator,
+                    model=list(model), num_microbatches=num_microbatches,
+                    seq_length=seq_length, micro_batch_size=micro_batch_size,
+                    decoder_seq_length=decoder_seq_length, forward_only=True,
+                )  # fmt: skip
+                empty_unused_memory(empty_unused_memory_level, 1, model)
     finally:
         _back_to_training(model, timers)
     if timers is not None:

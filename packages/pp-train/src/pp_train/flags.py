@@ -114,7 +114,8 @@ def add_config_flags(
                 dest=field.name,
                 **extra,
                 default=field.default,
-                help=f"{docs.get(field.name, '')} (default: {field.default})",
+                # argparse fills %(default)s at --help time, so a program's set_defaults shows.
+                help=docs.get(field.name, "").replace("%", "%%") + " (default: %(default)s)",
                 **_argument_options(field, hints[field.name]),
             )
 

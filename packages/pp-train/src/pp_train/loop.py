@@ -6,20 +6,24 @@ saves at their intervals; `pp_train.exits` decides, on all ranks together, when 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from pp_comm import NullTimers
 from pp_optim import MegatronOptimizer, OptimizerParamScheduler
+from pp_schedules import Simulation
 from pp_state import ParallelState, Placement
 from pp_train.arguments import PretrainConfig
 from pp_train.evaluation import evaluate
 from pp_train.exits import SigtermFlag, exit_reason
+from pp_train.memory import MemoryReport, prediction_line, training_state_tensors
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
 from pp_train.reporting import Timers, TrainingLogger
@@ -57,6 +61,8 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     autoresume: Callable[[], bool] | None = None,
     print_fn: Callable[[str], None] = print,
     placement: Placement | None = None,
+    memory_print_fn: Callable[[str], None] | None = None,
+    predicted_memory: Simulation | None = None,
 ) -> ExitReason:
     """Trains until ``train_iters`` or an early exit, as Megatron's ``train``.
 
@@ -69,7 +75,10 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     TensorBoard (`write_timers`). `config` is a `TrainingConfig` (Megatron's shape, handed
     on as `as_pretrain_config`'s sections) or the run's `PretrainConfig`, whose
     sections the loop reads as they are. `placement` is the one the run's
-    resolved schedule runs (None: `schedule_placement` asks `forward_backward_func`).
+    resolved schedule runs (None: `schedule_placement` asks `forward_backward_func`). With a
+    `memory_print_fn`, every rank of data-parallel replica 0 gives it Megatron's memory line
+    after the first logged iteration (`pp_train.memory.MemoryReport`), with the prediction
+    of `predicted_memory` (a simulated step with a `MemoryModel`; also drawn in the profile).
 
     Returns:
         Why training stopped.
@@ -84,20 +93,43 @@ def train(  # noqa: PLR0917 - Megatron's positional order
         state, model, optimizer, scheduler, sections, progress, checkpoint_args or {}, print_fn,
         placement,
     )  # fmt: skip
-    profile = ScheduleProfile(
-        sections.logging,
-        sections.training.train_iters,
-        forward_backward_func,
-        state,
-        start=progress.iteration,
-        print_fn=print_fn,
+    profile, memory = _profile_and_memory(
+        run, forward_backward_func, memory_print_fn, predicted_memory
     )
     for chunk in model:
         chunk.train()
     loop = TrainLoop(
-        run, forward_step_func, forward_backward_func, calculator, logger, timers, profile
+        run, forward_step_func, forward_backward_func, calculator, logger, timers, profile, memory
     )
     return loop.until_exit(train_data_iterator, valid_data_iterator, autoresume)
+
+
+def _profile_and_memory(
+    run: TrainingRun,
+    forward_backward_func: ForwardBackwardFunc,
+    memory_print_fn: Callable[[str], None] | None,
+    predicted: Simulation | None,
+) -> tuple[ScheduleProfile, MemoryReport]:
+    """The schedule profile (its path checked first) and the memory report of a run."""
+    config = run.config
+    tracks = None if predicted is None else predicted.memory
+    # While the batch ramps up, the profiled step may run another plan than the predicted one.
+    steady = config.training.rampup_batch_size is None
+    series = [list(track.after) for track in tracks] if tracks and steady else None
+    profile = ScheduleProfile(
+        config.logging, config.training.train_iters, forward_backward_func, run.state,
+        start=run.progress.iteration, print_fn=run.print_fn,
+        static=functools.partial(training_state_tensors, run.model, run.optimizer),
+        predicted=series,
+    )  # fmt: skip
+    memory = MemoryReport(
+        forward_backward_func, run.model, run.optimizer, run.state,
+        print_fn=memory_print_fn,
+        prediction=None if not tracks else prediction_line(
+            tracks[run.state.pipeline_model_parallel_rank]
+        ),
+    )  # fmt: skip
+    return profile, memory
 
 
 @dataclasses.dataclass
@@ -111,6 +143,8 @@ class TrainLoop:
     logger: TrainingLogger
     timers: Any
     profile: ScheduleProfile
+    memory: MemoryReport
+    """Megatron's memory line after the first logged iteration (measured until then)."""
     interval_started: float = dataclasses.field(default_factory=time.perf_counter, init=False)
     """When the current log interval started."""
     interval_iterations: int = dataclasses.field(default=0, init=False)
@@ -126,7 +160,7 @@ class TrainLoop:
         run, config, progress = self.run, self.run.config, self.run.progress
         started = time.monotonic()
         training = config.training
-        with SigtermFlag(training.exit_signal_handler) as signals:
+        with SigtermFlag(training.exit_signal_handler) as signals, self._measuring():
             while progress.iteration < training.train_iters:
                 self.iteration(train_data_iterator, valid_data_iterator)
                 reason = exit_reason(
@@ -142,6 +176,14 @@ class TrainLoop:
             run.save()  # the final state, unless the last iteration just saved it
         run.finish_saves()
         return "train_iters"
+
+    @contextlib.contextmanager
+    def _measuring(self) -> Iterator[None]:
+        """Training iterations; the memory probe leaves the executor with them, in any case."""
+        try:
+            yield
+        finally:
+            self.memory.stop()
 
     def iteration(self, train_data_iterator: Any, valid_data_iterator: Any) -> None:
         """One iteration: the step (profiled at its turn), the log, evaluation and saving."""
@@ -196,6 +238,7 @@ class TrainLoop:
         )
         if log_now:
             self.interval_started, self.interval_iterations = time.perf_counter(), 0
+            self.memory.after_log(run.progress.iteration)
 
     def _evaluate(self, valid_data_iterator: Any) -> None:
         """`evaluate` on the validation data; counts its samples and logs its losses."""
@@ -217,6 +260,7 @@ class TrainLoop:
             log_interval=config.logging.log_interval,
             print_fn=run.print_fn,
             timers=self.timers if isinstance(self.timers, Timers) else None,
+            empty_unused_memory_level=config.training.empty_unused_memory_level,
         )
         progress.consumed_valid_samples += (
             config.training.eval_iters * calculator.get_current_global_batch_size()

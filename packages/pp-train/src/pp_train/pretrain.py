@@ -40,7 +40,8 @@ from pp_train.checkpoint import (
 from pp_train.checkpoint.tracker import iteration_directory
 from pp_train.data import SampleDataset, microbatches
 from pp_train.layer_split import rebalanced
-from pp_train.reporting import Timers, TrainingLogger, memory_report
+from pp_train.memory_plan import ModelFigures, plan_memory, predict_memory
+from pp_train.reporting import Timers, TrainingLogger
 from pp_train.training import (
     EncoderDecoderModelProvider,
     ExitReason,
@@ -78,6 +79,9 @@ LayoutMeasure = Callable[[], tuple[Costs, float, float]]
 """Measures, the same on every rank: one transformer layer's step costs, and the embedding's
 and the loss's time in transformer layers (for balancing an uneven split)."""
 
+MemoryMeasure = Callable[[], ModelFigures]
+"""Measures each part of the model alone on one microbatch (`pp_train.memory_plan`)."""
+
 
 def pretrain(
     train_valid_test_datasets_provider: DatasetsProvider,
@@ -89,17 +93,18 @@ def pretrain(
     checkpoint_args: Mapping[str, Any] | None = None,
     measure_schedule: ScheduleMeasure | None = None,
     measure_layout: LayoutMeasure | None = None,
+    measure_memory: MemoryMeasure | None = None,
     model_name: str = "model",
     layer_counts: Sequence[int] | None = None,
     layout: RunLayout | None = None,
 ) -> ExitReason:
     """Trains a model as `config` says, on the processes torchrun started (or this one).
 
-    Checks `config` against the world first (`check_world`, unless `layout` is given); then
-    starts the process group unless one is running (torchrun's environment; one process
-    without it), builds the parallel state, the chunks, optimizer and scheduler (restored from
-    ``--load``), the datasets and their microbatch streams, runs `train`, and evaluates at the
-    end. The rank holding the last stage in the last data-parallel replica prints.
+    Checks `config` against the world (`check_world`, unless `layout` is given), starts the
+    process group unless one runs (torchrun's environment; one process without it), measures
+    what the flags need measured, builds the parallel state, the chunks, optimizer and
+    scheduler (restored from ``--load``), the datasets and their microbatch streams, runs
+    `train`, and evaluates at the end. The last stage of the last replica prints.
 
     Args:
         train_valid_test_datasets_provider: Builds the datasets (see the module docstring).
@@ -112,27 +117,27 @@ def pretrain(
         measure_schedule: With ``auto``, chooses again with measured costs (once).
         measure_layout: For a split balanced by simulation whose end costs are not both
             configured: balances again with measured costs before the model is built.
+        measure_memory: Measures the model's parts for the byte model (`pp_train.memory_plan`):
+            the memory report's prediction, and ``--memory-limit-gb``'s choice.
         model_name: Names the model in the first line printed.
         layer_counts: Transformer layers of each virtual stage (see `check_world`).
-        layout: `check_world`'s result, when the caller has it: then nothing is checked or
-            resolved again.
+        layout: `check_world`'s result, when the caller has it (not checked again).
 
     Returns:
         Why training stopped (see `train`).
 
     Raises:
-        ValueError: The configuration does not fit the world, or `layout` was checked for
-            another world, transport or pipeline size (nothing was started).
+        ValueError: The configuration does not fit the world (or `layout`'s: nothing starts).
         CheckpointError: ``--load`` holds a checkpoint this run cannot load.
     """
     layout = _run_layout(config, layout, layer_counts)
     with _process_group(config) as device:
+        # Measured before the parallel state exists: a fitted layout may change its chunks.
+        measures = (measure_layout, measure_schedule, measure_memory)
+        layout, measured, fitted = _measured_run(layout, config, measures)
         state = _parallel_state(config, layout)
         try:
-            layout = _measured_layout(layout, config, measure_layout)
-            if measured := layout.schedule_choice is not None and measure_schedule is not None:
-                layout = _measured(layout, measure_schedule)
-            run = _Run(config, layout, state, device, model_name, measured)
+            run = _Run(config, layout, state, device, model_name, measured, fitted)
             model = _with_context(model_provider, state, layout)
             datasets, extra = train_valid_test_datasets_provider, checkpoint_args or {}
             return run.train(datasets, model, forward_step_func, model_type, extra)
@@ -204,6 +209,11 @@ def _local_gpus() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
 
 
+def _print_now(text: str) -> None:
+    """Prints on this rank at once (the memory line: every rank of the first replica)."""
+    print(text, flush=True)
+
+
 def _progress_line(text: str) -> None:
     """Rank 0 says what it is doing while the ranks start (before any log line)."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -243,6 +253,26 @@ def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
             yield device
         finally:
             dist.destroy_process_group()
+
+
+def _measured_run(
+    layout: RunLayout,
+    config: PretrainConfig,
+    measures: tuple[LayoutMeasure | None, ScheduleMeasure | None, MemoryMeasure | None],
+) -> tuple[RunLayout, bool, Choice | None]:
+    """The layout once measured: the split rebalanced, ``auto`` chosen again, the byte model.
+
+    Returns:
+        The layout, whether ``auto`` chose with measured costs, and ``--memory-limit-gb``'s
+        choice (None without one to make).
+    """
+    measure_layout, measure_schedule, measure_memory = measures
+    layout = _measured_layout(layout, config, measure_layout)
+    measured = layout.schedule_choice is not None and measure_schedule is not None
+    if measure_schedule is not None and measured and config.parallel.memory_limit_gb is None:
+        layout = _measured(layout, measure_schedule)
+    layout, fitted = plan_memory(layout, config, measure_memory)
+    return layout, measured, fitted
 
 
 def _measured_layout(
@@ -286,6 +316,7 @@ def _with_context(
         for name, value in (
             ("state", state), ("placement", layout.placement),
             ("layer_counts", layout.layer_counts), ("layer_layout", layers),
+            ("recompute", layout.recompute),
         )
         if name in accepted
     }  # fmt: skip
@@ -372,6 +403,8 @@ class _Run:
     model_name: str
     measured: bool
     """Whether ``auto`` chose with measured costs."""
+    fitted: Choice | None = None
+    """``--memory-limit-gb``'s choice (its table is printed at the start)."""
 
     def __post_init__(self) -> None:
         # Megatron logs from the last rank: the last stage (the losses) of the last replica.
@@ -418,12 +451,13 @@ class _Run:
                 forward_backward_func=forward_backward, calculator=calculator,
                 progress=progress, logger=logger, timers=timers,
                 checkpoint_args=saved_args, print_fn=self.say, placement=layout.placement,
+                memory_print_fn=_print_now,
+                predicted_memory=predict_memory(layout, calculator.get()),
             )  # fmt: skip
             if reason == "train_iters" and config.training.eval_iters > 0 and valid_ds is not None:
                 valid = self._streams(valid_ds, progress.consumed_valid_samples)
                 count = calculator.get()
                 self._final_validation(forward_step_func, model, forward_backward, valid, count)
-            self.say(memory_report())
         finally:
             if writer is not None:
                 writer.close()
@@ -594,6 +628,11 @@ class _Run:
         )
         split = layout.layer_split.summary(layout.layer_layout)
         lines = [line] if split is None else [line, split]
+        if self.fitted is not None:
+            limit = self.config.parallel.memory_limit_gb
+            return [*lines, f"schedule, chunks and recomputation chosen by simulation within "
+                    f"--memory-limit-gb {limit:g} (warm-up costs and bytes):\n"
+                    + self.fitted.table()]  # fmt: skip
         choice = layout.schedule_choice
         if choice is None:
             return lines
@@ -632,6 +671,7 @@ class _Run:
             placement=self.layout.placement,
             verbose=True,
             log_interval=config.logging.log_interval,
+            empty_unused_memory_level=config.training.empty_unused_memory_level,
         )
         for key, value in losses.items():
             self.say(f"validation at the end of training | {key}: {value:.6E}")

@@ -5,16 +5,16 @@
 its times to TensorBoard as Megatron's ``<name>-time`` scalars. `TrainingLogger` keeps
 Megatron's counters between log lines (advanced, skipped and nan iterations, loss sums),
 writes the per-iteration scalars to a TensorBoard-like writer and, every ``log_interval``
-iterations, prints one line in the format of Megatron's training log. `memory_report` is a
-one-line memory summary.
+iterations, prints one line in the format of Megatron's training log. Memory reports moved
+to `pp_train.memory` (`memory_report` here is deprecated).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, Protocol, get_args
 
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pp_state.collectives import collective
 from pp_state.numbers import check_at_least
+from pp_train.memory import legacy_memory_report
 
 __all__ = [
     "TIMING_LOG_OPTIONS",
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 _PROGRESS_BAR_WIDTH = 20
-_BYTES_PER_MB = 1024 * 1024
 # Marks a timer a rank has never created; it is left out of the min, max and list of times.
 _MISSING = -1.0
 _MAX_LOG_LEVEL = 2
@@ -750,30 +750,17 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
-def _max_rss_mb() -> float | None:
-    try:
-        import resource
-    except ImportError:  # not on this platform (Windows)
-        return None
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports kibibytes, macOS bytes.
-    return max_rss / _BYTES_PER_MB if sys.platform == "darwin" else max_rss / 1024
-
-
 def memory_report() -> str:
-    """A one-line summary of this process's memory use.
+    """Deprecated: the one-line max-RSS summary pp-train printed at the end of training.
 
-    Returns:
-        ``"memory (MB) | max rss: ..."``, followed by CUDA allocated, max allocated, reserved
-        and max reserved memory of the current device when CUDA is available.
+    pp-train now prints Megatron's memory line after the first logged iteration:
+    `pp_train.memory.memory_report` (``pp_train.memory_report``). This returns what it did
+    (`pp_train.memory.legacy_memory_report`).
     """
-    max_rss = _max_rss_mb()
-    parts = ["memory (MB)", "max rss: " + ("n/a" if max_rss is None else f"{max_rss:.1f}")]
-    if torch.cuda.is_available():
-        parts += [
-            f"allocated: {torch.cuda.memory_allocated() / _BYTES_PER_MB:.1f}",
-            f"max allocated: {torch.cuda.max_memory_allocated() / _BYTES_PER_MB:.1f}",
-            f"reserved: {torch.cuda.memory_reserved() / _BYTES_PER_MB:.1f}",
-            f"max reserved: {torch.cuda.max_memory_reserved() / _BYTES_PER_MB:.1f}",
-        ]
-    return " | ".join(parts)
+    warnings.warn(
+        "pp_train.reporting.memory_report is deprecated: use pp_train.memory_report "
+        "(Megatron's memory line)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return legacy_memory_report()

@@ -284,6 +284,7 @@ class TrainingRun:
                 barrier_with_l1_time=self.config.logging.barrier_with_l1_time,
                 iteration=iteration,
                 placement=self.placement,
+                empty_unused_memory_level=self.config.training.empty_unused_memory_level,
             )
 
     def save_on_interval(self) -> None:

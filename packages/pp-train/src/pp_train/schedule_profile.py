@@ -6,12 +6,13 @@ See `LoggingArgs.profile_schedule` and `profile_schedule_iteration` (``--profile
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from pp_schedules import PipelineExecutor, check_trace_path, write_schedule_trace
+from pp_schedules import MemoryProbe, PipelineExecutor, check_trace_path, write_schedule_trace
 from pp_state import ParallelState
 from pp_state.collectives import collective, collective_device
 from pp_train.arguments import LoggingArgs
@@ -29,6 +30,11 @@ class ScheduleProfile:
         state: The parallel state (the pipeline that records).
         start: The iteration this run starts at (trained iterations are not profiled).
         print_fn: Says so when the iteration to profile was trained before this run.
+        static: The static tensors of a `MemoryProbe` that measures the profiled iteration's
+            memory (when the executor has no probe then), drawn as counter tracks beside
+            the spans; None: without static bytes.
+        predicted: The byte model's bytes after each compute step of the profiled step, per
+            pipeline rank (the simulator's ``MemoryTrack.after``), drawn beside the measured.
 
     Raises:
         TypeError: A trace is asked for but `forward_backward_func` is not the executor.
@@ -44,8 +50,14 @@ class ScheduleProfile:
         *,
         start: int,
         print_fn: Callable[[str], None],
+        static: Callable[[], Iterable[torch.Tensor]] | None = None,
+        predicted: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.iteration: int | None = None
+        self.static = static
+        self.predicted = predicted
+        self.probe: MemoryProbe | None = None
+        """The probe this profile put on the executor (None: it found one there, or none)."""
         self.path = logging.profile_schedule
         if self.path is None:
             return
@@ -75,6 +87,9 @@ class ScheduleProfile:
         active = iteration == self.iteration
         if active and self.records:
             self.executor.record_timeline(True)
+            if self.executor.memory_probe is None:
+                self.probe = MemoryProbe(self.static)
+                self.executor.record_memory(self.probe)
         return active
 
     def finish(self, num_microbatches: int) -> str:
@@ -83,11 +98,15 @@ class ScheduleProfile:
         summary = None
         if self.records:
             self.executor.record_timeline(False)
+            if self.probe is not None:
+                self.executor.record_memory(None)
+                self.probe = None
             summary = write_schedule_trace(
                 self.path,
                 self.executor,
                 num_microbatches=num_microbatches,
                 group=self.state.group("pp"),
+                predicted=self.predicted,
             )
         # Global rank 0 is in the profiled pipeline; every rank gets its summary.
         shared: list[object] = [summary]

@@ -32,6 +32,7 @@ from pp_state import ParallelState, Placement
 from pp_state.collectives import collective, collective_device
 from pp_train.checkpoint.agreement import gather_ints
 from pp_train.embeddings import split_position_embedding, sum_tied_gradients
+from pp_train.memory import empty_unused_memory
 from pp_train.models import checked_placement
 from pp_train.reporting import Timers as LevelledTimers
 from pp_train.wrappers import unwrap_model
@@ -268,6 +269,7 @@ def train_step(
     barrier_with_l1_time: bool = True,
     iteration: int | None = None,
     placement: Placement | None = None,
+    empty_unused_memory_level: int = 0,
 ) -> StepResult:
     """One iteration, as Megatron's ``train_step``.
 
@@ -277,6 +279,8 @@ def train_step(
     barrier and a device sync with `barrier_with_l1_time`); pp-train's `Timers` also go to
     the optimizer's step, which times its own phases at level 1 ("optimizer-inner-step", ...).
     `placement`: which stage each chunk holds (None: `schedule_placement` asks).
+    `empty_unused_memory_level`: 1 empties the CUDA cache after the forward-backward passes,
+    2 also after the optimizer step (Megatron's flag; nothing on CPU).
 
     Returns:
         ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
@@ -289,16 +293,12 @@ def train_step(
     _zero_grads(model, optimizer)
     _phase(timers, "forward-backward").start(**_barrier(timers, barrier_with_l1_time))
     losses = forward_backward_func(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=list(model),
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length,
-        forward_only=False,
-    )
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=list(model),
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length, forward_only=False,
+    )  # fmt: skip
     _phase(timers, "forward-backward").stop()
+    empty_unused_memory(empty_unused_memory_level, 1, model)
     placement = placement or schedule_placement(forward_backward_func, state)
     _phase(timers, "grads-all-reduce").start()
     finalize_model_grads(model, state, placement=placement)
@@ -308,6 +308,7 @@ def train_step(
     if update_successful:
         scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp_cp"))
     skipped_iter = 0 if update_successful else 1
+    empty_unused_memory(empty_unused_memory_level, 2, model)
     holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
     loss_dict = average_losses(losses, state) if holds_loss else {}
     return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pp_schedules import (
     Choice,
+    MemoryModel,
     Plan,
     ResolvedSchedule,
     check_trace_path,
@@ -33,6 +34,7 @@ from pp_train.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
+from pp_train.recompute import RecomputeConfig
 
 __all__ = ["RunLayout", "check_creatable_folder", "check_world", "microbatch_calculator"]
 
@@ -48,6 +50,11 @@ class RunLayout:
     forward only): the one place the run's plans, placement and ``auto`` choice live."""
     layer_split: LayerSplit
     """Transformer layers of each virtual stage, and where that split came from."""
+    recompute: RecomputeConfig | None = None
+    """The activation recomputation the model is built with: the flags', or the one
+    ``--memory-limit-gb`` chose (see `pp_train.memory_plan`)."""
+    memory: MemoryModel | None = None
+    """The run's byte model, once its parts were measured (the memory report's prediction)."""
 
     @property
     def virtual_pipeline_model_parallel_size(self) -> int | None:
@@ -113,7 +120,8 @@ def check_world(
 
     Raises:
         ValueError: The sizes do not fit the world, the batches do not divide, the schedule
-            cannot run them, the plan file is unreadable, invalid or for other sizes, the
+            cannot run them, --recompute-num-layers exceeds the fullest chunk's layers,
+            the plan file is unreadable, invalid or for other sizes, the
             TensorBoard folder cannot be made, or the data is refused; the message names the
             flags and what would work.
     """
@@ -124,6 +132,7 @@ def check_world(
         config.parallel, config.model.num_layers, given=layer_counts,
         num_microbatches=max(counts),
     )  # fmt: skip
+    _check_recompute_layers(config, split)
     chunks = len(split.counts) // config.parallel.pipeline_model_parallel_size
     vp = chunks if chunks > 1 else None
     if config.parallel.pipeline_schedule_file is not None:
@@ -144,7 +153,27 @@ def check_world(
             seed=config.training.seed,
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
-    return RunLayout(world_size, dp, resolved, split)
+    return RunLayout(world_size, dp, resolved, split, recompute=config.model.recompute)
+
+
+def _check_recompute_layers(config: PretrainConfig, split: LayerSplit) -> None:
+    """``--recompute-num-layers`` is at most the transformer layers of the fullest chunk.
+
+    A chunk with fewer layers recomputes all of its own (`RecomputeConfig.for_chunk`); a
+    number above every chunk's would ask for layers that no chunk holds.
+
+    Raises:
+        ValueError: The message names the flag, the split and the valid range.
+    """
+    wanted = config.model.recompute_num_layers
+    fullest = max(split.counts)
+    if wanted is None or wanted <= fullest:
+        return
+    raise ValueError(
+        f"--recompute-num-layers {wanted} is more than the {fullest} transformer layer(s) the "
+        f"fullest model chunk holds (layers per virtual stage: "
+        f"{', '.join(str(c) for c in split.counts)}); use 1 .. {fullest}"
+    )
 
 
 def check_creatable_folder(flag: str, path: str) -> None:

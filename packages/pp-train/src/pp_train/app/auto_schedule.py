@@ -1,7 +1,11 @@
-"""Step costs measured in a short warm-up, for the simulator's two picks.
+"""Step costs and bytes measured in a short warm-up, for the simulator's picks.
 
 ``--pipeline-schedule auto`` and the balanced split of layers that do not divide
-(``--pipeline-model-parallel-layout auto``) both simulate with measured costs.
+(``--pipeline-model-parallel-layout auto``) both simulate with measured costs;
+``--memory-limit-gb`` and the memory report's prediction use `model_figures`: each part of
+the model (a layer with each kind of recomputation, the embedding, the loss) alone, one
+microbatch, its parameters, its bytes saved for backward (pp-schedules' `MemoryProbe`) and
+its times.
 
 Before the model is built, each rank times one microbatch through a throwaway chunk of the
 run's size (its transformer layers, no embedding or head): the forward, the input half and the
@@ -11,18 +15,21 @@ slowest rank's times are the costs `choose_schedule` simulates every candidate w
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from pp_schedules import Choice, Costs, choose_schedule
+from pp_schedules import Choice, Costs, MemoryProbe, choose_schedule
 from pp_schedules.split_backward import backward_input
 from pp_state.collectives import collective
 from pp_train.app.gpt import GPTChunk, GPTConfig
+from pp_train.memory_plan import MemoryPlanError, ModelFigures, PartFigures
+from pp_train.recompute import RecomputeConfig
 
-__all__ = ["choose_measured", "layout_costs", "warmup_costs"]
+__all__ = ["choose_measured", "layout_costs", "model_figures", "warmup_costs"]
 
 
 def warmup_costs(
@@ -136,3 +143,70 @@ def _step(part: GPTChunk, tokens: torch.Tensor, *, pre: bool, post: bool) -> tup
     else:
         output.backward(torch.ones_like(output))
     return (forward - start) * 1e3, (time.perf_counter() - forward) * 1e3
+
+
+_FULL = RecomputeConfig(granularity="full", method="uniform", num_layers=1)
+_SELECTIVE = RecomputeConfig(granularity="selective")
+
+
+def model_figures(
+    config: GPTConfig, *, micro_batch_size: int, seed: int, rounds: int = 5
+) -> ModelFigures:
+    """Each part of the GPT alone, one microbatch: parameters, saved bytes and times.
+
+    The parts are built in training mode (dropout masks count, as in a training step); times
+    are medians of `rounds` rounds after one untimed, the slowest rank's.
+
+    Raises:
+        MemoryPlanError: A part cannot be built or run, or its forward saves nothing for
+            backward; the message says which part (its activation bytes cannot be measured).
+    """
+    tokens = torch.randint(config.vocab_size, (micro_batch_size, config.seq_length))
+    parts = {
+        "layer": (config, False, False, 1),
+        "layer_full": (dataclasses.replace(config, recompute=_FULL), False, False, 1),
+        "layer_selective": (dataclasses.replace(config, recompute=_SELECTIVE), False, False, 1),
+        "embedding": (config, True, False, 0),
+        "loss": (config, False, True, 0),
+    }
+    built, figures = {}, {}
+    for name, (shape, pre, post, layers) in parts.items():
+        try:
+            part = GPTChunk(shape, layers=range(layers), pre_process=pre, post_process=post,
+                            seed=seed)  # fmt: skip
+            built[name] = (part, _saved_bytes(part, tokens))
+        except (RuntimeError, ValueError) as error:
+            raise MemoryPlanError(
+                f"the warm-up that measures the model's memory failed on its "
+                f"{name.replace('_', ' ')} (one microbatch of {micro_batch_size} x "
+                f"{config.seq_length} tokens): {error}"
+            ) from error
+    # Round by round over every part, so that a slow start or a busy moment of the machine
+    # does not fall on one part alone; the first round is not timed.
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in built}
+    for _ in range(rounds + 1):
+        for name, (part, _) in built.items():
+            times[name].append(_step(part, tokens, pre=part.pre_process, post=part.post_process))
+    medians = [statistics.median(t[k] for t in times[name][1:]) for name in built for k in range(2)]
+    slowest = _slowest(medians, "memory warm-up all-reduce")
+    for i, (name, (part, saved)) in enumerate(built.items()):
+        count = sum(p.numel() for p in part.parameters())
+        figures[name] = PartFigures(count, saved, slowest[2 * i], slowest[2 * i + 1])
+    # The last stage's output layer is a copy of the word embedding (tied weights).
+    return ModelFigures(**figures, shared_parameters=config.vocab_size * config.hidden_size)
+
+
+def _saved_bytes(part: GPTChunk, tokens: torch.Tensor) -> int:
+    """Bytes one microbatch's forward through `part` saves for backward.
+
+    Raises:
+        ValueError: It saved nothing.
+    """
+    config, pre, post = part.config, part.pre_process, part.post_process
+    given = torch.randn(config.seq_length, tokens.shape[0], config.hidden_size)
+    part.set_input_tensor([None if pre else given.requires_grad_()])
+    probe = MemoryProbe(static=part.parameters)
+    saved = probe.saved_by(lambda: part(tokens if pre else None, tokens if post else None))
+    if saved <= 0:
+        raise ValueError("its forward saved nothing for backward, so no bytes can be measured")
+    return saved

@@ -9,6 +9,7 @@ GPT's model and datasets providers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -18,7 +19,7 @@ import torch
 
 from pp_schedules import Choice, Costs
 from pp_state.store_channel import StoreChannel, StoreTimeoutError
-from pp_train.app.auto_schedule import choose_measured, layout_costs
+from pp_train.app.auto_schedule import choose_measured, layout_costs, model_figures
 from pp_train.app.corpus import (
     CorpusDataset,
     check_corpus_seq_length,
@@ -29,7 +30,9 @@ from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_config_from_args
 from pp_train.checkpoint import CheckpointError
 from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test_datasets
+from pp_train.memory_plan import MemoryPlanError, ModelFigures
 from pp_train.pretrain import default_transport, pretrain
+from pp_train.recompute import RecomputeConfig
 from pp_train.training import NonFiniteError
 from pp_train.world import check_world
 from pp_train.wrappers import unwrap_model
@@ -124,8 +127,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         description="Train the bundled small GPT with pipeline parallelism (run under torchrun).",
     )
     add_pretrain_flags(parser)
-    # The GPT's own defaults, where they differ from the library's (Megatron's).
-    parser.set_defaults(lr=3e-3, min_lr=3e-4, lr_decay_style="cosine", adam_beta2=0.95)
+    # The GPT's own defaults, where they differ from the library's (Megatron's). No dropout
+    # by default: pipeline ranks draw dropout masks from their own generators, so with it a
+    # pipelined run's losses would no longer equal an unpipelined one's.
+    parser.set_defaults(
+        lr=3e-3, min_lr=3e-4, lr_decay_style="cosine", adam_beta2=0.95,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
     return parser
 
 
@@ -174,7 +182,10 @@ def gpt_forward_step(
 
 
 def _gpt_config(config: PretrainConfig) -> GPTConfig:
-    """The GPT's shape; its vocabulary is the tokenizer's (the corpus's bytes without data)."""
+    """The GPT's shape, dropout and recompute; its vocabulary is the tokenizer's.
+
+    Without data the tokenizer is the corpus's bytes.
+    """
     model, data = config.model, config.data
     vocab = ByteTokenizer.vocab_size
     if data.data_path is not None:
@@ -187,6 +198,9 @@ def _gpt_config(config: PretrainConfig) -> GPTConfig:
         seq_length=model.seq_length,
         vocab_size=vocab,
         ffn_hidden_size=model.ffn_hidden_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        recompute=model.recompute,
     )
 
 
@@ -196,11 +210,18 @@ def run(args: argparse.Namespace) -> str:
     gpt, seed = _gpt_config(config), config.training.seed
 
     def model_provider(
-        *, pre_process: bool, post_process: bool, vp_stage: int, layers: range
+        *,
+        pre_process: bool,
+        post_process: bool,
+        vp_stage: int,
+        layers: range,
+        recompute: RecomputeConfig | None,
     ) -> torch.nn.Module:
-        # `layers`: this chunk's global layers, from the run's per-stage layer counts.
+        # `layers`: this chunk's global layers, from the run's per-stage layer counts;
+        # `recompute`: the flags' recomputation, or the one --memory-limit-gb chose.
+        shape = dataclasses.replace(gpt, recompute=recompute)
         return GPTChunk(
-            gpt, layers=layers, pre_process=pre_process, post_process=post_process, seed=seed
+            shape, layers=layers, pre_process=pre_process, post_process=post_process, seed=seed
         )
 
     def datasets_provider(num_samples: tuple[int, int, int]) -> Any:
@@ -223,10 +244,13 @@ def run(args: argparse.Namespace) -> str:
     def measure_layout() -> tuple[Costs, float, float]:
         return layout_costs(gpt, micro_batch_size=config.training.micro_batch_size, seed=seed)
 
+    def measure_memory() -> ModelFigures:
+        return model_figures(gpt, micro_batch_size=config.training.micro_batch_size, seed=seed)
+
     return pretrain(
         datasets_provider, model_provider, gpt_forward_step, config=config,
         checkpoint_args={"vocab_size": gpt.vocab_size}, measure_schedule=measure,
-        measure_layout=measure_layout, layout=args.layout,
+        measure_layout=measure_layout, measure_memory=measure_memory, layout=args.layout,
         model_name=f"GPT with {gpt.num_layers} layers, hidden {gpt.hidden_size},",
     )  # fmt: skip
 
@@ -238,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate_args(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
     try:
         run(args)
-    except (CheckpointError, NonFiniteError) as error:
+    except (CheckpointError, NonFiniteError, MemoryPlanError) as error:
         # Every rank refuses together; one clear line instead of a traceback per rank.
         if os.environ.get("RANK", "0") == "0":
             print(f"pp-train: error: {error}", file=sys.stderr, flush=True)

@@ -8,6 +8,13 @@ layer when it is the last (``post_process``). Activations between chunks are sha
 Every parameter is initialised from a generator seeded by the run's seed and the parameter's
 global name, so the chunks of any pipeline layout together hold exactly the values of the
 single chunk of an unpipelined run.
+
+Dropout sits where Megatron puts it: on the attention probabilities (``attention_dropout``)
+and on the embedding's, the attention's and the MLP's output (before each residual add;
+``hidden_dropout``). It draws from torch's global generator, so pipeline ranks draw
+differently (Megatron without the tensor-parallel RNG tracker). ``recompute`` checkpoints
+layers or the core attention (`pp_train.recompute`); parameter names and ``state_dict`` keys
+are the same either way.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 
 from pp_state import PipelineLayerLayout, Placement
 from pp_state.numbers import divisors, is_int, is_real
+from pp_train.recompute import RecomputeConfig, checkpoint_core_attention, run_layers
 
 __all__ = ["GPTChunk", "GPTConfig", "chunk_layers", "init_parameter_"]
 
@@ -37,6 +45,21 @@ def _check_positive_int(name: str, value: object) -> None:
     assert isinstance(value, int)
     if value < 1:
         raise ValueError(f"{name} must be a positive int (1 or more), got {value}")
+
+
+def _check_probability(name: str, value: object) -> None:
+    if not is_real(value):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    assert isinstance(value, (int, float))
+    if not 0 <= value < 1:
+        raise ValueError(f"{name} must be a probability in [0, 1), got {value}")
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    # No call at all for p == 0: the model without dropout stays exactly what it was.
+    if p == 0 or not training:
+        return x
+    return torch.nn.functional.dropout(x, p, training=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,14 +91,26 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     """Epsilon of every LayerNorm."""
 
+    hidden_dropout: float = 0.0
+    """Dropout probability on the embedding's output and on the attention's and the MLP's
+    output before each residual add (Megatron's ``--hidden-dropout``; 0: none)."""
+
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities (Megatron's ``--attention-dropout``;
+    0: none)."""
+
+    recompute: RecomputeConfig | None = None
+    """Which activations backward recomputes instead of keeping; None: none."""
+
     def __post_init__(self) -> None:
         """Checks that the sizes are positive ints and the heads split the hidden size.
 
         Raises:
-            TypeError: A size is not an int (bools are refused) or a float field is not a real
-                number.
+            TypeError: A size is not an int (bools are refused), a float field is not a real
+                number, or `recompute` is not a `RecomputeConfig`.
             ValueError: A size is below 1, ``hidden_size`` is not divisible by
-                ``num_attention_heads``, or a float field is not positive and finite.
+                ``num_attention_heads``, a float field is not positive and finite, or a
+                dropout probability is outside [0, 1).
         """
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             _check_positive_int(name, getattr(self, name))
@@ -88,6 +123,12 @@ class GPTConfig:
                 raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be positive and finite, got {value}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            _check_probability(name, getattr(self, name))
+        if self.recompute is not None and not isinstance(self.recompute, RecomputeConfig):
+            raise TypeError(
+                f"recompute must be a RecomputeConfig or None, got {type(self.recompute).__name__}"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden size {self.hidden_size} is not divisible by "
@@ -218,6 +259,24 @@ def init_parameter_(tensor: torch.Tensor, *, seed: int, name: str, std: float) -
         tensor.copy_(values)
 
 
+class _CoreAttention(torch.nn.Module):
+    """Softmax, dropout and weighted sum of causal attention (no parameters).
+
+    A module of its own, under Megatron's name ``core_attention``, so that selective recompute
+    (`pp_train.recompute.checkpoint_core_attention`) finds it.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.dropout = config.attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        return out
+
+
 class _SelfAttention(torch.nn.Module):
     """Causal multi-head self-attention on ``[seq, batch, hidden]`` activations."""
 
@@ -226,6 +285,7 @@ class _SelfAttention(torch.nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_size = config.head_size
         self.qkv = torch.nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.core_attention = _CoreAttention(config)
         self.proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,9 +296,7 @@ class _SelfAttention(torch.nn.Module):
         seq, batch, hidden = x.shape
         qkv: torch.Tensor = self.qkv(x)
         query, key, value = (self._heads(part) for part in torch.chunk(qkv, 3, dim=-1))
-        context = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True
-        )
+        context: torch.Tensor = self.core_attention(query, key, value)
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, hidden)
         out: torch.Tensor = self.proj(context)
         return out
@@ -265,10 +323,13 @@ class _TransformerLayer(torch.nn.Module):
         self.self_attention = _SelfAttention(config)
         self.post_attention_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = _MLP(config)
+        self.hidden_dropout = config.hidden_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x))
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        p, training = self.hidden_dropout, self.training
+        x = x + _dropout(self.self_attention(self.input_layernorm(x)), p, training)
+        mlp_out = self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + _dropout(mlp_out, p, training)
         return out
 
 
@@ -277,12 +338,13 @@ class _Embedding(torch.nn.Module):
         super().__init__()
         self.word_embeddings = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = torch.nn.Embedding(config.seq_length, config.hidden_size)
+        self.hidden_dropout = config.hidden_dropout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         embedded: torch.Tensor = self.word_embeddings(tokens) + self.position_embeddings(positions)
-        # Megatron's activations are sequence-first.
-        return embedded.transpose(0, 1).contiguous()
+        # Megatron's activations are sequence-first; its embedding dropout is the hidden one.
+        return _dropout(embedded.transpose(0, 1).contiguous(), self.hidden_dropout, self.training)
 
 
 # Output projections get the smaller std, as in Megatron's scaled_init_method_normal.
@@ -293,7 +355,9 @@ class GPTChunk(torch.nn.Module):
     """One virtual pipeline stage of the GPT model.
 
     Parameter names are local (``layers.0`` is this chunk's first layer); `layer_numbers`
-    and `global_named_parameters` give the global layer indices.
+    and `global_named_parameters` give the global layer indices. ``recompute`` is the
+    config's recompute setting for this chunk (`RecomputeConfig.for_chunk`), which `forward`
+    hands to `pp_train.recompute.run_layers`.
     """
 
     def __init__(
@@ -354,6 +418,7 @@ class GPTChunk(torch.nn.Module):
         self.to_empty(device="cpu")
         self._initialise(seed)
         self._mark_tied_output_weight()
+        self.recompute = _chunk_recompute(config.recompute, self.layers)
 
     def global_name(self, local_name: str) -> str:
         """The global name of a parameter: its layer index made global.
@@ -483,9 +548,7 @@ class GPTChunk(torch.nn.Module):
                 sequence longer than ``seq_length``.
             RuntimeError: A later stage was run before `set_input_tensor`.
         """
-        hidden = self._chunk_input(tokens)
-        for layer in self.layers:
-            hidden = layer(hidden)
+        hidden = run_layers(self.layers, self._chunk_input(tokens), self.recompute)
         if self.final_layernorm is None:
             return hidden
         hidden = self.final_layernorm(hidden)
@@ -498,6 +561,17 @@ class GPTChunk(torch.nn.Module):
             logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
         )
         return loss.view(labels.shape)
+
+
+def _chunk_recompute(
+    recompute: RecomputeConfig | None, layers: torch.nn.ModuleList
+) -> RecomputeConfig | None:
+    """What `run_layers` recomputes in a chunk; selective recompute wraps its attention now."""
+    if recompute is None:
+        return None
+    if recompute.granularity == "selective" and len(layers):
+        checkpoint_core_attention(layers)
+    return recompute.for_chunk(len(layers))
 
 
 def _check_chunk_arguments(config: GPTConfig, layers: range, seed: int) -> None:

@@ -1,0 +1,409 @@
+"""The run's memory in bytes: predicted per rank, and planned to fit ``--memory-limit-gb``.
+
+What a run holds follows from a few figures measured on one microbatch of each part of the
+model alone (`ModelFigures`: a transformer layer with each kind of recomputation, the
+embedding, the output layer and loss) and the run's settings: pp-schedules' `MemoryModel`
+adds the dtypes and the optimizer, and its simulator the activations each schedule holds over
+the step. The prediction is checked against the probe's measurement (see docs/memory.md).
+
+`fit_memory_limit` is ``--memory-limit-gb``: with ``--pipeline-schedule auto`` it considers
+every number of chunks per rank the layers allow, every recomputation (unless the flags fix
+one) and every schedule, and keeps the shortest simulated step whose peak fits on every rank;
+with a named schedule it checks that the run fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from pp_schedules import (
+    Choice,
+    Costs,
+    MemoryLimitError,
+    MemoryModel,
+    PlanOption,
+    Simulation,
+    StageCosts,
+    StageMemory,
+    choose_fitting,
+    format_bytes,
+    resolve_schedule,
+    schedule_spec,
+    schedules_for,
+    simulate,
+)
+from pp_state.numbers import divisors
+from pp_train.arguments import PretrainConfig
+from pp_train.layer_split import LayerSplit
+from pp_train.recompute import RecomputeConfig
+from pp_train.world import RunLayout
+
+__all__ = [
+    "MemoryPlanError",
+    "ModelFigures",
+    "PartFigures",
+    "fit_memory_limit",
+    "memory_model",
+    "plan_memory",
+    "predict_memory",
+    "recompute_label",
+    "stage_costs",
+    "stage_memory",
+    "with_memory_model",
+]
+
+_GIB = 1024**3
+
+
+class MemoryPlanError(ValueError):
+    """The run cannot be fitted to ``--memory-limit-gb``, or its parts cannot be measured.
+
+    Raised before training starts, by every rank alike; the message names the flag.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class PartFigures:
+    """One microbatch through one part of the model alone.
+
+    Attributes:
+        parameters: The part's parameters.
+        activation_bytes: Bytes its forward saves for backward (parameters excluded).
+        forward_ms: Its forward's time.
+        backward_ms: Its backward's time (recomputation included, for a recomputed layer).
+    """
+
+    parameters: int
+    activation_bytes: int
+    forward_ms: float = 1.0
+    backward_ms: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFigures:
+    """The parts a model's stages are made of, measured one microbatch at a time.
+
+    Attributes:
+        layer: A transformer layer without recomputation.
+        layer_full: The same layer checkpointed whole (full granularity): it keeps its input.
+        layer_selective: The layer with its core attention recomputed; None when the model
+            marks no core attention.
+        embedding: The embedding (the first stage's).
+        loss: The final layernorm, output layer and loss (the last stage's).
+        shared_parameters: Parameters the loss part holds as a copy of the embedding's (a
+            tied output layer): one stage holding both keeps them once.
+    """
+
+    layer: PartFigures
+    layer_full: PartFigures
+    layer_selective: PartFigures | None
+    embedding: PartFigures
+    loss: PartFigures
+    shared_parameters: int = 0
+
+
+def _layers_bytes(
+    figures: ModelFigures, layers: int, recompute: RecomputeConfig | None
+) -> tuple[int, int]:
+    """Bytes `layers` layers keep for backward, and the most a backward recomputes at once."""
+    full, kept = figures.layer.activation_bytes, figures.layer_full.activation_bytes
+    if recompute is None or layers == 0:
+        return layers * full, 0
+    if recompute.granularity == "selective":
+        assert figures.layer_selective is not None
+        selective = figures.layer_selective.activation_bytes
+        return layers * selective, max(full - selective, 0)
+    assert recompute.num_layers is not None
+    if recompute.method == "uniform":
+        group = min(recompute.num_layers, layers)
+        return math.ceil(layers / group) * kept, group * full
+    checkpointed = min(recompute.num_layers, layers)
+    return checkpointed * kept + (layers - checkpointed) * full, full if checkpointed else 0
+
+
+def stage_memory(
+    figures: ModelFigures,
+    layers: int,
+    *,
+    first: bool,
+    last: bool,
+    recompute: RecomputeConfig | None,
+) -> StageMemory:
+    """The bytes of a virtual stage of `layers` layers, with `recompute` applied to them.
+
+    The first stage also holds the embedding (`first`), the last the loss (`last`).
+    """
+    ends = [part for part, here in ((figures.embedding, first), (figures.loss, last)) if here]
+    kept, transient = _layers_bytes(figures, layers, recompute)
+    shared = figures.shared_parameters if first and last else 0
+    return StageMemory(
+        parameters=layers * figures.layer.parameters + sum(p.parameters for p in ends) - shared,
+        activation_bytes=kept + sum(p.activation_bytes for p in ends),
+        recompute_bytes=transient,
+    )
+
+
+def _layer_backward(figures: ModelFigures, layers: int, recompute: RecomputeConfig | None) -> float:
+    """The backward time of `layers` layers: recomputed ones take the recomputing figure."""
+    plain = figures.layer.backward_ms
+    if recompute is None:
+        return layers * plain
+    if recompute.granularity == "selective":
+        assert figures.layer_selective is not None
+        return layers * figures.layer_selective.backward_ms
+    recomputed = layers if recompute.method == "uniform" else min(recompute.num_layers or 0, layers)
+    return recomputed * figures.layer_full.backward_ms + (layers - recomputed) * plain
+
+
+def stage_costs(
+    figures: ModelFigures,
+    layers: int,
+    *,
+    first: bool,
+    last: bool,
+    recompute: RecomputeConfig | None,
+) -> Costs:
+    """The step times (ms) of such a stage.
+
+    A split backward recomputes a checkpointed forward in both halves (``I`` and ``W``, see
+    `pp_schedules.split_backward`), so each half is half the plain backward plus the whole
+    recomputation.
+    """
+    ends = [part for part, here in ((figures.embedding, first), (figures.loss, last)) if here]
+    forward = layers * figures.layer.forward_ms + sum(p.forward_ms for p in ends)
+    plain = layers * figures.layer.backward_ms + sum(p.backward_ms for p in ends)
+    backward = _layer_backward(figures, layers, recompute) + sum(p.backward_ms for p in ends)
+    extra = backward - plain
+    return Costs(
+        forward=max(forward, 1e-6),
+        backward=max(backward, 1e-6),
+        backward_input=max(plain / 2 + extra, 1e-6),
+        backward_weight=max(plain / 2 + extra, 1e-6),
+    )
+
+
+def memory_model(
+    config: PretrainConfig,
+    counts: Sequence[int],
+    figures: ModelFigures,
+    *,
+    data_parallel_size: int,
+    recompute: RecomputeConfig | None,
+) -> MemoryModel:
+    """The run's `MemoryModel`: one stage per layer count, its precision and optimizer."""
+    optimizer, last = config.optimizer, len(counts) - 1
+    half = "bf16" if optimizer.bf16 else "fp16" if optimizer.fp16 else "fp32"
+    stages = tuple(
+        stage_memory(figures, n, first=s == 0, last=s == last, recompute=recompute)
+        for s, n in enumerate(counts)
+    )
+    return MemoryModel(
+        stages=stages,
+        params_dtype=half,
+        grad_dtype="fp32" if config.ddp.grad_reduce_in_fp32 else half,
+        optimizer=optimizer.optimizer,
+        sgd_momentum=optimizer.sgd_momentum > 0,
+        data_parallel_size=data_parallel_size,
+    )
+
+
+def _stage_costs(
+    figures: ModelFigures, counts: Sequence[int], recompute: RecomputeConfig | None
+) -> StageCosts:
+    last = len(counts) - 1
+    return StageCosts.from_stages(
+        [
+            stage_costs(figures, n, first=s == 0, last=s == last, recompute=recompute)
+            for s, n in enumerate(counts)
+        ]
+    )
+
+
+def recompute_label(recompute: RecomputeConfig | None) -> str:
+    """How the planner's table names a recomputation."""
+    if recompute is None:
+        return "no recompute"
+    if recompute.granularity == "selective":
+        return "recompute selective"
+    return f"recompute full {recompute.method} {recompute.num_layers}"
+
+
+def _recompute_choices(
+    config: PretrainConfig, figures: ModelFigures, most_layers: int
+) -> list[RecomputeConfig | None]:
+    """The flags' recomputation when they set one; else none, selective and full ones."""
+    if config.model.recompute is not None:
+        return [config.model.recompute]
+    choices: list[RecomputeConfig | None] = [None]
+    if figures.layer_selective is not None:
+        choices.append(RecomputeConfig(granularity="selective"))
+    choices += [
+        RecomputeConfig(granularity="full", method="block", num_layers=n)
+        for n in range(1, most_layers)
+    ]
+    if most_layers:
+        choices.append(RecomputeConfig(granularity="full", method="uniform", num_layers=1))
+    return choices
+
+
+def _chunk_choices(config: PretrainConfig, layout: RunLayout) -> list[tuple[int, LayerSplit]]:
+    """The chunks per rank the planner may pick, with their even split of the layers.
+
+    With ``--pipeline-schedule auto`` and the even split of flags that fix no virtual
+    stages, every number of chunks that splits the layers evenly (at most 4 per rank);
+    otherwise the run's own.
+    """
+    parallel, layers = config.parallel, config.model.num_layers
+    pp = parallel.pipeline_model_parallel_size
+    own = [(layout.resolved.vp_size, layout.layer_split)]
+    if parallel.pipeline_schedule != "auto" or layout.layer_split.source != "even":
+        return own
+    if parallel.num_layers_per_virtual_pipeline_stage is not None or layers % pp:
+        return own
+    choices = []
+    for vp in (v for v in divisors(layers // pp) if v <= 4):
+        per = layers // (pp * vp)
+        choices.append((vp, LayerSplit((per,) * (pp * vp), "even")))
+    return choices
+
+
+def _options(
+    config: PretrainConfig, layout: RunLayout, figures: ModelFigures
+) -> dict[str, tuple[PlanOption, LayerSplit, RecomputeConfig | None]]:
+    """Every (chunks per rank, split, recomputation) the planner weighs, by label."""
+    named = layout.resolved.name if config.parallel.pipeline_schedule != "auto" else None
+    options = {}
+    for vp, split in _chunk_choices(config, layout):
+        for recompute in _recompute_choices(config, figures, max(split.counts)):
+            label = f"vp {vp}, {recompute_label(recompute)}"
+            model = memory_model(
+                config, split.counts, figures,
+                data_parallel_size=layout.data_parallel_size, recompute=recompute,
+            )  # fmt: skip
+            placement = None if named is None else schedule_spec(named).placement
+            option = PlanOption(label, vp, _stage_costs(figures, split.counts, recompute), model,
+                                placement)  # fmt: skip
+            options[label] = (option, split, recompute)
+    return options
+
+
+def fit_memory_limit(
+    layout: RunLayout, config: PretrainConfig, figures: ModelFigures
+) -> tuple[RunLayout, Choice | None]:
+    """``--memory-limit-gb``: the layout whose simulated step is shortest within the limit.
+
+    With ``--pipeline-schedule auto`` every option is weighed (`_options`). A named schedule
+    (or Megatron's default) that auto could pick runs on the run's own chunks and split,
+    with the recomputation that fits and is fastest (unless the flags set one). Any other
+    (one stage, a plan file) is checked as configured.
+
+    Returns:
+        The run's layout (the chosen schedule resolved for every microbatch count, its split,
+        recomputation and byte model), and the choice whose table the run prints (None when
+        the run was only checked).
+
+    Raises:
+        MemoryPlanError: Nothing fits; the message names the limit, the smallest peak, its
+            rank and what would fit.
+    """
+    limit_gb = config.parallel.memory_limit_gb
+    assert limit_gb is not None
+    resolved = layout.resolved
+    auto = config.parallel.pipeline_schedule == "auto"
+    runnable = {name for name, _ in schedules_for(resolved.vp_size)}
+    if not auto and resolved.name not in runnable:
+        return _check_limit(with_memory_model(layout, config, figures), limit_gb), None
+    options = _options(config, layout, figures)
+    try:
+        choice = choose_fitting(
+            [option for option, _, _ in options.values()],
+            pp_size=resolved.pp_size, num_microbatches=max(layout.microbatch_counts),
+            memory_limit_bytes=limit_gb * _GIB, names=None if auto else [resolved.name or ""],
+        )  # fmt: skip
+    except MemoryLimitError as error:
+        raise MemoryPlanError(f"--memory-limit-gb {limit_gb:g}: {error}") from error
+    assert choice.option is not None
+    option, split, recompute = options[choice.option.label]
+    if (choice.chosen.name, option.vp_size) != (resolved.name, resolved.vp_size):
+        resolved = resolve_schedule(
+            choice.chosen.name, pp_size=resolved.pp_size, vp_size=option.vp_size,
+            microbatch_counts=resolved.microbatch_counts,
+            include_forward_only=resolved.include_forward_only,
+            transport=resolved.transport, prefetch=resolved.prefetch,
+        )  # fmt: skip
+    if auto:
+        resolved = dataclasses.replace(resolved, choice=choice)
+    fitted = dataclasses.replace(
+        layout, resolved=resolved, layer_split=split, recompute=recompute, memory=option.memory
+    )
+    return fitted, choice
+
+
+def _check_limit(layout: RunLayout, limit_gb: float) -> RunLayout:
+    """`layout` when its predicted peak fits on every rank.
+
+    Raises:
+        MemoryPlanError: A rank's predicted peak is over the limit; the message names it.
+    """
+    simulation = predict_memory(layout, max(layout.microbatch_counts))
+    assert simulation is not None
+    peaks = simulation.peak_memory
+    worst = peaks.index(max(peaks))
+    if peaks[worst] > limit_gb * _GIB:
+        raise MemoryPlanError(
+            f"--memory-limit-gb {limit_gb:g}: rank {worst} is predicted to need "
+            f"{format_bytes(peaks[worst])}; recompute activations (--recompute-granularity "
+            "full), use a smaller --micro-batch-size or more pipeline stages"
+        )
+    return layout
+
+
+def plan_memory(
+    layout: RunLayout, config: PretrainConfig, measure: Callable[[], ModelFigures] | None
+) -> tuple[RunLayout, Choice | None]:
+    """The run's layout with its byte model, fitted to ``--memory-limit-gb`` when given.
+
+    Args:
+        layout: The checked layout (``auto`` already chosen).
+        config: The run's configuration.
+        measure: Measures the model's parts (the command's warm-up); None: no byte model.
+
+    Returns:
+        The layout, and the planner's choice when ``--memory-limit-gb`` had one to make.
+
+    Raises:
+        MemoryPlanError: ``--memory-limit-gb`` without a way to measure the model, nothing
+            fits, or the measurement failed.
+    """
+    if measure is None:
+        if config.parallel.memory_limit_gb is not None:
+            raise MemoryPlanError(
+                "--memory-limit-gb needs the model's activation bytes, measured on one "
+                "microbatch: pass measure_memory to pretrain (the pp-train command does)"
+            )
+        return layout, None
+    figures = measure()
+    if config.parallel.memory_limit_gb is None:
+        return with_memory_model(layout, config, figures), None
+    return fit_memory_limit(layout, config, figures)
+
+
+def with_memory_model(
+    layout: RunLayout, config: PretrainConfig, figures: ModelFigures
+) -> RunLayout:
+    """`layout` with its byte model (for the memory report's prediction), as configured."""
+    model = memory_model(
+        config, layout.layer_counts, figures,
+        data_parallel_size=layout.data_parallel_size, recompute=layout.recompute,
+    )  # fmt: skip
+    return dataclasses.replace(layout, memory=model)
+
+
+def predict_memory(layout: RunLayout, num_microbatches: int) -> Simulation | None:
+    """The simulated step of `layout` with its byte model; None without one."""
+    if layout.memory is None:
+        return None
+    report = layout.resolved.report(num_microbatches, forward_only=False)
+    return simulate(report, memory=layout.memory)

@@ -1,0 +1,148 @@
+"""The run's byte model from measured parts, and --memory-limit-gb's planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from pp_schedules import MemoryProbe
+from pp_train.app.auto_schedule import model_figures
+from pp_train.app.gpt import GPTChunk, GPTConfig
+from pp_train.arguments import ModelArgs, ParallelArgs, PretrainConfig, TrainingArgs
+from pp_train.memory_plan import (
+    ModelFigures,
+    PartFigures,
+    fit_memory_limit,
+    memory_model,
+    plan_memory,
+    stage_costs,
+    stage_memory,
+)
+from pp_train.recompute import RecomputeConfig
+from pp_train.world import check_world
+
+FIGURES = ModelFigures(
+    layer=PartFigures(100, 1000, 1.0, 2.0),
+    layer_full=PartFigures(100, 50, 1.0, 3.0),
+    layer_selective=PartFigures(100, 600, 1.0, 2.5),
+    embedding=PartFigures(30, 10, 0.5, 0.5),
+    loss=PartFigures(20, 300, 0.5, 1.0),
+)
+
+
+@pytest.mark.parametrize(
+    ("recompute", "kept", "transient"),
+    [
+        (None, 4 * 1000, 0),
+        (RecomputeConfig(granularity="selective"), 4 * 600, 400),
+        (RecomputeConfig(granularity="full", method="uniform", num_layers=1), 4 * 50, 1000),
+        (RecomputeConfig(granularity="full", method="uniform", num_layers=3), 2 * 50, 3 * 1000),
+        (RecomputeConfig(granularity="full", method="block", num_layers=1), 50 + 3 * 1000, 1000),
+        (RecomputeConfig(granularity="full", method="block", num_layers=4), 4 * 50, 1000),
+    ],
+)
+def test_a_stage_keeps_what_its_recomputation_leaves(
+    recompute: RecomputeConfig | None, kept: int, transient: int
+) -> None:
+    middle = stage_memory(FIGURES, 4, first=False, last=False, recompute=recompute)
+    assert (middle.parameters, middle.activation_bytes) == (400, kept)
+    assert middle.recompute_bytes == transient
+    first = stage_memory(FIGURES, 4, first=True, last=True, recompute=recompute)
+    assert (first.parameters, first.activation_bytes) == (450, kept + 310)
+
+
+def test_recomputation_is_paid_in_both_halves_of_a_split_backward() -> None:
+    plain = stage_costs(FIGURES, 2, first=False, last=False, recompute=None)
+    full = RecomputeConfig(granularity="full", method="uniform", num_layers=1)
+    costs = stage_costs(FIGURES, 2, first=False, last=False, recompute=full)
+    assert (plain.forward, plain.backward) == (2.0, 4.0)
+    assert costs.backward == 6.0  # 2 layers x 3 ms (backward and recomputed forward)
+    assert costs.of("I") == costs.of("W") == plain.backward / 2 + 2.0
+
+
+def _config(**parallel: object) -> PretrainConfig:
+    return PretrainConfig(
+        parallel=ParallelArgs(pipeline_model_parallel_size=2, **parallel),  # type: ignore[arg-type]
+        model=ModelArgs(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=64),
+        training=TrainingArgs(micro_batch_size=2, global_batch_size=16, train_iters=2),
+    )
+
+
+def test_the_memory_model_takes_the_runs_precision_and_optimizer() -> None:
+    config = _config()
+    model = memory_model(config, (4, 4), FIGURES, data_parallel_size=1, recompute=None)
+    assert (model.params_dtype, model.optimizer) == ("fp32", "adam")
+    half = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, bf16=True))
+    assert memory_model(
+        half, (4, 4), FIGURES, data_parallel_size=1, recompute=None
+    ).params_dtype == ("bf16")
+
+
+def test_the_planner_takes_recomputation_only_when_the_limit_needs_it() -> None:
+    gib = 1024**3
+    roomy = _config(pipeline_schedule="auto", memory_limit_gb=1.0)
+    layout, choice = fit_memory_limit(check_world(roomy, 2), roomy, FIGURES)
+    assert layout.recompute is None
+    assert choice is not None
+    assert layout.memory is not None
+    # 1F1B's rank 0 with 4 layers per stage holds 2 microbatches of ~4 KB: a limit just above
+    # the static bytes leaves room only for recomputed layers.
+    static = layout.memory.rank_static(layout.placement, 0).total
+    tight = _config(pipeline_schedule="auto", memory_limit_gb=(static + 2000) / gib)
+    fitted, choice = fit_memory_limit(check_world(tight, 2), tight, FIGURES)
+    assert fitted.recompute is not None
+    assert fitted.recompute.granularity == "full"
+    assert choice is not None
+    assert "fits" in choice.table()
+    too_small = _config(pipeline_schedule="auto", memory_limit_gb=static / 2 / gib)
+    with pytest.raises(ValueError, match=r"--memory-limit-gb .*smallest peak is .* on rank"):
+        fit_memory_limit(check_world(too_small, 2), too_small, FIGURES)
+
+
+def test_a_named_schedule_keeps_its_chunks_and_is_only_fitted() -> None:
+    config = _config(pipeline_schedule="1f1b", memory_limit_gb=1.0)
+    layout, choice = fit_memory_limit(check_world(config, 2), config, FIGURES)
+    assert layout.schedule == "1f1b"
+    assert layout.resolved.vp_size == 1
+    assert choice is not None
+    assert {c.name for c in choice.candidates} == {"1f1b"}
+
+
+@pytest.mark.reliability
+def test_a_limit_without_a_way_to_measure_is_refused() -> None:
+    config = _config(memory_limit_gb=1.0)
+    with pytest.raises(ValueError, match="--memory-limit-gb needs the model's activation bytes"):
+        plan_memory(check_world(config, 2), config, None)
+
+
+@pytest.mark.reliability
+def test_a_part_that_saves_nothing_cannot_be_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+    monkeypatch.setattr(MemoryProbe, "saved_by", lambda self, fn: 0)
+    with pytest.raises(ValueError, match=r"failed on its layer .*saved nothing for backward"):
+        model_figures(shape, micro_batch_size=1, seed=0, rounds=1)
+
+
+def test_measured_parts_add_up_to_a_chunk() -> None:
+    """A chunk's saved bytes are the sum of its parts' (what the byte model assumes)."""
+    torch.manual_seed(0)
+    shape = GPTConfig(
+        num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+        hidden_dropout=0.1, attention_dropout=0.1,
+    )  # fmt: skip
+    figures = model_figures(shape, micro_batch_size=2, seed=0, rounds=1)
+    tokens = torch.randint(shape.vocab_size, (2, shape.seq_length))
+    for recompute in (None, RecomputeConfig(granularity="full", method="uniform", num_layers=1)):
+        chunk = GPTChunk(
+            dataclasses.replace(shape, recompute=recompute), layers=range(3),
+            pre_process=True, post_process=True, seed=0,
+        )  # fmt: skip
+        probe = MemoryProbe(static=chunk.parameters)
+        labels = tokens.roll(-1, dims=1)  # a storage of its own, as in a training step
+        saved = probe.saved_by(functools.partial(chunk, tokens, labels))
+        predicted = stage_memory(figures, 3, first=True, last=True, recompute=recompute)
+        assert saved == predicted.activation_bytes, recompute
+        assert sum(p.numel() for p in chunk.parameters()) == predicted.parameters
