@@ -1,0 +1,344 @@
+r"""Memory as a number: predicted against measured bytes, recomputation, torch's pipelining.
+
+Four ranks over gloo; every table is measured in one run, on the bundled GPT with hidden and
+attention dropout 0.1, Adam in fp32. pp 2 runs as pp 2 x dp 2 on the four ranks, pp 4 alone.
+Bytes are what pp-schedules' `MemoryProbe` counts: distinct storages of parameters, gradient
+buffers and optimizer state (static), and of tensors autograd saved for backward (saved).
+
+1. **Predicted against measured** (goal: predicted / measured in 0.95 .. 1.05 on every row).
+   pp 2 and pp 4, schedules 1f1b, interleaved_1f1b (vp 2), zb_h1 and zbv (vp 2), each with no
+   recomputation, selective, and full uniform 1; 8 microbatches of 2 sequences. Predicted:
+   `pp_train.app.auto_schedule.model_figures` measures each part of the GPT alone on one
+   microbatch (a layer with each recomputation, the embedding, the loss), `memory_plan`'s
+   `memory_model` turns them into the run's byte model and pp-schedules' simulator follows the
+   plan's steps to each rank's peak. Measured: pp-train's real training step (GPT chunks,
+   DDP, Megatron optimizer, pp-schedules' executor, `train_step`): one step first, so that
+   the optimizer state exists, then two steps with the probe on the executor; the most of
+   static + peak saved bytes over its samples (one after each compute step).
+   The documented limit: on CPU the probe does not see the tensors torch's checkpoint
+   recomputes during backward (they live under the checkpoint's own saved-tensor hooks). A
+   recomputing backward holds one segment's saved tensors on top for a moment, which the
+   simulator counts in `MemoryTrack.during`; where that transient sets the predicted peak the
+   row says so and gives the ratio both with it (`peak`) and without it (`max(after)`, what
+   the probe can see), and the goal is judged on the one without.
+2. **Recomputation** (goals: full recompute cuts activation bytes by >= 70% at <= 1.4x step
+   time; selective measured and reported). pp 2 x dp 2, 1f1b, 8 microbatches, a GPT of 8
+   layers, hidden 128, sequence 128 (compute dominates, a step takes about a second). Peak
+   saved bytes (the probe's, largest rank) over one step of each, and step time: steps
+   alternate A B B A between no recomputation (A) and the mode (B); medians. Selective
+   recompute checkpoints only the core attention (softmax, dropout and the weighted sum). What
+   it saves depends on the attention kernel: without dropout, PyTorch's fused CPU
+   scaled-dot-product attention (flash) saves only its inputs, output and log-sum-exp, no
+   seq x seq scores, so selective would save next to nothing; with attention dropout SDPA
+   takes the math path, which saves the attention probabilities, the dropout mask (fp32) and
+   the dropped-out probabilities (batch x heads x seq x seq each): those are what selective
+   recomputes instead of keeping.
+   The heading line gives one layer's forward and backward timed alone, which bound the time
+   ratio: full recompute adds a layer's forward to its backward. On a GPU a backward costs
+   about two forwards (+33%); on this CPU with dropout a forward costs about as much as a
+   backward (drawing the dropout masks, ``bernoulli_``, is a fifth of a layer's time, and the
+   masking, softmax and GELU are forward work as well), so full recompute adds about half a
+   layer's step, and the 1.4x goal is out of reach here.
+3. **Ours against torch.distributed.pipelining** (goal: ours / torch <= 1.00). One GPT chunk
+   per rank, the same chunk, the same microbatches and the same loss (cross-entropy on the
+   last stage's logits) under this package's executor and under torch's `PipelineStage` with
+   `Schedule1F1B` or `ScheduleGPipe`, at pp 4 and pp 2 (x dp 2), in the same processes; the
+   same probe (saved-tensor hooks around each executor's step, static bytes left out): the
+   peak saved bytes per rank. One warm-up step each first (torch infers shapes there), then
+   ours and torch's in turn.
+
+Prints the load average at the start and the end; ``--json`` prints one JSON record per row
+instead of the tables. ``--tables 1,3`` runs some of them.
+
+    torchrun --standalone --nproc-per-node 4 packages/pp-train/benchmarks/memory_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import _memory_runs as runs
+import torch
+import torch.distributed as dist
+
+from pp_schedules import MemoryTrack, simulate
+from pp_train import RecomputeConfig
+from pp_train.app import GPTConfig
+from pp_train.app.auto_schedule import model_figures
+from pp_train.memory_plan import ModelFigures, memory_model
+
+GPT = GPTConfig(
+    num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=64,
+    hidden_dropout=0.1, attention_dropout=0.1,
+)  # fmt: skip
+"""Tables 1 and 3: small enough that 24 configurations train in about a minute."""
+BIG_GPT = dataclasses.replace(GPT, hidden_size=128, num_attention_heads=8, seq_length=128)
+"""Table 2: compute dominates the step."""
+RECOMPUTE: dict[str, RecomputeConfig | None] = {
+    "none": None,
+    "selective": RecomputeConfig(granularity="selective"),
+    "full uniform 1": RecomputeConfig(granularity="full", method="uniform", num_layers=1),
+}
+ACCURACY = (0.95, 1.05)
+FULL_BYTES, FULL_TIME = 0.30, 1.40
+
+
+def schedules(pp: int) -> list[runs.Setup]:
+    """Table 1's schedules at `pp` stages."""
+    return [
+        runs.Setup(pp, "1f1b"),
+        runs.Setup(pp, "interleaved_1f1b", vp=2),
+        runs.Setup(pp, "zb_h1"),
+        runs.Setup(pp, "zbv", vp=2, placement="v"),
+    ]
+
+
+def gathered(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's record, in rank order (every rank gets them)."""
+    records: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    return records
+
+
+# ------------------------------------------------------------------- 1: predicted vs measured
+def predicted_track(training: runs.Training, figures: ModelFigures) -> MemoryTrack:
+    """This rank's simulated `MemoryTrack` for the configuration training runs."""
+    setup, recompute = training.setup, training.gpt.recompute
+    model = memory_model(
+        runs.PRETRAIN, setup.layer_counts(GPT.num_layers), figures,
+        data_parallel_size=training.data_parallel_size, recompute=recompute,
+    )  # fmt: skip
+    report = training.executor.plan_for(setup.microbatches, False)[1]
+    simulation = simulate(report, memory=model)
+    assert simulation.memory is not None
+    return simulation.memory[training.state.pipeline_model_parallel_rank]
+
+
+def accuracy_record(setup: runs.Setup, mode: str, figures: ModelFigures) -> dict[str, Any]:
+    """One rank's predicted and measured peak for one configuration."""
+    training = runs.Training(setup, dataclasses.replace(GPT, recompute=RECOMPUTE[mode]))
+    training.step()  # Adam's moments exist from the first optimizer step on
+    probe = training.probed_steps(2)
+    peak = max(probe.samples, key=lambda s: s.peak_total_bytes)
+    track = predicted_track(training, figures)
+    without = max(track.after)
+    record: dict[str, Any] = {
+        "benchmark": "memory_bench", "table": "predicted_vs_measured",
+        "configuration": f"{setup.label} {mode}", "rank": dist.get_rank(),
+        "stage": training.state.pipeline_model_parallel_rank, "microbatches": setup.microbatches,
+        "predicted_bytes": track.peak, "predicted_without_transient_bytes": without,
+        "measured_bytes": peak.peak_total_bytes, "predicted_static_bytes": track.static.total,
+        "measured_static_bytes": peak.static_bytes, "measured_peak_step": peak.label,
+        "transient_sets_peak": track.peak > without,
+    }  # fmt: skip
+    record["ratio"] = track.peak / peak.peak_total_bytes
+    record["ratio_without_transient"] = without / peak.peak_total_bytes
+    judged = record["ratio_without_transient"]
+    record["passed"] = ACCURACY[0] <= judged <= ACCURACY[1]
+    return record
+
+
+def accuracy_records(emit: Callable[[dict[str, Any]], None]) -> None:
+    """Table 1, every configuration; rank 0 emits the rows."""
+    figures = model_figures(GPT, micro_batch_size=2, seed=runs.SEED, rounds=1)
+    for pp in (2, 4):
+        for setup in schedules(pp):
+            for mode in RECOMPUTE:
+                for record in gathered(accuracy_record(setup, mode, figures)):
+                    emit(record)
+
+
+ACCURACY_COLUMNS = (
+    runs.Column("configuration", -40, runs.text("configuration")),
+    runs.Column("stage", 5, runs.text("stage")),
+    runs.Column("rank", 4, runs.text("rank")),
+    runs.Column("predicted MB", 12, runs.megabytes("predicted_bytes")),
+    runs.Column("measured MB", 11, runs.megabytes("measured_bytes")),
+    runs.Column("ratio", 6, runs.fixed("ratio", 3)),
+    runs.Column("w/o transient MB", 16, runs.megabytes("predicted_without_transient_bytes")),
+    runs.Column("ratio", 6, runs.fixed("ratio_without_transient", 3)),
+    runs.Column("pass", -4, runs.verdict),
+)
+
+
+def accuracy_line(record: dict[str, Any]) -> str:
+    """One row of table 1; a predicted peak set by the recompute transient is marked."""
+    line = runs.row(ACCURACY_COLUMNS, record)
+    if record["transient_sets_peak"]:
+        line += " peak set by the recompute transient (unseen by the CPU probe)"
+    return line
+
+
+# ------------------------------------------------------------------------- 2: recomputation
+def recompute_record(plain: runs.Training, saved: int, mode: str, rounds: int) -> dict[str, Any]:
+    """Peak saved bytes and median step time of `mode` beside no recomputation (all ranks).
+
+    `plain` is warmed up already; `saved` its peak saved bytes over one step on this rank.
+    """
+    shape = dataclasses.replace(plain.gpt, recompute=RECOMPUTE[mode])
+    other = runs.Training(plain.setup, shape)
+    other.step()
+    seconds = runs.alternate(plain.step, other.step, rounds)
+    everyone = gathered({"saved": (saved, other.probed_steps(1).peak_saved_bytes)})
+    none_bytes = max(r["saved"][0] for r in everyone)
+    mode_bytes = max(r["saved"][1] for r in everyone)
+    record = {
+        "benchmark": "memory_bench", "table": "recomputation",
+        "mode": f"{mode}, dropout {shape.hidden_dropout:g}",
+        "configuration": plain.setup.label, "microbatches": plain.setup.microbatches,
+        "none_bytes": none_bytes, "mode_bytes": mode_bytes,
+        "none_bytes_per_rank": [r["saved"][0] for r in everyone],
+        "mode_bytes_per_rank": [r["saved"][1] for r in everyone],
+        "none_ms": seconds[0] * 1e3, "mode_ms": seconds[1] * 1e3, "rounds": rounds,
+        "bytes_ratio": mode_bytes / none_bytes, "time_ratio": seconds[1] / seconds[0],
+    }  # fmt: skip
+    if mode.startswith("full"):
+        record["goal"] = f"bytes <= {FULL_BYTES:.2f}x at time <= {FULL_TIME:.2f}x"
+        record["passed"] = record["bytes_ratio"] <= FULL_BYTES and record["time_ratio"] <= FULL_TIME
+    else:
+        record["goal"], record["passed"] = "measured and reported", True
+    return record
+
+
+def layer_times(shape: GPTConfig) -> str:
+    """One layer of table 2's GPT alone: forward, and backward with each recomputation."""
+    figures = model_figures(shape, micro_batch_size=2, seed=runs.SEED, rounds=10)
+    selective = figures.layer_selective
+    assert selective is not None
+    return (
+        f"dropout {shape.hidden_dropout:g}, one layer alone (slowest rank): F "
+        f"{figures.layer.forward_ms:.1f} ms, B "
+        f"{figures.layer.backward_ms:.1f} ms; B with selective recompute "
+        f"{selective.backward_ms:.1f} ms, with full {figures.layer_full.backward_ms:.1f} ms"
+    )
+
+
+def recompute_records(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> None:
+    """Table 2: selective and full uniform 1 against none; rank 0 emits the rows.
+
+    With dropout (a forward costs about a backward on this CPU) and without (matrix products
+    dominate: a backward costs about two forwards, as the 1.4x goal assumes).
+    """
+    for dropout in (0.1, 0.0):
+        shape = dataclasses.replace(BIG_GPT, hidden_dropout=dropout, attention_dropout=dropout)
+        title(args, layer_times(shape))  # every rank: the times are all-reduced
+    title(args, runs.header(RECOMPUTE_COLUMNS))
+    for dropout in (0.1, 0.0):
+        shape = dataclasses.replace(BIG_GPT, hidden_dropout=dropout, attention_dropout=dropout)
+        plain = runs.Training(runs.Setup(2, "1f1b"), shape)
+        plain.step()
+        saved = plain.probed_steps(1).peak_saved_bytes
+        for mode in ("selective", "full uniform 1"):
+            emit(recompute_record(plain, saved, mode, args.rounds))
+
+
+RECOMPUTE_COLUMNS = (
+    runs.Column("mode", -29, runs.text("mode")),
+    runs.Column("none MB", 8, runs.megabytes("none_bytes", 2)),
+    runs.Column("mode MB", 8, runs.megabytes("mode_bytes", 2)),
+    runs.Column("bytes ratio", 11, runs.fixed("bytes_ratio", 3)),
+    runs.Column("none ms", 8, runs.fixed("none_ms", 1)),
+    runs.Column("mode ms", 8, runs.fixed("mode_ms", 1)),
+    runs.Column("time ratio", 10, runs.fixed("time_ratio", 3)),
+    runs.Column("goal", -33, runs.text("goal")),
+    runs.Column("pass", -4, runs.verdict),
+)
+
+
+# ---------------------------------------------------------------------- 3: ours against torch
+def torch_records(emit: Callable[[dict[str, Any]], None]) -> None:
+    """Table 3: peak saved bytes per rank, ours and torch's; rank 0 emits the rows."""
+    for pp in (4, 2):
+        for name in ("1f1b", "gpipe"):
+            pair = runs.PipelinePair(runs.Setup(pp, name), GPT)
+            pair.torch_step()  # torch infers the shapes in its first step
+            pair.ours_step()
+            ours = pair.peak_saved(pair.ours_step)
+            theirs = pair.peak_saved(pair.torch_step)
+            pair.close()
+            record = {
+                "benchmark": "memory_bench", "table": "ours_vs_torch",
+                "configuration": f"{pair.setup.label} m{pair.setup.microbatches}",
+                "torch_schedule": runs.TORCH_SCHEDULES[name].__name__,
+                "rank": dist.get_rank(), "stage": pair.stage, "ours_bytes": ours,
+                "torch_bytes": theirs, "ratio": ours / theirs, "passed": ours <= theirs,
+            }  # fmt: skip
+            for row in gathered(record):
+                emit(row)
+
+
+TORCH_COLUMNS = (
+    runs.Column("configuration", -20, runs.text("configuration")),
+    runs.Column("stage", 5, runs.text("stage")),
+    runs.Column("rank", 4, runs.text("rank")),
+    runs.Column("ours MB", 8, runs.megabytes("ours_bytes")),
+    runs.Column("torch MB", 8, runs.megabytes("torch_bytes")),
+    runs.Column("ours/torch", 10, runs.fixed("ratio", 3)),
+    runs.Column("pass", -4, runs.verdict),
+)
+
+
+# ---------------------------------------------------------------------------------- main
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages."""
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def printer(args: argparse.Namespace, line: Callable[[dict[str, Any]], str]) -> Any:
+    """Rank 0 prints each record as a table row (or a JSON line); other ranks nothing."""
+
+    def emit(record: dict[str, Any]) -> None:
+        if dist.get_rank() == 0:
+            print(json.dumps(record) if args.json else line(record), flush=True)
+
+    return emit
+
+
+def title(args: argparse.Namespace, text: str) -> None:
+    """A line above or below the rows (rank 0, tables only)."""
+    if dist.get_rank() == 0 and not args.json:
+        print(text, flush=True)
+
+
+def main() -> None:
+    """The tables asked for, in order; the load average before and after."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tables", default="1,2,3", help="comma-separated: 1, 2, 3")
+    parser.add_argument("--rounds", type=int, default=8, help="table 2's A B B A rounds")
+    parser.add_argument("--json", action="store_true", help="print JSON lines, not tables")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    torch.set_num_threads(1)
+    torch.manual_seed(1000 + dist.get_rank())
+    tables = {int(t) for t in args.tables.split(",")}
+    title(args, f"memory_bench on {dist.get_world_size()} ranks; load average {load_average()}")
+    if 1 in tables:
+        title(
+            args,
+            "\n1. predicted against measured peak bytes per rank (goal: ratio 0.95-1.05, "
+            "judged without the recompute transient the CPU probe cannot see)",
+        )
+        title(args, runs.header(ACCURACY_COLUMNS))
+        accuracy_records(printer(args, accuracy_line))
+    if 2 in tables:
+        title(
+            args, "\n2. recomputation at pp2 x dp2, 1f1b, m 8 (GPT 8 layers, hidden 128, seq 128)"
+        )
+        recompute_records(args, printer(args, functools.partial(runs.row, RECOMPUTE_COLUMNS)))
+    if 3 in tables:
+        title(args, "\n3. peak saved activation bytes, ours against torch.distributed.pipelining")
+        title(args, runs.header(TORCH_COLUMNS))
+        torch_records(printer(args, functools.partial(runs.row, TORCH_COLUMNS)))
+    title(args, f"\nload average at the end {load_average()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
