@@ -55,3 +55,13 @@ def test_the_predicted_peak_is_within_5_percent_of_the_measured_one(pp: int, sch
     assert sorted(found) == list(range(pp)), printed  # every rank of the one replica prints
     for rank, (measured, predicted) in found.items():
         assert predicted / measured == pytest.approx(1.0, abs=0.05), (rank, measured, predicted)
+
+
+def test_a_bf16_run_is_predicted_in_its_own_dtype() -> None:
+    """bf16 halves most activations (and fp32 main copies join the optimizer state)."""
+    argv = [*FLAGS, "--pipeline-model-parallel-size", "2", "--bf16"]
+    printed = run_distributed(_launch, 2, argv, timeout=180)
+    found = {int(m[1]): (float(m[2]), float(m[3])) for m in LINE.finditer("".join(printed))}
+    assert sorted(found) == [0, 1], printed
+    for rank, (measured, predicted) in found.items():
+        assert predicted / measured == pytest.approx(1.0, abs=0.05), (rank, measured, predicted)

@@ -132,9 +132,9 @@ def layout_costs(
 
 def _step(part: GPTChunk, tokens: torch.Tensor, *, pre: bool, post: bool) -> tuple[float, float]:
     """Milliseconds of one forward and one backward through `part`."""
-    config = part.config
-    given = torch.randn(config.seq_length, tokens.shape[0], config.hidden_size, requires_grad=True)
-    part.set_input_tensor([None if pre else given])
+    config, dtype = part.config, next(part.parameters()).dtype
+    given = torch.randn(config.seq_length, tokens.shape[0], config.hidden_size, dtype=dtype)
+    part.set_input_tensor([None if pre else given.requires_grad_()])
     start = time.perf_counter()
     output = part(tokens if pre else None, tokens if post else None)
     forward = time.perf_counter()
@@ -150,12 +150,19 @@ _SELECTIVE = RecomputeConfig(granularity="selective")
 
 
 def model_figures(
-    config: GPTConfig, *, micro_batch_size: int, seed: int, rounds: int = 5
+    config: GPTConfig,
+    *,
+    micro_batch_size: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    rounds: int = 5,
 ) -> ModelFigures:
     """Each part of the GPT alone, one microbatch: parameters, saved bytes and times.
 
-    The parts are built in training mode (dropout masks count, as in a training step); times
-    are medians of `rounds` rounds after one untimed, the slowest rank's.
+    The parts are built in training mode (dropout masks count, as in a training step) in the
+    run's parameter `dtype` (bf16 or fp16 halves what most activations take, as
+    `Float16Module` runs them); times are medians of `rounds` rounds after one untimed, the
+    slowest rank's.
 
     Raises:
         MemoryPlanError: A part cannot be built or run, or its forward saves nothing for
@@ -173,7 +180,7 @@ def model_figures(
     for name, (shape, pre, post, layers) in parts.items():
         try:
             part = GPTChunk(shape, layers=range(layers), pre_process=pre, post_process=post,
-                            seed=seed)  # fmt: skip
+                            seed=seed).to(dtype)  # fmt: skip
             built[name] = (part, _saved_bytes(part, tokens))
         except (RuntimeError, ValueError) as error:
             raise MemoryPlanError(
@@ -203,7 +210,8 @@ def _saved_bytes(part: GPTChunk, tokens: torch.Tensor) -> int:
         ValueError: It saved nothing.
     """
     config, pre, post = part.config, part.pre_process, part.post_process
-    given = torch.randn(config.seq_length, tokens.shape[0], config.hidden_size)
+    dtype = next(part.parameters()).dtype
+    given = torch.randn(config.seq_length, tokens.shape[0], config.hidden_size, dtype=dtype)
     part.set_input_tensor([None if pre else given.requires_grad_()])
     probe = MemoryProbe(static=part.parameters)
     saved = probe.saved_by(lambda: part(tokens if pre else None, tokens if post else None))

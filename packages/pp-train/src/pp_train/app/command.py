@@ -245,7 +245,12 @@ def run(args: argparse.Namespace) -> str:
         return layout_costs(gpt, micro_batch_size=config.training.micro_batch_size, seed=seed)
 
     def measure_memory() -> ModelFigures:
-        return model_figures(gpt, micro_batch_size=config.training.micro_batch_size, seed=seed)
+        half = config.optimizer.bf16 or config.optimizer.fp16
+        dtype = (torch.bfloat16 if config.optimizer.bf16 else torch.float16) if half else None
+        return model_figures(
+            gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
+            dtype=dtype or torch.float32,
+        )  # fmt: skip
 
     return pretrain(
         datasets_provider, model_provider, gpt_forward_step, config=config,
