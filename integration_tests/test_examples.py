@@ -101,3 +101,14 @@ def test_pretrain_example_is_short() -> None:
         if text.strip() and not text.strip().startswith("#") and number not in docstrings
     ]
     assert len(code) < 40, len(code)
+
+
+def test_memory_picture_example_draws_what_the_docs_show(
+    torchrun: Torchrun, tmp_path: Path
+) -> None:
+    """The pictures in docs/memory.md are this script's output, and still agree with it."""
+    done = torchrun(EXAMPLES / "memory_picture.py", 2, "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("within 5% after every step: True") == 4, done.stdout
+    for name in ("memory-1f1b-pp2.svg", "memory-zb-h1-pp2.svg"):
+        assert (tmp_path / name).read_text() == (ROOT / "docs" / "images" / name).read_text()

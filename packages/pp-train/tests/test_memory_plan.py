@@ -146,3 +146,20 @@ def test_measured_parts_add_up_to_a_chunk() -> None:
         predicted = stage_memory(figures, 3, first=True, last=True, recompute=recompute)
         assert saved == predicted.activation_bytes, recompute
         assert sum(p.numel() for p in chunk.parameters()) == predicted.parameters
+
+
+def test_the_parts_are_measured_alike_whatever_the_run_recomputes() -> None:
+    """The plain layer, embedding and loss figures do not take the run's recomputation."""
+    shape = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+    full = RecomputeConfig(granularity="full", method="uniform", num_layers=1)
+    plain = model_figures(shape, micro_batch_size=1, seed=0, rounds=1)
+    recomputing = model_figures(
+        dataclasses.replace(shape, recompute=full), micro_batch_size=1, seed=0, rounds=1
+    )
+    for part in ("layer", "layer_full", "embedding", "loss"):
+        mine, theirs = getattr(plain, part), getattr(recomputing, part)
+        assert (mine.parameters, mine.activation_bytes) == (
+            theirs.parameters,
+            theirs.activation_bytes,
+        )
+    assert plain.layer.activation_bytes > plain.layer_full.activation_bytes

@@ -371,6 +371,6 @@ def _hint(static: int | None, over: float, limit: float = 0.0) -> str:
             "there: use more pipeline stages (or shard the optimizer state)"
         )
     return (
-        f"{format_bytes(over)} too much: recompute activations (--recompute-granularity "
-        "full), a smaller --micro-batch-size, or more pipeline stages"
+        f"{format_bytes(over)} too much: recompute (more) activations, use a smaller "
+        "microbatch, or more pipeline stages"
     )

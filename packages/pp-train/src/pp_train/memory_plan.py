@@ -323,7 +323,9 @@ def fit_memory_limit(
             memory_limit_bytes=limit_gb * _GIB, names=None if auto else [resolved.name or ""],
         )  # fmt: skip
     except MemoryLimitError as error:
-        raise MemoryPlanError(f"--memory-limit-gb {limit_gb:g}: {error}") from error
+        raise MemoryPlanError(
+            f"--memory-limit-gb {limit_gb:g}: {error}; flags to try: {_flag_hints(config)}"
+        ) from error
     assert choice.option is not None
     option, split, recompute = options[choice.option.label]
     if (choice.chosen.name, option.vp_size) != (resolved.name, resolved.vp_size):
@@ -339,6 +341,21 @@ def fit_memory_limit(
         layout, resolved=resolved, layer_split=split, recompute=recompute, memory=option.memory
     )
     return fitted, choice
+
+
+def _flag_hints(config: PretrainConfig) -> str:
+    """The flags that would lower the peak: recomputation, the microbatch, the pipeline."""
+    hints = []
+    if config.model.recompute is not None:
+        hints.append("other --recompute-* flags (or none: the planner then weighs them all)")
+    elif config.parallel.pipeline_schedule != "auto":
+        hints.append("--pipeline-schedule auto (chunks per rank weighed too)")
+    batch = config.training.micro_batch_size
+    if batch > 1:
+        hints.append(f"--micro-batch-size {batch // 2}")
+    pp = config.parallel.pipeline_model_parallel_size
+    hints.append(f"--pipeline-model-parallel-size {2 * pp} (on more processes)")
+    return ", ".join(hints)
 
 
 def _check_limit(layout: RunLayout, limit_gb: float) -> RunLayout:

@@ -170,11 +170,11 @@ def model_figures(
     """
     tokens = torch.randint(config.vocab_size, (micro_batch_size, config.seq_length))
     parts = {
-        "layer": (config, False, False, 1),
+        "layer": (dataclasses.replace(config, recompute=None), False, False, 1),
         "layer_full": (dataclasses.replace(config, recompute=_FULL), False, False, 1),
         "layer_selective": (dataclasses.replace(config, recompute=_SELECTIVE), False, False, 1),
-        "embedding": (config, True, False, 0),
-        "loss": (config, False, True, 0),
+        "embedding": (dataclasses.replace(config, recompute=None), True, False, 0),
+        "loss": (dataclasses.replace(config, recompute=None), False, True, 0),
     }
     built, figures = {}, {}
     for name, (shape, pre, post, layers) in parts.items():
