@@ -170,11 +170,13 @@ def test_nothing_fitting_names_the_smallest_peak_and_what_would_fit() -> None:
     assert f"smallest peak is {format_bytes(static + 2 * ACT)} on rank 0, with 1f1b" in message
     assert "recompute" in message
     assert "smaller microbatch" in message
-    with pytest.raises(MemoryLimitError, match="optimizer state alone need"):
+    assert not caught.value.static_too_large
+    with pytest.raises(MemoryLimitError, match="optimizer state alone need") as alone:
         choose_fitting(
             [PlanOption("vp 1", 1, Costs(), _model(2))],
             pp_size=2, num_microbatches=8, memory_limit_bytes=static // 2,
         )  # fmt: skip
+    assert alone.value.static_too_large
 
 
 def test_choose_fitting_takes_the_fastest_option_that_fits() -> None:

@@ -39,7 +39,17 @@ __all__ = [
 
 
 class MemoryLimitError(ValueError):
-    """No candidate fits the byte budget; the message names the smallest peak and its rank."""
+    """No candidate fits the byte budget; the message names the smallest peak and its rank.
+
+    Attributes:
+        static_too_large: The parameters, gradients and optimizer state alone are over the
+            limit on the rank of the smallest peak (no recomputation or smaller microbatch
+            helps there).
+    """
+
+    def __init__(self, message: str, *, static_too_large: bool = False) -> None:
+        super().__init__(message)
+        self.static_too_large = static_too_large
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +342,8 @@ def _best(
         return min(fitting, key=lambda c: (c.makespan, max(c.peak_bytes, default=0), c.peak_memory))
     runnable = [c for c in considered if c.makespan is not None]
     if runnable and limits.bytes is not None and limits.units is None:
-        raise MemoryLimitError(_nothing_fits(runnable, limits.bytes, options or {}))
+        message, static_too_large = _nothing_fits(runnable, limits.bytes, options or {})
+        raise MemoryLimitError(message, static_too_large=static_too_large)
     reasons = "; ".join(
         f"{c.name}: {c.note or 'fits'}"
         + (f" (holds {c.peak_memory:g})" if c.makespan is not None else "")
@@ -345,8 +356,13 @@ def _best(
     )
 
 
-def _nothing_fits(runnable: list[Candidate], limit: float, options: dict[str, PlanOption]) -> str:
-    """The smallest peak, where it is, and what would bring it under `limit`."""
+def _nothing_fits(
+    runnable: list[Candidate], limit: float, options: dict[str, PlanOption]
+) -> tuple[str, bool]:
+    """The message naming the smallest peak, and whether the static bytes alone exceed `limit`.
+
+    The message says where the smallest peak is and what would bring it under the limit.
+    """
     least = min(runnable, key=lambda c: max(c.peak_bytes))
     peak = max(least.peak_bytes)
     rank = least.peak_bytes.index(peak)
@@ -357,10 +373,10 @@ def _nothing_fits(runnable: list[Candidate], limit: float, options: dict[str, Pl
     )
     option = options.get(least.option)
     if option is None:
-        return message + "; " + _hint(None, peak - limit)
+        return message + "; " + _hint(None, peak - limit), False
     assert least.plan is not None
-    static = option.memory.rank_static(least.plan.placement, rank)
-    return f"{message}; {_hint(static.total, peak - limit, limit)}"
+    static = option.memory.rank_static(least.plan.placement, rank).total
+    return f"{message}; {_hint(static, peak - limit, limit)}", static >= limit
 
 
 def _hint(static: int | None, over: float, limit: float = 0.0) -> str:

@@ -324,7 +324,8 @@ def fit_memory_limit(
         )  # fmt: skip
     except MemoryLimitError as error:
         raise MemoryPlanError(
-            f"--memory-limit-gb {limit_gb:g}: {error}; flags to try: {_flag_hints(config)}"
+            f"--memory-limit-gb {limit_gb:g}: {error}; flags to try: "
+            f"{_flag_hints(config, static_too_large=error.static_too_large)}"
         ) from error
     assert choice.option is not None
     option, split, recompute = options[choice.option.label]
@@ -343,8 +344,16 @@ def fit_memory_limit(
     return fitted, choice
 
 
-def _flag_hints(config: PretrainConfig) -> str:
-    """The flags that would lower the peak: recomputation, the microbatch, the pipeline."""
+def _flag_hints(config: PretrainConfig, *, static_too_large: bool) -> str:
+    """The flags that would lower the peak: recomputation, the microbatch, the pipeline.
+
+    When the static bytes alone are over the limit only more stages help (or sharding the
+    optimizer state over data parallelism).
+    """
+    pp = config.parallel.pipeline_model_parallel_size
+    more_stages = f"--pipeline-model-parallel-size {2 * pp} (on more processes)"
+    if static_too_large:
+        return more_stages
     hints = []
     if config.model.recompute is not None:
         hints.append("other --recompute-* flags (or none: the planner then weighs them all)")
@@ -353,9 +362,7 @@ def _flag_hints(config: PretrainConfig) -> str:
     batch = config.training.micro_batch_size
     if batch > 1:
         hints.append(f"--micro-batch-size {batch // 2}")
-    pp = config.parallel.pipeline_model_parallel_size
-    hints.append(f"--pipeline-model-parallel-size {2 * pp} (on more processes)")
-    return ", ".join(hints)
+    return ", ".join([*hints, more_stages])
 
 
 def _check_limit(layout: RunLayout, limit_gb: float) -> RunLayout:
