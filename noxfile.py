@@ -384,6 +384,8 @@ BENCHMARKS = [
     ("pp-schedules", "schedules_vs_torch.py", [], 8),
     ("pp-schedules", "zero_bubble_vs_torch.py", [], 4),
     ("pp-optim", "grad_allreduce.py", [], 2),
+    ("pp-optim", "distopt_bench.py", [], 2),
+    ("pp-optim", "distopt_bench.py", [], 4),
     ("pp-train", "memory_bench.py", [], 4),
 ]
 

@@ -35,3 +35,20 @@ def test_bucketed_against_per_parameter_all_reduce(
         assert row[0] == str(record["buckets"])
         ratio = record["ratio_per_parameter_over_bucketed"]
         assert row[-3:] == [">=", "1.00", "yes" if ratio >= 1.0 else "NO"]
+
+
+DISTOPT = ROOT / "packages" / "pp-optim" / "benchmarks" / "distopt_bench.py"
+
+
+def test_distributed_optimizer_against_zero_redundancy(torchrun: Torchrun) -> None:
+    """The distributed optimizer's bench runs; its state is half the unsharded one at dp 2."""
+    done = torchrun(
+        DISTOPT, 2, "--quick", "--json", "--vocab", "64", "--hidden", "16", "--layers", "1",
+        "--bucket-elements", "500",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["benchmark"] for r in records] == ["distopt_collectives", "distopt", "distopt"]
+    for record in records[1:]:
+        assert record["B_state_bytes"] * 2 == record["A_state_bytes"]
+        assert min(record["A_ms"], record["B_ms"], record["C_ms"]) > 0

@@ -3,13 +3,17 @@
 Loss scaling (`ConstantGradScaler`, `DynamicGradScaler`), optimizer wrappers with Megatron's
 step (`Float16OptimizerWithFloat16Params`, `FP32Optimizer`), model-parallel gradient norms,
 clipping and zero counting, contiguous grad buffers with bucketed data-parallel all-reduce
-(`DistributedDataParallel`), `Float16Module`, and the learning-rate and weight-decay schedule
-(`OptimizerParamScheduler`, also built from Megatron's arguments). Process groups come in as
+(`DistributedDataParallel`), Megatron's distributed optimizer (`DistributedOptimizer`: fp32
+parameters and optimizer state sharded over data parallelism), `Float16Module`, and the
+learning-rate and weight-decay schedule (`OptimizerParamScheduler`, also built from
+Megatron's arguments). Process groups come in as
 arguments; pp-optim never reads global state.
 """
 
 from importlib.metadata import version as _version
 
+from pp_optim.distrib_optimizer import ELEMENTWISE_OPTIMIZERS, DistributedOptimizer
+from pp_optim.factory import get_megatron_optimizer, get_param_groups
 from pp_optim.float16 import Float16Module, float16_to_fp32, fp32_to_float16
 from pp_optim.grad_buffer import (
     DDPConfig,
@@ -45,9 +49,8 @@ from pp_optim.optimizer import (
     MegatronOptimizer,
     NonFiniteGradError,
     OptimizerConfig,
-    get_megatron_optimizer,
-    get_param_groups,
 )
+from pp_optim.shard_checkpoint import ShardRange
 from pp_optim.timing import (
     OPTIMIZER_TIMERS,
     NullOptimizerTimers,
@@ -57,10 +60,12 @@ from pp_optim.timing import (
 __version__ = _version("pp-optim")
 
 __all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
     "OPTIMIZER_TIMERS",
     "ConstantGradScaler",
     "DDPConfig",
     "DistributedDataParallel",
+    "DistributedOptimizer",
     "DynamicGradScaler",
     "FP32Optimizer",
     "Float16Module",
@@ -79,6 +84,7 @@ __all__ = [
     "OptimizerParamScheduler",
     "OptimizerParamSchedulerError",
     "OptimizerTimers",
+    "ShardRange",
     "WDIncrStyle",
     "WSDDecayStyle",
     "__version__",

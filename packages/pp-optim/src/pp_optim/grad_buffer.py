@@ -7,13 +7,18 @@ all-reduced over the data-parallel group one bucket at a time: a bucket is a con
 one collective moves many parameters. Parameters are laid out in reverse order, the order
 backward produces their gradients, so with ``overlap_grad_reduce`` the first buckets can travel
 while backward still computes the rest.
+
+With ``use_distributed_optimizer`` each bucket is padded to a multiple of the data-parallel size
+and reduce-scattered instead (rank r keeps shard r reduced), and the parameters move into a
+parameter buffer aligned with the grad buffer, all-gathered bucket by bucket after the
+`pp_optim.DistributedOptimizer` step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +44,9 @@ _BUCKET_ELEMENTS_PER_DP_RANK = 1_000_000
 
 
 class GradSyncError(CollectiveError):
-    """A gradient all-reduce failed or timed out; the message names rank, group and bucket.
+    """A gradient reduction or parameter all-gather failed or timed out.
+
+    The message names rank, group, operation and bucket.
 
     A `pp_state.CollectiveError`: ``rank``, ``peer``, ``operation``, ``group_ranks``.
     """
@@ -68,31 +75,113 @@ class DDPConfig:
     average_gradients: bool = True
     """Divide by the data-parallel size (the mean over the global batch); False sums."""
 
+    use_distributed_optimizer: bool = dataclasses.field(
+        default=False, metadata={"flag": "--use-distributed-optimizer"}
+    )
+    """Lay the buffers out for `pp_optim.DistributedOptimizer` (Megatron's ZeRO-1): each
+    bucket is padded to a multiple of the data-parallel size and split into one contiguous
+    shard per rank; gradients are reduce-scattered (each rank ends with its shard reduced)
+    and the parameters live in a parameter buffer aligned with the grad buffer, all-gathered
+    after each optimizer step."""
+
+    overlap_param_gather: bool = dataclasses.field(
+        default=False, metadata={"flag": "--overlap-param-gather"}
+    )
+    """Start the parameters' all-gather asynchronously after the optimizer step; each module
+    waits for its bucket's gather just before it runs in the next forward. Needs
+    `use_distributed_optimizer` and `overlap_grad_reduce` (as Megatron)."""
+
     def __post_init__(self) -> None:
-        """Checks the bucket size.
+        """Checks the bucket size and the overlap options.
 
         Raises:
-            ValueError: `bucket_size` is not positive.
+            ValueError: `bucket_size` is not positive, or `overlap_param_gather` is set
+                without `use_distributed_optimizer` or without `overlap_grad_reduce`.
         """
         if self.bucket_size is not None and (
             isinstance(self.bucket_size, bool)
             or not isinstance(self.bucket_size, int)
             or self.bucket_size <= 0
         ):
-            raise ValueError(f"bucket_size must be a positive int or None, got {self.bucket_size}")
+            raise ValueError(
+                f"bucket_size must be a positive int or None, got {self.bucket_size}"
+                " (--ddp-bucket-size)"
+            )
+        if self.overlap_param_gather and not (
+            self.use_distributed_optimizer and self.overlap_grad_reduce
+        ):
+            missing = [
+                flag
+                for flag, on in (
+                    ("--use-distributed-optimizer", self.use_distributed_optimizer),
+                    ("--overlap-grad-reduce", self.overlap_grad_reduce),
+                )
+                if not on
+            ]
+            raise ValueError(
+                "--overlap-param-gather (overlap_param_gather) needs --use-distributed-optimizer"
+                f" and --overlap-grad-reduce, as in Megatron; missing: {', '.join(missing)}"
+            )
 
 
 class GradBucket:
-    """A contiguous slice of a grad buffer, all-reduced by one collective."""
+    """A contiguous slice of a grad buffer, reduced by one collective.
 
-    def __init__(self, index: int, data: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    With the distributed optimizer the slice is padded to a multiple of the data-parallel
+    size and split into equal contiguous shards: rank r owns ``shard(r)``; ``param_data``
+    is the matching slice of the parameter buffer, all-gathered after each step.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        data: torch.Tensor,
+        params: list[torch.nn.Parameter],
+        *,
+        offset: int = 0,
+        num_shards: int = 1,
+        param_data: torch.Tensor | None = None,
+    ) -> None:
+        """Describes one bucket.
+
+        Args:
+            index: Its position among its wrapper's buckets.
+            data: Its slice of the grad buffer (padding included).
+            params: The parameters laid out in it, in order from its start.
+            offset: Where `data` starts in its grad buffer.
+            num_shards: Data-parallel ranks sharing it (1 without the distributed optimizer).
+            param_data: Its slice of the parameter buffer, or None without one.
+        """
+        assert data.numel() % num_shards == 0, "a sharded bucket is padded to the dp size"
         self.index = index
         self.data = data
         self.params = params
+        self.offset = offset
+        self.num_shards = num_shards
+        self.param_data = param_data
+        self.param_ranges: list[tuple[torch.nn.Parameter, int, int]] = []
+        """Each parameter with its range [start, end) inside the bucket."""
+        start = 0
+        for param in params:
+            self.param_ranges.append((param, start, start + param.numel()))
+            start += param.numel()
         self._param_ids = frozenset(id(p) for p in params)
         self._ready: set[int] = set()
         self.work: dist.Work | None = None
         self.started = False
+        self.gather_work: dist.Work | None = None
+        """The parameters' all-gather in flight (overlap_param_gather), or None."""
+
+    @property
+    def shard_size(self) -> int:
+        """Elements of one data-parallel shard."""
+        return self.data.numel() // self.num_shards
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """The range [start, end) inside the bucket that data-parallel rank `rank` owns."""
+        if not 0 <= rank < self.num_shards:
+            raise ValueError(f"rank must be in [0, {self.num_shards}), got {rank}")
+        return rank * self.shard_size, (rank + 1) * self.shard_size
 
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
         """Records that `param`'s gradient is final; True when the whole bucket is."""
@@ -146,11 +235,20 @@ class DistributedDataParallel(torch.nn.Module):
         self.data_parallel_size = (
             1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
         )
+        self.data_parallel_rank = (
+            0 if data_parallel_group is None else dist.get_rank(data_parallel_group)
+        )
+        self._gloo = data_parallel_group is not None and dist.get_backend(data_parallel_group) == (
+            "gloo"
+        )
         self._sync_enabled = True
         params = [p for p in module.parameters() if p.requires_grad]
         # Backward produces gradients roughly last-parameter-first.
         params.reverse()
         self.buffers_by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        """With the distributed optimizer: the parameters' storage, keyed like
+        `buffers_by_dtype` (by gradient dtype) and aligned with it element for element."""
         self.buckets: list[GradBucket] = []
         self._bucket_of: dict[int, GradBucket] = {}
         bucket_size = None if disable_bucketing else self._bucket_size()
@@ -161,6 +259,8 @@ class DistributedDataParallel(torch.nn.Module):
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
         ]
+        if self.config.overlap_param_gather:
+            self._hooks.extend(self._register_gather_waits())
 
     @classmethod
     def from_parallel_state(
@@ -199,24 +299,68 @@ class DistributedDataParallel(torch.nn.Module):
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"parameters of one module chunk on several devices: {devices}")
-        total = sum(p.numel() for p in params)
-        buffer = torch.zeros(total, dtype=dtype, device=devices.pop())
+        shards = self.data_parallel_size if self.config.use_distributed_optimizer else 1
+        groups = self._bucket_members(params, bucket_size)
+        # Padding each bucket to a multiple of the dp size gives every rank an equal shard.
+        sizes = [-(-sum(p.numel() for p in members) // shards) * shards for members in groups]
+        buffer = torch.zeros(sum(sizes), dtype=dtype, device=devices.pop())
         self.buffers_by_dtype[dtype] = buffer
-        offset, bucket_start, members = 0, 0, []
-        for param in params:
-            param.main_grad = buffer[offset : offset + param.numel()].view(param.shape)  # type: ignore[attr-defined]
-            offset += param.numel()
-            members.append(param)
-            if bucket_size is not None and offset - bucket_start >= bucket_size:
-                self._add_bucket(buffer[bucket_start:offset], members)
-                bucket_start, members = offset, []
-        if members:
-            self._add_bucket(buffer[bucket_start:offset], members)
+        param_buffer = None
+        if self.config.use_distributed_optimizer:
+            param_buffer = torch.zeros_like(buffer, dtype=_one_param_dtype(dtype, params))
+            self.param_buffers[dtype] = param_buffer
+        offset = 0
+        for members, size in zip(groups, sizes, strict=True):
+            bucket = GradBucket(
+                len(self.buckets),
+                buffer[offset : offset + size],
+                members,
+                offset=offset,
+                num_shards=shards,
+                param_data=None if param_buffer is None else param_buffer[offset : offset + size],
+            )
+            self._add_bucket(bucket)
+            offset += size
 
-    def _add_bucket(self, data: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        bucket = GradBucket(len(self.buckets), data, params)
-        self.buckets.append(bucket)
+    def _bucket_members(
+        self, params: list[torch.nn.Parameter], bucket_size: int | None
+    ) -> list[list[torch.nn.Parameter]]:
+        """Splits `params` into buckets of at least `bucket_size` elements (the last smaller).
+
+        With the distributed optimizer a tied embedding (``shared_embedding``) gets a bucket
+        of its own, as in Megatron: its copies on the first and last pipeline stage are then
+        sharded alike, so summing them after the reduce-scatter sums matching shards.
+        """
+        groups: list[list[torch.nn.Parameter]] = []
+        members: list[torch.nn.Parameter] = []
+        size = 0
         for param in params:
+            alone = self.config.use_distributed_optimizer and bool(
+                getattr(param, "shared_embedding", False)
+            )
+            if alone and members:
+                groups.append(members)
+                members, size = [], 0
+            members.append(param)
+            size += param.numel()
+            if alone or (bucket_size is not None and size >= bucket_size):
+                groups.append(members)
+                members, size = [], 0
+        if members:
+            groups.append(members)
+        return groups
+
+    def _add_bucket(self, bucket: GradBucket) -> None:
+        self.buckets.append(bucket)
+        for param, start, end in bucket.param_ranges:
+            param.main_grad = bucket.data[start:end].view(param.shape)  # type: ignore[attr-defined]
+            if bucket.param_data is not None:
+                # The model keeps its Parameter objects; only their storage moves into the
+                # parameter buffer, so all-gathering a bucket updates them in place.
+                view = bucket.param_data[start:end].view(param.shape)
+                with torch.no_grad():
+                    view.copy_(param.data)
+                param.data = view
             self._bucket_of[id(param)] = bucket
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -249,9 +393,23 @@ class DistributedDataParallel(torch.nn.Module):
         if self.config.average_gradients and self.data_parallel_size > 1:
             bucket.data.mul_(1.0 / self.data_parallel_size)
         try:
-            bucket.work = dist.all_reduce(
-                bucket.data, group=self.data_parallel_group, async_op=async_op
-            )
+            if self.config.use_distributed_optimizer and not self._gloo:
+                # Only this rank's shard is reduced; the rest of the bucket keeps this rank's
+                # own gradients. On gloo (below) the whole bucket is all-reduced instead:
+                # torch 2.13's gloo reduce-scatter moves as much and measured 1.3-2.4x
+                # slower than its all-reduce (pp-optim's distopt_bench); the shard this rank
+                # reads is the same.
+                start, end = bucket.shard(self.data_parallel_rank)
+                bucket.work = dist.reduce_scatter_single(
+                    bucket.data[start:end],
+                    bucket.data,
+                    group=self.data_parallel_group,
+                    async_op=async_op,
+                )
+            else:
+                bucket.work = dist.all_reduce(
+                    bucket.data, group=self.data_parallel_group, async_op=async_op
+                )
         except RuntimeError as error:
             raise self._sync_error(bucket, error) from error
 
@@ -280,16 +438,98 @@ class DistributedDataParallel(torch.nn.Module):
                 raise self._sync_error(bucket, error) from error
             bucket.work = None
 
-    def _sync_error(self, bucket: GradBucket, error: RuntimeError) -> GradSyncError:
+    def _sync_error(
+        self, bucket: GradBucket, error: RuntimeError, *, gather: bool = False
+    ) -> GradSyncError:
+        if gather:
+            what = "parameter all-gather"
+        elif self.config.use_distributed_optimizer:
+            what = "gradient reduce-scatter"
+        else:
+            what = "gradient all-reduce"
         operation = (
-            f"gradient all-reduce over data parallel (bucket {bucket.index},"
-            f" {bucket.data.numel()} elements)"
+            f"{what} over data parallel (bucket {bucket.index}, {bucket.data.numel()} elements)"
         )
         named = collective_error(
             error, operation, group=self.data_parallel_group, error_class=GradSyncError
         )
         assert isinstance(named, GradSyncError)
         return named
+
+    def start_param_sync(self, *, force_sync: bool = False) -> None:
+        """All-gathers every bucket's parameters from the shards their owners updated.
+
+        Called by `DistributedOptimizer` after a step. With ``overlap_param_gather`` (and not
+        `force_sync`) the gathers only start: each module waits for its buckets just before
+        it runs (a forward pre-hook), or `finish_param_sync` waits for all.
+
+        Raises:
+            GradSyncError: A gather failed or timed out.
+        """
+        if not self.config.use_distributed_optimizer:
+            return
+        self.finish_param_sync()  # a module that did not run may have left one waiting
+        async_op = self.config.overlap_param_gather and not force_sync
+        for bucket in self.buckets:
+            self._start_gather(bucket, async_op=async_op)
+
+    def _start_gather(self, bucket: GradBucket, *, async_op: bool) -> None:
+        if self.data_parallel_group is None or self.data_parallel_size == 1:
+            return
+        assert bucket.param_data is not None
+        start, end = bucket.shard(self.data_parallel_rank)
+        try:
+            work = dist.all_gather_single(
+                bucket.param_data,
+                bucket.param_data[start:end],
+                group=self.data_parallel_group,
+                async_op=async_op,
+            )
+        except RuntimeError as error:
+            raise self._sync_error(bucket, error, gather=True) from error
+        bucket.gather_work = work if async_op else None
+
+    def _wait_gather(self, bucket: GradBucket) -> None:
+        work, bucket.gather_work = bucket.gather_work, None
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise self._sync_error(bucket, error, gather=True) from error
+
+    def finish_param_sync(self) -> None:
+        """Waits for every parameter all-gather still in flight.
+
+        Call it before reading parameters outside a forward pass (a checkpoint, the
+        parameters' norm).
+
+        Raises:
+            GradSyncError: A gather failed or timed out.
+        """
+        for bucket in self.buckets:
+            self._wait_gather(bucket)
+
+    def _register_gather_waits(self) -> list[torch.utils.hooks.RemovableHandle]:
+        """Forward pre-hooks that wait for the gathers of a module's own parameters.
+
+        One on every module holding parameters directly, so a bucket's gather overlaps the
+        forward of every module before its first user (Megatron's overlap_param_gather).
+        """
+        handles = []
+        for module in self.module.modules():
+            owned = [p for p in module.parameters(recurse=False) if id(p) in self._bucket_of]
+            buckets = list({id(b): b for b in (self._bucket_of[id(p)] for p in owned)}.values())
+            if buckets:
+                handles.append(module.register_forward_pre_hook(self._waiter(buckets)))
+        return handles
+
+    def _waiter(self, buckets: list[GradBucket]) -> Callable[[torch.nn.Module, object], None]:
+        def wait(module: torch.nn.Module, inputs: object) -> None:
+            for bucket in buckets:
+                self._wait_gather(bucket)
+
+        return wait
 
     def scale_gradients(self, factor: float) -> None:
         """Multiplies every accumulated gradient by `factor`."""
@@ -314,6 +554,17 @@ class DistributedDataParallel(torch.nn.Module):
         with torch.no_grad(), collective("parameter broadcast over data parallel", group=group):
             for param in self.module.parameters():
                 dist.broadcast(param.data, src=source, group=group)
+
+
+def _one_param_dtype(grad_dtype: torch.dtype, params: list[torch.nn.Parameter]) -> torch.dtype:
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"use_distributed_optimizer needs one parameter dtype per gradient buffer; the"
+            f" {grad_dtype} buffer holds parameters of {', '.join(dtypes)} (set"
+            " grad_reduce_in_fp32=False to give each parameter dtype its own buffer)"
+        )
+    return params[0].dtype
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], *, group: dist.ProcessGroup | None) -> None:

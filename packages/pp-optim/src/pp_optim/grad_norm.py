@@ -9,6 +9,10 @@ included, so all copies stay equal.
 
 A parameter's gradient is its ``grad``, or, when that is None, the ``main_grad`` a contiguous
 grad buffer keeps for it.
+
+Where a model's gradient is also sharded over data parallelism (`DistributedOptimizer`), each
+statistic is reduced over several groups in turn (data parallel, then model parallel): every
+function here takes one group or a sequence of them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pp_state.collectives import collective
 from pp_state.collectives import collective_device as group_device
 
 __all__ = [
+    "StatsGroups",
+    "all_reduce_over",
     "clip_grad_by_total_norm",
     "clip_grad_norm",
     "count_zeros",
@@ -31,6 +37,37 @@ __all__ = [
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
 ]
+
+
+StatsGroups = dist.ProcessGroup | Sequence[dist.ProcessGroup] | None
+"""The ranks a statistic is reduced over: one group, several in turn, or None for this rank."""
+
+
+def _as_groups(groups: StatsGroups) -> list[dist.ProcessGroup]:
+    if groups is None:
+        return []
+    if isinstance(groups, dist.ProcessGroup):
+        return [groups]
+    return list(groups)
+
+
+def all_reduce_over(
+    tensor: torch.Tensor, groups: StatsGroups, *, op: dist.ReduceOp.RedOpType, operation: str
+) -> None:
+    """All-reduces `tensor` in place over each group of `groups` in turn.
+
+    A sum (or max) over data parallel and then over model parallel is the sum (max) over
+    every rank of both: each group's ranks see the same partial result.
+
+    Args:
+        tensor: The statistic, on the device the groups' backend needs.
+        groups: One group, several, or None (nothing is reduced).
+        op: The reduction.
+        operation: What the reduction is for, named in a failure's error.
+    """
+    for group in _as_groups(groups):
+        with collective(operation, group=group):
+            dist.all_reduce(tensor, op=op, group=group)
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
@@ -79,13 +116,12 @@ def grads_for_norm(
     ]
 
 
-def collective_device(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None
-) -> torch.device:
+def collective_device(tensors: Sequence[torch.Tensor], group: StatsGroups) -> torch.device:
     """Where a small statistic is reduced: beside the gradients, or on the GPU NCCL needs."""
     if tensors:
         return tensors[0].device
-    return torch.device("cpu") if group is None else group_device(group)
+    groups = _as_groups(group)
+    return group_device(groups[0]) if groups else torch.device("cpu")
 
 
 def _check_norm_type(norm_type: float) -> float:
@@ -100,15 +136,15 @@ def get_grad_norm(
     grads: Sequence[torch.Tensor],
     norm_type: float = 2.0,
     *,
-    group: dist.ProcessGroup | None,
+    group: StatsGroups,
 ) -> float:
     """The `norm_type`-norm of gradients spread over the ranks of `group`, computed in float32.
 
     Args:
         grads: This rank's share (see `grads_for_norm`).
         norm_type: p of the p-norm; ``math.inf`` for the largest absolute value.
-        group: The ranks holding the other shares (the model-parallel group), or None for
-            this rank's gradients alone.
+        group: The ranks holding the other shares (the model-parallel group; several groups
+            are reduced over in turn), or None for this rank's gradients alone.
 
     Returns:
         The norm; inf or nan when a gradient holds one.
@@ -127,10 +163,8 @@ def get_grad_norm(
             ]
         )
         total += norms.max() if p == math.inf else norms.pow(p).sum()
-    if group is not None:
-        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-        with collective("gradient norm all-reduce", group=group):
-            dist.all_reduce(total, op=op, group=group)
+    op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+    all_reduce_over(total, group, op=op, operation="gradient norm all-reduce")
     return float(total.item()) if p == math.inf else float(total.item() ** (1.0 / p))
 
 
@@ -152,7 +186,7 @@ def clip_grad_norm(
     max_norm: float,
     norm_type: float = 2.0,
     *,
-    group: dist.ProcessGroup | None,
+    group: StatsGroups,
     tensor_parallel_rank: int = 0,
 ) -> float:
     """Clips the gradients of a model split over `group` to a total norm of `max_norm`.
@@ -186,7 +220,7 @@ def clip_grad_norm(
 def count_zeros(
     params: Iterable[torch.Tensor],
     *,
-    group: dist.ProcessGroup | None,
+    group: StatsGroups,
     tensor_parallel_rank: int = 0,
 ) -> int:
     """Zero gradient elements of the model split over `group`, duplicates counted once.
@@ -204,7 +238,5 @@ def count_zeros(
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for grad in grads:
         total += grad.numel() - torch.count_nonzero(grad.detach()).to(device)
-    if group is not None:
-        with collective("zero-gradient count all-reduce", group=group):
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    all_reduce_over(total, group, op=dist.ReduceOp.SUM, operation="zero-gradient count all-reduce")
     return int(total.item())

@@ -14,38 +14,45 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from pp_optim.grad_norm import (
+    all_reduce_over,
     clip_grad_norm,
     collective_device,
     count_zeros,
     get_grad_norm,
     grads_for_norm,
 )
-from pp_optim.loss_scaling import ConstantGradScaler, DynamicGradScaler, GradScaler
+from pp_optim.loss_scaling import GradScaler
 from pp_optim.timing import NullOptimizerTimers, OptimizerTimers, timed
 from pp_state.collectives import collective
 
-if TYPE_CHECKING:
-    from pp_state import ParallelState
-
 __all__ = [
+    "LAYOUT_ATTRIBUTES",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "MegatronOptimizer",
+    "NonFiniteGradError",
     "OptimizerConfig",
-    "get_megatron_optimizer",
-    "get_param_groups",
+    "copy_layout_attributes",
+    "zero_grads",
 ]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Attributes that say how a parameter is laid out over the model-parallel ranks; the fp32 main
 # copy carries them so norms and zero counts treat it like the parameter it stands for.
-_LAYOUT_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+LAYOUT_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+def copy_layout_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Gives `target` (an fp32 copy of `source`, or a shard of it) `source`'s layout marks."""
+    for name in LAYOUT_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(target, name, getattr(source, name))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,6 +235,10 @@ class MegatronOptimizer(abc.ABC):
     def _adopt_params(self) -> None:
         """Checks the inner optimizer's parameters and sets up any copies of them."""
 
+    def stats_groups(self) -> list[dist.ProcessGroup]:
+        """The groups overflow, norms and zero counts are reduced over, in turn."""
+        return [] if self.grad_stats_group is None else [self.grad_stats_group]
+
     # What the inner optimizer updates, in its parameter-group order.
     def main_params(self) -> Iterator[torch.Tensor]:
         """The fp32 parameters the inner optimizer updates."""
@@ -279,7 +290,7 @@ class MegatronOptimizer(abc.ABC):
 
     def _unscale_main_grads_and_check_for_nan(self, scaler: GradScaler) -> bool:
         grads = [p.grad for p in self.main_params() if p.grad is not None]
-        device = collective_device(grads, self.grad_stats_group)
+        device = collective_device(grads, self.stats_groups())
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for grad in grads:
@@ -290,9 +301,9 @@ class MegatronOptimizer(abc.ABC):
                 same_device, found_here, scaler.inv_scale.to(grad_device)
             )
             found_inf = torch.maximum(found_inf, found_here.to(device))
-        if self.grad_stats_group is not None:
-            with collective("found-inf all-reduce", group=self.grad_stats_group):
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.grad_stats_group)
+        all_reduce_over(
+            found_inf, self.stats_groups(), op=dist.ReduceOp.MAX, operation="found-inf all-reduce"
+        )
         return bool(found_inf.item() > 0)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -300,14 +311,14 @@ class MegatronOptimizer(abc.ABC):
         return clip_grad_norm(
             self.main_params(),
             clip_grad,
-            group=self.grad_stats_group,
+            group=self.stats_groups(),
             tensor_parallel_rank=self.tensor_parallel_rank,
         )
 
     def get_grad_norm(self) -> float:
         """The L2 norm of the main gradients over the group, duplicates counted once."""
         grads = grads_for_norm(self.main_params(), tensor_parallel_rank=self.tensor_parallel_rank)
-        return get_grad_norm(grads, group=self.grad_stats_group)
+        return get_grad_norm(grads, group=self.stats_groups())
 
     def _norm_and_clip(self) -> float | None:
         """Clips if asked (returning the norm before), else the norm if a check needs it."""
@@ -338,7 +349,7 @@ class MegatronOptimizer(abc.ABC):
         """Zero elements of the main gradients over the group, duplicates counted once."""
         return count_zeros(
             self.main_params(),
-            group=self.grad_stats_group,
+            group=self.stats_groups(),
             tensor_parallel_rank=self.tensor_parallel_rank,
         )
 
@@ -486,10 +497,11 @@ class FP32Optimizer(MegatronOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' ``grad`` (a grad buffer is zeroed by its own method)."""
-        _zero_grads(self.main_params(), set_to_none)
+        zero_grads(self.main_params(), set_to_none)
 
 
-def _zero_grads(params: Iterator[torch.Tensor] | list[torch.Tensor], set_to_none: bool) -> None:
+def zero_grads(params: Iterator[torch.Tensor] | list[torch.Tensor], set_to_none: bool) -> None:
+    """Drops (`set_to_none`) or zeroes the ``grad`` of each of `params`."""
     for param in params:
         if param.grad is None:
             continue
@@ -537,9 +549,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
     def _main_copy(self, param: torch.Tensor) -> torch.Tensor:
         main = torch.nn.Parameter(param.detach().clone().float())
-        for name in _LAYOUT_ATTRIBUTES:
-            if hasattr(param, name):
-                setattr(main, name, getattr(param, name))
+        copy_layout_attributes(param, main)
         param.main_param = main  # type: ignore[attr-defined]
         if param in self.optimizer.state:
             self.optimizer.state[main] = self.optimizer.state.pop(param)
@@ -586,8 +596,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model's parameters and of the fp32 main copies."""
-        _zero_grads([model for model, _ in self._float16_pairs], set_to_none)
-        _zero_grads(self.main_params(), set_to_none)
+        zero_grads([model for model, _ in self._float16_pairs], set_to_none)
+        zero_grads(self.main_params(), set_to_none)
 
     def _main_copies_per_group(self) -> list[list[torch.Tensor]]:
         copies = {id(main) for _, main in self._float16_pairs}
@@ -674,111 +684,3 @@ def _check_state_shapes(inner: dict[str, Any], groups: list[dict[str, Any]]) -> 
                     f"optimizer state {name!r} of parameter {index} has shape "
                     f"{tuple(value.shape)}; the parameter has {tuple(param.shape)}"
                 )
-
-
-def get_param_groups(model_chunks: list[torch.nn.Module]) -> list[dict[str, Any]]:
-    """Megatron's parameter groups: no weight decay for biases and 1-D parameters (norms).
-
-    Returns:
-        Up to two torch param groups, each with a ``wd_mult`` (1.0 or 0.0) and an
-        ``lr_mult`` of 1.0 that `OptimizerParamScheduler` applies, and Megatron's
-        ``default_config=True`` (both follow the default schedule), which
-        `get_canonical_lr_for_logging` looks for.
-    """
-    decayed: list[torch.nn.Parameter] = []
-    not_decayed: list[torch.nn.Parameter] = []
-    seen: set[int] = set()
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            no_decay = name.endswith(".bias") or param.dim() == 1
-            (not_decayed if no_decay else decayed).append(param)
-    groups = [
-        {"params": params, "wd_mult": wd_mult, "lr_mult": 1.0, "default_config": True}
-        for params, wd_mult in ((decayed, 1.0), (not_decayed, 0.0))
-        if params
-    ]
-    if not groups:
-        raise ValueError("the model chunks have no trainable parameters")
-    return groups
-
-
-def _inner_optimizer(
-    config: OptimizerConfig, groups: list[dict[str, Any]]
-) -> torch.optim.Optimizer:
-    """The torch optimizer `config` names (Megatron's adam is AdamW), over `groups`."""
-    if config.optimizer == "adam":
-        return torch.optim.AdamW(
-            groups,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-        )
-    return torch.optim.SGD(
-        groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
-    )
-
-
-def _grad_scaler(config: OptimizerConfig) -> GradScaler | None:
-    """A constant scale if `loss_scale` is set, Megatron's dynamic one for fp16, else none."""
-    if config.loss_scale is not None:
-        return ConstantGradScaler(config.loss_scale)
-    if config.fp16:
-        return DynamicGradScaler(
-            initial_scale=config.initial_loss_scale,
-            min_scale=config.min_loss_scale,
-            growth_factor=2.0,
-            backoff_factor=0.5,
-            growth_interval=config.loss_scale_window,
-            hysteresis=config.hysteresis,
-        )
-    return None
-
-
-def get_megatron_optimizer(
-    config: OptimizerConfig,
-    model_chunks: list[torch.nn.Module],
-    *,
-    parallel_state: ParallelState | None = None,
-    grad_stats_group: dist.ProcessGroup | None = None,
-    tensor_parallel_rank: int = 0,
-) -> MegatronOptimizer:
-    """Builds the inner optimizer, the loss scaler and the wrapper that `config` describes.
-
-    Args:
-        config: Optimizer, precision and clipping.
-        model_chunks: This rank's model chunks (one per virtual pipeline stage), already in
-            their training dtype.
-        parallel_state: Where the model-parallel group and the tensor-parallel rank come
-            from; give either this or the two arguments below.
-        grad_stats_group: The model-parallel group (see `MegatronOptimizer`); None, without
-            `parallel_state`: this process alone.
-        tensor_parallel_rank: This rank's position in its tensor-parallel group.
-
-    Returns:
-        `Float16OptimizerWithFloat16Params` for fp16/bf16, else `FP32Optimizer`.
-
-    Raises:
-        ValueError: Both `parallel_state` and `grad_stats_group` or `tensor_parallel_rank`,
-            or no trainable parameters.
-    """
-    if parallel_state is not None:
-        if grad_stats_group is not None or tensor_parallel_rank:
-            raise ValueError(
-                "give parallel_state or grad_stats_group/tensor_parallel_rank, not both"
-            )
-        grad_stats_group = parallel_state.group("mp")
-        tensor_parallel_rank = parallel_state.group_rank("tp")
-    inner = _inner_optimizer(config, get_param_groups(model_chunks))
-    scaler = _grad_scaler(config)
-    wrapper = Float16OptimizerWithFloat16Params if config.fp16 or config.bf16 else FP32Optimizer
-    return wrapper(
-        inner,
-        config,
-        scaler,
-        grad_stats_group=grad_stats_group,
-        tensor_parallel_rank=tensor_parallel_rank,
-    )
