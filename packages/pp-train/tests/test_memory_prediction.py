@@ -65,3 +65,15 @@ def test_a_bf16_run_is_predicted_in_its_own_dtype() -> None:
     assert sorted(found) == [0, 1], printed
     for rank, (measured, predicted) in found.items():
         assert predicted / measured == pytest.approx(1.0, abs=0.05), (rank, measured, predicted)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_dp_2_run_is_predicted_with_and_without_the_distributed_optimizer(sharded: bool) -> None:
+    """With --use-distributed-optimizer each rank holds half the optimizer state at dp 2."""
+    argv = [*FLAGS, "--pipeline-model-parallel-size", "2"]
+    argv += ["--use-distributed-optimizer"] if sharded else []
+    printed = run_distributed(_launch, 4, argv, timeout=180)
+    found = {int(m[1]): (float(m[2]), float(m[3])) for m in LINE.finditer("".join(printed))}
+    assert found, printed
+    for rank, (measured, predicted) in found.items():
+        assert predicted / measured == pytest.approx(1.0, abs=0.05), (rank, measured, predicted)

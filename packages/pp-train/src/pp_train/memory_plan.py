@@ -192,7 +192,11 @@ def memory_model(
     data_parallel_size: int,
     recompute: RecomputeConfig | None,
 ) -> MemoryModel:
-    """The run's `MemoryModel`: one stage per layer count, its precision and optimizer."""
+    """The run's `MemoryModel`: one stage per layer count, its precision and optimizer.
+
+    With ``--use-distributed-optimizer`` the optimizer state (moments and fp32 main copies)
+    is counted over the data-parallel size, as each rank keeps only its shard.
+    """
     optimizer, last = config.optimizer, len(counts) - 1
     half = "bf16" if optimizer.bf16 else "fp16" if optimizer.fp16 else "fp32"
     stages = tuple(
@@ -206,6 +210,7 @@ def memory_model(
         optimizer=optimizer.optimizer,
         sgd_momentum=optimizer.sgd_momentum > 0,
         data_parallel_size=data_parallel_size,
+        distributed_optimizer=config.ddp.use_distributed_optimizer,
     )
 
 

@@ -25,7 +25,6 @@ from pp_optim import (
 from pp_state import ParallelState, Placement
 from pp_train.checkpoint import CkptFormat, LoadedCheckpoint, load_checkpoint
 from pp_train.embeddings import sync_shared_embeddings
-from pp_train.wrappers import unwrap_model
 
 __all__ = [
     "EncoderDecoderModelProvider",
@@ -214,7 +213,8 @@ def setup_model_and_optimizer(
     `placement` is the schedule's: which virtual stage each chunk holds (see `get_model`);
     Megatron's looped placement when None. Give the same one to `build_forward_backward_func`
     (a plan's placement when you run a plan). `model_type` as `get_model`'s; the checkpoint
-    format ones as `pp_train.checkpoint.load_checkpoint`'s.
+    format ones as `pp_train.checkpoint.load_checkpoint`'s. The optimizer is pp-optim's
+    `DistributedOptimizer` when ``ddp_config.use_distributed_optimizer`` (sharded state).
 
     Returns:
         ``(model, optimizer, scheduler, loaded)``: `loaded` None when nothing was loaded.
@@ -229,9 +229,8 @@ def setup_model_and_optimizer(
         placement=placement,
         model_type=model_type,
     )
-    optimizer = get_megatron_optimizer(
-        optimizer_config, [unwrap_model(chunk) for chunk in model], parallel_state=state
-    )
+    # The wrapped chunks: a DistributedOptimizer shards over their grad buffers.
+    optimizer = get_megatron_optimizer(optimizer_config, model, parallel_state=state)
     scheduler = OptimizerParamScheduler(optimizer.optimizer, lr_schedule)
     loaded = None
     if load is not None:

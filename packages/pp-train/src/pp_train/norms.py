@@ -10,6 +10,7 @@ import torch.distributed as dist
 from pp_optim import param_is_not_shared, param_is_not_tensor_parallel_duplicate
 from pp_state import ParallelState
 from pp_state.collectives import collective
+from pp_train.wrappers import finish_param_sync
 
 __all__ = ["calc_params_l2_norm"]
 
@@ -21,7 +22,9 @@ def calc_params_l2_norm(model: Sequence[torch.nn.Module], state: ParallelState) 
     ``shared``, e.g. the output layer's copy of the word embedding) and tensor-parallel
     duplicates held on tensor-parallel rank 0 only; the sums meet over the model-parallel
     group (tensor x pipeline). Squares are summed in float64. Every rank of
-    the model-parallel group must call this.
+    the model-parallel group must call this. With the distributed optimizer's
+    ``--overlap-param-gather`` the parameters' all-gathers still in flight are waited for
+    first (`finish_param_sync`).
 
     Args:
         model: This rank's model chunks (wrapped or not).
@@ -30,6 +33,7 @@ def calc_params_l2_norm(model: Sequence[torch.nn.Module], state: ParallelState) 
     Returns:
         The norm, the same on every rank of a model-parallel group.
     """
+    finish_param_sync(model)
     tp_rank = state.tensor_model_parallel_rank
     kept: dict[int, torch.Tensor] = {}  # by id: a weight two chunks share counts once
     for chunk in model:

@@ -208,10 +208,11 @@ def finalize_model_grads(
 ) -> None:
     """After backward: data-parallel reduction, then the tied embeddings' gradients.
 
-    Every chunk's grad buffer is reduced over data parallelism; the word embedding's copies on
-    the first and last stage are summed (over the embedding group, or in place when one rank
-    holds both, see `tied_embedding_sync`); with a split rank the position embedding over its
-    group (Megatron's encoder-decoder models).
+    Every chunk's grad buffer is reduced over data parallelism (reduce-scattered with the
+    distributed optimizer: each rank's shard, where the tied copies' shards line up); the
+    word embedding's copies on the first and last stage are summed (over the embedding group,
+    or in place when one rank holds both, see `tied_embedding_sync`); with a split rank the
+    position embedding over its group (Megatron's encoder-decoder models).
 
     Args:
         model: This rank's chunks.

@@ -383,7 +383,8 @@ class GPTChunk(torch.nn.Module):
             share_embeddings_and_output_weights: Tie the output layer to the word embedding.
                 When another chunk holds the embedding, the output layer is a copy marked
                 ``shared`` and ``shared_embedding`` whose gradient the trainer all-reduces
-                with the embedding's over the embedding group.
+                with the embedding's over the embedding group (the embedding, when a later
+                chunk holds the copy, is marked ``shared_embedding`` too, as in Megatron).
 
         Raises:
             TypeError: `config` is not a `GPTConfig`, `layers` not a range, or `seed` not an
@@ -474,11 +475,18 @@ class GPTChunk(torch.nn.Module):
                 init_parameter_(param, seed=seed, name=name, std=std)
 
     def _mark_tied_output_weight(self) -> None:
-        if self.output_layer is not None and self.share_embeddings_and_output_weights:
+        if not self.share_embeddings_and_output_weights:
+            return
+        if self.output_layer is not None:
             # Megatron's marks: the grad norm skips `shared`, the trainer syncs
             # `shared_embedding` with the first stage's word embedding.
             self.output_layer.weight.shared = True  # type: ignore[attr-defined]
             self.output_layer.weight.shared_embedding = True  # type: ignore[attr-defined]
+        if self.embedding is not None and not self.post_process:
+            # Megatron marks the first stage's copy too: the distributed optimizer's grad
+            # buffer gives both copies a bucket of their own, so they are sharded alike and
+            # their reduce-scattered shards can be summed.
+            self.embedding.word_embeddings.weight.shared_embedding = True  # type: ignore[attr-defined]
 
     def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
         """The weight tied between the first and last stage, as this chunk holds it.

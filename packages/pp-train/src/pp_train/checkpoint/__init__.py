@@ -8,7 +8,8 @@ convert`` converts between the formats without the model (`pp_train.checkpoint.c
 `pretrain` with ``--ckpt-convert-format`` / ``--ckpt-convert-save`` does it with the model.
 
 The modules: `formats` (the API above), `torch_format` and `torch_dist` / `loading` (each
-format), `async_save`, `convert`, `keys` (global keys), `tracker` (paths and the tracker
+format), `optimizer_shards` and `distrib_optim` (the distributed optimizer's state in each),
+`async_save`, `convert`, `keys` (global keys), `tracker` (paths and the tracker
 file), `rng` (random generator states), `agreement` (every rank's verdict before any acts),
 `files` (atomic writes and renames), `load_request`, `validation` and `errors`.
 """

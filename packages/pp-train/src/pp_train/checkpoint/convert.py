@@ -175,6 +175,7 @@ def _read_torch(directory: Path, iteration: int) -> list[dict[str, Any]]:
             raise CheckpointError(f"checkpoint {path} {problem}; nothing was written")
         if not isinstance(content.get(CONVERSION_KEY), dict):
             raise _old_file(f"checkpoint {path}")
+        _refuse_distributed_optimizer(content[CONVERSION_KEY], f"checkpoint {path}")
         files.append(content)
     records = [content[CONVERSION_KEY] for content in files]
     layout = records[0]["layout"] if records else None
@@ -190,6 +191,16 @@ def _read_torch(directory: Path, iteration: int) -> list[dict[str, Any]]:
             f"its layout {layout} needs {expected}; nothing was written"
         )
     return files
+
+
+def _refuse_distributed_optimizer(record: dict[str, Any], where: str) -> None:
+    """The converter moves the whole optimizer's state only, not a distributed one's shards."""
+    if record.get("distributed_optimizer"):
+        raise CheckpointError(
+            f"{where} was saved with --use-distributed-optimizer; the converter does not take "
+            "sharded optimizer state: convert it with pretrain's --ckpt-convert-format (the "
+            "run's model and optimizer load it and save it again); nothing was written"
+        )
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -286,6 +297,9 @@ def _dist_writer(directory: Path, iteration: int) -> Any:
     with _single_process():
         reader = FileSystemReader(directory)
         dcp.load(buffers, storage_reader=reader, planner=load_planner(), no_dist=True)
+
+    for key in records:
+        _refuse_distributed_optimizer(buffers[key], where)
 
     def write(staging: Path) -> None:
         for key in records:

@@ -21,6 +21,7 @@ from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
 from pp_train.checkpoint.agreement import raise_if_any_failed
 from pp_train.checkpoint.async_save import AsyncCheckpointSaver
+from pp_train.checkpoint.distrib_optim import gather_optimizer_files
 from pp_train.checkpoint.errors import CheckpointError
 from pp_train.checkpoint.load_request import DEFAULT_STRICT_ARGS, LoadedCheckpoint, LoadRequest
 from pp_train.checkpoint.loading import load_torch_dist
@@ -150,6 +151,7 @@ def _save_torch(
 ) -> Path:
     """`save_torch_checkpoint`, each file adding its `conversion_record`."""
     check_save_arguments(iteration, consumed, parts["model"], parts["args"])
+    companions = gather_optimizer_files(parts["optimizer"])  # distrib_optim.pt, a collective
 
     def content() -> dict[str, Any]:
         saved = torch_checkpoint_content(iteration, consumed=consumed, save_rng=save_rng, **parts)
@@ -158,7 +160,7 @@ def _save_torch(
             saved[CONVERSION_KEY] = record
         return saved
 
-    return write_torch_checkpoint(root, iteration, state, content)
+    return write_torch_checkpoint(root, iteration, state, content, companions)
 
 
 def _save_torch_dist(

@@ -23,18 +23,20 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from pp_optim import Float16OptimizerWithFloat16Params
+from pp_optim import DistributedOptimizer, Float16OptimizerWithFloat16Params
 from pp_train.checkpoint.agreement import raise_if_any_failed
 from pp_train.checkpoint.errors import CheckpointError, listed
-from pp_train.checkpoint.keys import (
-    FP32_PARAM_PREFIX,
-    MODEL_PREFIX,
-    OPTIMIZER_STATE_PREFIX,
-    chunk_global_keys,
-    main_params,
-    model_targets,
-)
+from pp_train.checkpoint.keys import MODEL_PREFIX, chunk_global_keys, main_params, model_targets
 from pp_train.checkpoint.load_request import ABSENT, LoadedCheckpoint, LoadRequest
+from pp_train.checkpoint.optimizer_shards import (
+    MAIN_PARAM_ENTRY,
+    OwnedShard,
+    ShardIndex,
+    ShardLoad,
+    distributed_state,
+    owned_shards,
+    plan_shard_load,
+)
 from pp_train.checkpoint.rng import RngState, parse_rng_state, restore_rng
 from pp_train.checkpoint.torch_dist import (
     COMMON_FILENAME,
@@ -73,6 +75,7 @@ class _Plan:
     buffers: dict[str, Any]
     rng_key: str | None
     notes: list[str]
+    optimizer: ShardLoad | None = None
 
 
 def load_torch_dist(request: LoadRequest, iteration: int) -> LoadedCheckpoint:
@@ -150,8 +153,10 @@ def _plan(request: LoadRequest, directory: Path, iteration: int) -> _Plan:
     for key, held in model_targets(request.model).items():
         buffers[key] = _buffer(metadata, key, tuple(held[0].shape), problems)
     notes: list[str] = []
+    shards = None
     if request.load_optim and request.optimizer is not None:
-        buffers.update(_optimizer_buffers(request, metadata, problems))
+        shards = _optimizer_load(request, metadata, problems)
+        buffers.update({} if shards is None else shards.buffers(metadata))
         for name in ("opt_param_scheduler", "grad_scaler"):
             if name not in common:
                 problems.append(f"has no {name!r} state (to load without it: no_load_optim)")
@@ -160,7 +165,7 @@ def _plan(request: LoadRequest, directory: Path, iteration: int) -> _Plan:
     rng_key = _rng_key(request, common, metadata, where, notes)
     if rng_key is not None:
         buffers[rng_key] = None
-    return _Plan(directory, common, buffers, rng_key, notes)
+    return _Plan(directory, common, buffers, rng_key, notes, shards)
 
 
 def read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
@@ -252,20 +257,29 @@ def _buffer(
     return torch.empty(found, dtype=entry.properties.dtype)
 
 
-def _optimizer_buffers(
+def _optimizer_load(
     request: LoadRequest, metadata: Metadata, problems: list[str]
-) -> dict[str, Any]:
-    assert request.optimizer is not None
-    buffers: dict[str, Any] = {}
-    keys = list(metadata.state_dict_metadata)
-    for main in main_params(request.model, request.optimizer):
-        prefix = f"{OPTIMIZER_STATE_PREFIX}{main.name}."
-        for key in (k for k in keys if k.startswith(prefix) and k not in buffers):
-            buffers[key] = _buffer(metadata, key, None, problems)
-        if main.is_copy and FP32_PARAM_PREFIX + main.name not in buffers:
-            key = FP32_PARAM_PREFIX + main.name
-            buffers[key] = _buffer(metadata, key, tuple(main.param.shape), problems)
-    return buffers
+) -> ShardLoad | None:
+    """The saved ranges that fill the optimizer's state, or None with the problem recorded.
+
+    A `DistributedOptimizer` reads the ranges it owns, the other optimizers each parameter
+    whole; either from a checkpoint of either (`pp_train.checkpoint.optimizer_shards`).
+    """
+    optimizer = request.optimizer
+    assert optimizer is not None
+    if isinstance(optimizer, DistributedOptimizer):
+        owned = owned_shards(request.model, optimizer)
+    else:
+        owned = [
+            OwnedShard(main.name, 0, main.param.numel(), main.param.numel(), main.param,
+                       main.is_copy)
+            for main in main_params(request.model, optimizer)
+        ]  # fmt: skip
+    try:
+        return plan_shard_load(owned, ShardIndex(metadata))
+    except ValueError as error:
+        problems.append(str(error))
+        return None
 
 
 def _rng_key(
@@ -306,23 +320,27 @@ def _check_states(
 
 
 def _optimizer_state(plan: _Plan, request: LoadRequest) -> dict[str, Any]:
-    optimizer = request.optimizer
+    optimizer, shards = request.optimizer, plan.optimizer
     assert optimizer is not None
+    assert shards is not None
+    if isinstance(optimizer, DistributedOptimizer):
+        return distributed_state(optimizer, shards, plan.buffers, plan.common["grad_scaler"])
     current = optimizer.optimizer.state_dict()
     state: dict[int, dict[str, torch.Tensor]] = {}
     copies: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     for index, main in enumerate(main_params(request.model, optimizer)):
-        prefix = f"{OPTIMIZER_STATE_PREFIX}{main.name}."
+        # Fresh tensors each: tied parameters must not share one state tensor.
+        values = shards.values(index, plan.buffers)
+        copy = values.pop(MAIN_PARAM_ENTRY, None)
+        shape = main.param.shape
         entries = {
-            # A copy each: tied parameters must not share one state tensor.
-            key[len(prefix) :]: value.clone()
-            for key, value in plan.buffers.items()
-            if key.startswith(prefix) and isinstance(value, torch.Tensor)
+            key: value.view(shape) if value.dim() else value for key, value in values.items()
         }
         if entries:
             state[index] = entries
         if main.is_copy:
-            copies[main.group].append(plan.buffers[FP32_PARAM_PREFIX + main.name])
+            assert copy is not None
+            copies[main.group].append(copy.view(shape))
     loaded: dict[str, Any] = {
         "optimizer": {"state": state, "param_groups": current["param_groups"]},
         "grad_scaler": plan.common["grad_scaler"],
@@ -346,7 +364,7 @@ def _apply(
     if optimizer is not None:
         if optimizer_state is not None:
             optimizer.load_state_dict(optimizer_state)
-        elif isinstance(optimizer, Float16OptimizerWithFloat16Params):
+        elif isinstance(optimizer, (Float16OptimizerWithFloat16Params, DistributedOptimizer)):
             optimizer.reload_model_params()
     if request.load_optim and request.scheduler is not None:
         request.scheduler.load_state_dict(plan.common["opt_param_scheduler"])

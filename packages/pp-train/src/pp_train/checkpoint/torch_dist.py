@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from pp_optim import (
+    DistributedOptimizer,
     Float16OptimizerWithFloat16Params,
     MegatronOptimizer,
     OptimizerParamScheduler,
@@ -52,10 +53,11 @@ from pp_train.checkpoint.keys import (
     model_targets,
     optimizer_tensors,
 )
+from pp_train.checkpoint.optimizer_shards import shard_tensors
 from pp_train.checkpoint.rng import get_rng_state
 from pp_train.checkpoint.tracker import CHECKPOINT_VERSION, TRACKER_FILENAME, iteration_directory
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
-from pp_train.wrappers import unwrap_model
+from pp_train.wrappers import finish_param_sync, unwrap_model
 
 __all__ = [
     "COMMON_FILENAME",
@@ -124,6 +126,8 @@ def conversion_record(
     global names; and, with an optimizer, its parameters in torch's state-dict order as
     ``[global name, group, is fp32 copy]``, its ``param_groups`` and whether it keeps fp32
     copies (``fp32_from_fp16_params``). None when a chunk lacks ``sharded_state_keys``.
+    A distributed optimizer's shards are not recorded (``distributed_optimizer``: True): the
+    converter does not take them.
     """
     if not all(callable(getattr(unwrap_model(c), "sharded_state_keys", None)) for c in model):
         return None
@@ -137,8 +141,9 @@ def conversion_record(
         "optimizer_params": None,
         "param_groups": None,
         "fp32_copies": False,
+        "distributed_optimizer": isinstance(optimizer, DistributedOptimizer),
     }
-    if optimizer is not None:
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
         record["optimizer_params"] = [
             [main.name, main.group, main.is_copy] for main in main_params(model, optimizer)
         ]
@@ -168,7 +173,12 @@ def save_content(
     consumed: tuple[int, int],
     save_rng: bool,
 ) -> SaveContent:
-    """This rank's share of a torch_dist checkpoint (optimizer and scheduler when given)."""
+    """This rank's share of a torch_dist checkpoint (optimizer and scheduler when given).
+
+    A `DistributedOptimizer`'s state is this rank's shards (`pp_train.checkpoint.
+    optimizer_shards`); the parameters' all-gathers still in flight are waited for first.
+    """
+    finish_param_sync(model)
     tensors: dict[str, Any] = {key: held[0] for key, held in model_targets(model).items()}
     common: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -180,7 +190,10 @@ def save_content(
         "layout": layout_of(state, len(model)),
     }
     if optimizer is not None:
-        tensors.update(optimizer_tensors(model, optimizer))
+        if isinstance(optimizer, DistributedOptimizer):
+            tensors.update(shard_tensors(model, optimizer))
+        else:
+            tensors.update(optimizer_tensors(model, optimizer))
         scaler = optimizer.grad_scaler
         common["grad_scaler"] = None if scaler is None else scaler.state_dict()
     if scheduler is not None:

@@ -30,9 +30,20 @@ from typing import IO, Any
 
 import torch
 
-from pp_optim import Float16OptimizerWithFloat16Params, MegatronOptimizer, OptimizerParamScheduler
+from pp_optim import (
+    DistributedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    MegatronOptimizer,
+    OptimizerParamScheduler,
+)
 from pp_state import ParallelState
 from pp_train.checkpoint.agreement import gather_ints, raise_if_any_failed
+from pp_train.checkpoint.distrib_optim import (
+    DP_ZERO_STATE,
+    dp_zero_state,
+    gather_optimizer_files,
+    optimizer_entry,
+)
 from pp_train.checkpoint.errors import CheckpointError, listed
 from pp_train.checkpoint.files import atomic_write, fsync_directory, move_in
 from pp_train.checkpoint.load_request import (
@@ -54,7 +65,7 @@ from pp_train.checkpoint.validation import (
     check_scheduler_state,
 )
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer, restore_moved_aside
-from pp_train.wrappers import unwrap_model
+from pp_train.wrappers import finish_param_sync, unwrap_model
 
 __all__ = [
     "load_latest_torch",
@@ -91,12 +102,11 @@ def save_torch_checkpoint(
 ) -> Path:
     """Saves this job's state as iteration `iteration` under `root`; every rank calls it.
 
-    Data-parallel rank 0 of each (tensor, pipeline) position writes that position's file
-    atomically; once every file is in place, global rank 0 points the tracker at
-    `iteration`. A failure anywhere raises `CheckpointError` on every rank and leaves the
-    tracker, and so the checkpoint that loads, as it was. Saving again an iteration that
-    already exists writes into ``iter_N.partial`` and renames it in whole (the old directory
-    moved aside first, deleted once the tracker moved), so a crash never mixes old and new.
+    Data-parallel rank 0 of each (tensor, pipeline) position writes its file atomically (and
+    a `DistributedOptimizer`'s ``distrib_optim.pt``); then global rank 0 points the tracker
+    at `iteration`. A failure anywhere raises `CheckpointError` on every rank and leaves the
+    tracker as it was. Saving an existing iteration again writes into ``iter_N.partial``,
+    renamed in whole (the old directory moved aside, deleted once the tracker moved).
 
     Args:
         root: The checkpoint directory; created when missing.
@@ -124,6 +134,7 @@ def save_torch_checkpoint(
     """
     consumed = (consumed_train_samples, consumed_valid_samples)
     check_save_arguments(iteration, consumed, model, args)
+    companions = gather_optimizer_files(optimizer if save_optim else None)
     content = functools.partial(
         torch_checkpoint_content,
         iteration,
@@ -134,16 +145,21 @@ def save_torch_checkpoint(
         consumed=consumed,
         save_rng=save_rng,
     )
-    return write_torch_checkpoint(Path(root), iteration, state, content)
+    return write_torch_checkpoint(Path(root), iteration, state, content, companions)
 
 
 def write_torch_checkpoint(
-    root: Path, iteration: int, state: ParallelState, content: Callable[[], dict[str, Any]]
+    root: Path,
+    iteration: int,
+    state: ParallelState,
+    content: Callable[[], dict[str, Any]],
+    companions: Mapping[str, Any] | None = None,
 ) -> Path:
     """Writes every position's file, then moves the tracker; a collective (`save_torch_checkpoint`).
 
     Only data-parallel rank 0 of each position calls `content` and writes its file (at the
-    path returned); only global rank 0 writes the tracker. When the iteration's directory
+    path returned), after the `companions` (file name to content, e.g. ``distrib_optim.pt``)
+    beside it; only global rank 0 writes the tracker. When the iteration's directory
     exists the files go into ``iter_N.partial``, renamed in whole before the tracker moves.
     """
     operation = f"torch save of iteration {iteration}"
@@ -154,6 +170,8 @@ def write_torch_checkpoint(
     if state.group_rank("dp_cp") == 0:
         written = path if staging is None else staging / path.relative_to(final)
         try:
+            for name, companion in (companions or {}).items():
+                _atomic_write(written.parent / name, functools.partial(_save_to, companion))
             saved = content()
             _atomic_write(written, lambda file: torch.save(saved, file))
             _fsync_directory(written.parent.parent)
@@ -257,6 +275,7 @@ def torch_checkpoint_content(
     Returns:
         What ``torch.save`` writes to the position's ``model_optim_rng.pt``.
     """
+    finish_param_sync(model)  # the distributed optimizer's all-gathers still in flight
     content: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
@@ -267,7 +286,7 @@ def torch_checkpoint_content(
     for key, chunk in zip(model_keys(len(model)), model, strict=True):
         content[key] = unwrap_model(chunk).state_dict()
     if optimizer is not None:
-        content["optimizer"] = optimizer.state_dict()
+        content["optimizer"] = optimizer_entry(optimizer)
     if scheduler is not None:
         content["opt_param_scheduler"] = scheduler.state_dict()
     if save_rng:
@@ -428,7 +447,10 @@ def _plan_load(
     try:
         if request.load_optim and request.optimizer is not None:
             optimizer = _required(content, "optimizer", "no_load_optim")
-            request.optimizer.check_state_dict(optimizer)
+            distributed = dp_zero_state(optimizer, request.optimizer, path)
+            if distributed is None:
+                request.optimizer.check_state_dict(optimizer)
+            optimizer = distributed or optimizer
         if request.load_optim and request.scheduler is not None:
             scheduler = _required(content, "opt_param_scheduler", "no_load_optim")
             check_scheduler_state(request.scheduler, scheduler)
@@ -540,9 +562,11 @@ def _apply(plan: _LoadPlan, request: LoadRequest) -> None:
         unwrap_model(chunk).load_state_dict(saved, strict=True)
     optimizer = request.optimizer
     if optimizer is not None:
-        if plan.optimizer is not None:
+        if isinstance(optimizer, DistributedOptimizer) and plan.optimizer is not None:
+            optimizer.load_state_from_dp_zero(plan.optimizer[DP_ZERO_STATE])
+        elif plan.optimizer is not None:
             optimizer.load_state_dict(plan.optimizer)
-        elif isinstance(optimizer, Float16OptimizerWithFloat16Params):
+        elif isinstance(optimizer, (Float16OptimizerWithFloat16Params, DistributedOptimizer)):
             # The fp32 copies would otherwise still hold the weights from before the load.
             optimizer.reload_model_params()
     if request.scheduler is not None and plan.scheduler is not None:
@@ -559,6 +583,10 @@ def _own_path(root: Path, iteration: int, state: ParallelState) -> Path:
         pipeline_rank=state.pipeline_model_parallel_rank,
         pipeline_size=state.pipeline_model_parallel_size,
     )
+
+
+def _save_to(content: object, file: IO[bytes]) -> None:
+    torch.save(content, file)
 
 
 def model_keys(chunks: int) -> list[str]:
