@@ -4,7 +4,7 @@ The flags reach DDP and the optimizer and are refused as Megatron refuses them; 
 steps of the bundled GPT with the optimizer state sharded over data parallelism end with the
 parameters and losses of the same run with the whole state on every rank, at dp 2 and 4,
 pp 1 and 2, with and without overlapped reduce-scatter and all-gather, under 1F1B,
-interleaved 1F1B and ZB-H1.
+interleaved 1F1B, ZB-H1 and ZB-V.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, DistributedOptimizer, LRScheduleConfig, OptimizerConfig
-from pp_state import ParallelConfig, ParallelState
+from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
     build_forward_backward_func,
@@ -86,10 +86,12 @@ def _build(
     case: Case, state: ParallelState, distributed: bool, load: Checkpoint | None = None
 ) -> tuple[Any, ...]:
     vp = case.vp or 1
+    # ZB-V's chunks hold the stages of the V placement (rank 0 the first and the last).
+    placement = Placement.v_shape(case.pp) if case.schedule == "zbv" else None
 
     def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
         rank = state.pipeline_model_parallel_rank
-        layers = chunk_layers(GPT.num_layers, case.pp, vp, rank, vp_stage)
+        layers = chunk_layers(GPT.num_layers, case.pp, vp, rank, vp_stage, placement=placement)
         return GPTChunk(
             GPT, layers=layers, pre_process=pre_process, post_process=post_process, seed=7
         )
@@ -108,6 +110,7 @@ def _build(
         load=None if load is None else load.root,
         checkpoint_args=_args(case),
         ckpt_format=load.ckpt_format if load is not None else "torch",  # type: ignore[arg-type]
+        placement=placement,
     )  # fmt: skip
     assert isinstance(optimizer, DistributedOptimizer) == distributed
     return model, optimizer, scheduler, loaded
@@ -183,6 +186,7 @@ CASES = {
     "dp2xpp2-overlap": Case(world=4, pp=2, overlap=True),
     "dp2xpp2-zb_h1-overlap": Case(world=4, pp=2, schedule="zb_h1", overlap=True),
     "dp2xpp2-interleaved-overlap": Case(world=4, pp=2, vp=2, overlap=True),
+    "dp2xpp2-zbv-overlap": Case(world=4, pp=2, vp=2, schedule="zbv", overlap=True),
     # The clipping factor comes from the norm summed over shards in another order (float32):
     # norms and losses agree to 1e-6 each step, the parameters drift to a few 1e-6 over 20.
     "dp2xpp2-clipped": Case(world=4, pp=2, clip_grad=1.0, params_rel=2e-5),
