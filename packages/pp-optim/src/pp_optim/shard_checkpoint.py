@@ -26,6 +26,7 @@ __all__ = [
     "gather_state",
     "load_gathered_state",
     "param_names",
+    "param_sizes",
     "state_keys",
 ]
 
@@ -72,6 +73,20 @@ def param_names(chunks: Sequence[DistributedDataParallel]) -> dict[int, str]:
         id(param): f"{index}.{name}"
         for index, chunk in enumerate(chunks)
         for name, param in chunk.module.named_parameters()
+    }
+
+
+def param_sizes(chunks: Sequence[DistributedDataParallel]) -> dict[str, int]:
+    """The elements of every parameter the chunks' grad buffers hold, by `param_names` name.
+
+    What a gathered optimizer state must cover.
+    """
+    names = param_names(chunks)
+    return {
+        names[id(param)]: param.numel()
+        for chunk in chunks
+        for bucket in chunk.buckets
+        for param, _, _ in bucket.param_ranges
     }
 
 
@@ -175,13 +190,7 @@ def _problem(opt: ShardedOptimizer, state: object) -> str | None:
     """Why rank 0 refuses `state`, or None."""
     if not isinstance(state, dict) or not isinstance(state.get("params"), dict):
         return "the gathered optimizer state is not a dict with 'params'"
-    names = param_names(opt.model_chunks)
-    sizes = {
-        names[id(param)]: param.numel()
-        for chunk in opt.model_chunks
-        for bucket in chunk.buckets
-        for param, _, _ in bucket.param_ranges
-    }
+    sizes = param_sizes(opt.model_chunks)
     missing = sorted(set(sizes) - set(state["params"]))
     if missing:
         return f"the gathered optimizer state lacks parameters {missing}"

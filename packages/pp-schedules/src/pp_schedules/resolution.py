@@ -215,6 +215,29 @@ class ResolvedSchedule:
         """Whether forward-only plans (evaluation) were resolved beside the training ones."""
         return any(forward_only for _, forward_only in self.reports)
 
+    def with_schedule(
+        self, name: str, *, vp_size: int | None = None, choice: Choice | None = None
+    ) -> ResolvedSchedule:
+        """The same run resolved for schedule `name` on `vp_size` chunks per rank, with `choice`.
+
+        The microbatch counts, forward-only plans, transport and prefetch stay this
+        resolution's; nothing is planned again when the schedule and the chunks are already
+        this resolution's (a measured ``auto`` that kept its pick).
+
+        Raises:
+            ValueError: The schedule cannot run these sizes (see `resolve_schedule`).
+        """
+        vp = self.vp_size if vp_size is None else vp_size
+        again = self
+        if (name, vp) != (self.name, self.vp_size):
+            again = resolve_schedule(
+                name, pp_size=self.pp_size, vp_size=vp,
+                microbatch_counts=self.microbatch_counts,
+                include_forward_only=self.include_forward_only,
+                transport=self.transport, prefetch=self.prefetch,
+            )  # fmt: skip
+        return dataclasses.replace(again, choice=choice)
+
     def report(self, num_microbatches: int, forward_only: bool = False) -> PlanReport:
         """The validated plan of a step of `num_microbatches` microbatches.
 

@@ -29,7 +29,6 @@ from pp_schedules import (
     StageMemory,
     choose_fitting,
     format_bytes,
-    resolve_schedule,
     schedule_spec,
     schedules_for,
     simulate,
@@ -334,15 +333,9 @@ def fit_memory_limit(
         ) from error
     assert choice.option is not None
     option, split, recompute = options[choice.option.label]
-    if (choice.chosen.name, option.vp_size) != (resolved.name, resolved.vp_size):
-        resolved = resolve_schedule(
-            choice.chosen.name, pp_size=resolved.pp_size, vp_size=option.vp_size,
-            microbatch_counts=resolved.microbatch_counts,
-            include_forward_only=resolved.include_forward_only,
-            transport=resolved.transport, prefetch=resolved.prefetch,
-        )  # fmt: skip
-    if auto:
-        resolved = dataclasses.replace(resolved, choice=choice)
+    resolved = resolved.with_schedule(
+        choice.chosen.name, vp_size=option.vp_size, choice=choice if auto else resolved.choice
+    )
     fitted = dataclasses.replace(
         layout, resolved=resolved, layer_split=split, recompute=recompute, memory=option.memory
     )

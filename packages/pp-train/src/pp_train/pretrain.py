@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
-from pp_schedules import Choice, Costs, resolve_schedule, schedule_spec
+from pp_schedules import Choice, Costs, schedule_spec
 from pp_state import ParallelConfig, ParallelState
 from pp_train.arguments import PretrainConfig
 from pp_train.checkpoint import (
@@ -293,14 +293,9 @@ def _measured(layout: RunLayout, measure: ScheduleMeasure) -> RunLayout:
     assert resolved.choice is not None
     sizes = (resolved.pp_size, max(layout.microbatch_counts), resolved.vp_size)
     choice = measure(resolved.choice, sizes)
-    if choice.chosen.name != resolved.name:
-        resolved = resolve_schedule(
-            choice.chosen.name, pp_size=resolved.pp_size, vp_size=resolved.vp_size,
-            microbatch_counts=resolved.microbatch_counts,
-            include_forward_only=resolved.include_forward_only,
-            transport=resolved.transport, prefetch=resolved.prefetch,
-        )  # fmt: skip
-    return dataclasses.replace(layout, resolved=dataclasses.replace(resolved, choice=choice))
+    return dataclasses.replace(
+        layout, resolved=resolved.with_schedule(choice.chosen.name, choice=choice)
+    )
 
 
 def _with_context(

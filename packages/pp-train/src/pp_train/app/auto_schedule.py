@@ -29,7 +29,7 @@ from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.memory_plan import MemoryPlanError, ModelFigures, PartFigures
 from pp_train.recompute import RecomputeConfig
 
-__all__ = ["choose_measured", "layout_costs", "model_figures", "warmup_costs"]
+__all__ = ["choose_measured", "layout_costs", "layout_times", "model_figures", "warmup_costs"]
 
 
 def warmup_costs(
@@ -108,25 +108,37 @@ def layout_costs(
 
     Each part (a layer, the embedding, the output layer with the loss) runs a forward and a
     backward of one microbatch; medians of `rounds` timed rounds after one untimed count, and
-    the slowest rank's.
+    the slowest rank's (`model_figures`, read by `layout_times`).
 
     Args:
-        config: The model's shape.
+        config: The model's shape (and recomputation, which the layer's time includes).
         micro_batch_size: Sequences per microbatch.
         seed: Seeds the throwaway chunks' weights.
         rounds: Timed rounds after one untimed; the medians count.
     """
-    tokens = torch.randint(config.vocab_size, (micro_batch_size, config.seq_length))
-    medians: list[float] = []
-    for pre, post, layers in ((False, False, 1), (True, False, 0), (False, True, 0)):
-        part = GPTChunk(config, layers=range(layers), pre_process=pre, post_process=post, seed=seed)
-        times = [_step(part, tokens, pre=pre, post=post) for _ in range(rounds + 1)][1:]
-        medians += [statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)]
-    f, b, *ends = _slowest(medians, "layout cost all-reduce")
+    figures = model_figures(config, micro_batch_size=micro_batch_size, seed=seed, rounds=rounds)
+    return layout_times(figures, config.recompute)
+
+
+def layout_times(
+    figures: ModelFigures, recompute: RecomputeConfig | None
+) -> tuple[Costs, float, float]:
+    """`layout_costs` from measured parts, the ends' times in layers.
+
+    The layer is timed as `recompute` runs it (a chunk of one layer recomputes it whole under
+    full granularity, either method).
+    """
+    layer = {
+        None: figures.layer,
+        "full": figures.layer_full,
+        "selective": figures.layer_selective or figures.layer,
+    }[None if recompute is None else recompute.granularity]
+    f, b = layer.forward_ms, layer.backward_ms
+    embedding, loss = figures.embedding, figures.loss
     return (
         Costs(forward=f, backward=b),
-        (ends[0] + ends[1]) / (f + b),
-        (ends[2] + ends[3]) / (f + b),
+        (embedding.forward_ms + embedding.backward_ms) / (f + b),
+        (loss.forward_ms + loss.backward_ms) / (f + b),
     )
 
 

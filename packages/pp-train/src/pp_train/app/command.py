@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,7 +20,7 @@ import torch
 
 from pp_schedules import Choice, Costs
 from pp_state.store_channel import StoreChannel, StoreTimeoutError
-from pp_train.app.auto_schedule import choose_measured, layout_costs, model_figures
+from pp_train.app.auto_schedule import choose_measured, layout_times, model_figures
 from pp_train.app.corpus import (
     CorpusDataset,
     check_corpus_seq_length,
@@ -241,16 +242,18 @@ def run(args: argparse.Namespace) -> str:
         batch = config.training.micro_batch_size
         return choose_measured(gpt, guess, sizes=sizes, micro_batch_size=batch, seed=seed)
 
-    def measure_layout() -> tuple[Costs, float, float]:
-        return layout_costs(gpt, micro_batch_size=config.training.micro_batch_size, seed=seed)
-
+    @functools.cache
     def measure_memory() -> ModelFigures:
+        # One warm-up for both the balanced split's costs and the byte model.
         half = config.optimizer.bf16 or config.optimizer.fp16
         dtype = (torch.bfloat16 if config.optimizer.bf16 else torch.float16) if half else None
         return model_figures(
             gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
             dtype=dtype or torch.float32,
         )  # fmt: skip
+
+    def measure_layout() -> tuple[Costs, float, float]:
+        return layout_times(measure_memory(), gpt.recompute)
 
     return pretrain(
         datasets_provider, model_provider, gpt_forward_step, config=config,

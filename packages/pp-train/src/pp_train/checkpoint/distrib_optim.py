@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pp_optim import DistributedOptimizer, MegatronOptimizer
-from pp_optim.shard_checkpoint import param_names
+from pp_optim.shard_checkpoint import param_sizes
 from pp_train.checkpoint.errors import listed
 
 __all__ = [
@@ -126,13 +126,7 @@ def _read(path: Path) -> dict[str, Any]:
 
 def _check_covers(state: dict[str, Any], optimizer: DistributedOptimizer, path: Path) -> None:
     """Every trainable parameter of the run's chunks is in the file, at its size."""
-    names = param_names(optimizer.model_chunks)
-    sizes = {
-        names[id(param)]: param.numel()
-        for chunk in optimizer.model_chunks
-        for param in chunk.module.parameters()
-        if param.requires_grad
-    }
+    sizes = param_sizes(optimizer.model_chunks)
     missing = sorted(name for name in sizes if name not in state["params"])
     wrong = []
     for name, size in sizes.items():
