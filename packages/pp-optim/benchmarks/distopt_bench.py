@@ -39,6 +39,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -380,6 +381,10 @@ def main() -> None:
     comm.update(load_start=load_start, load_end=round(os.getloadavg()[0], 2))
     if dist.get_rank() == 0:
         report(comm, records, args.json)
+    # The contenders' modules and hooks sit in reference cycles. Left to interpreter exit,
+    # after the process group is gone, freeing them aborted rank 0 in about one run in three
+    # ("terminate called without an active exception"); freed here, never in 16 runs.
+    gc.collect()
     dist.destroy_process_group()
 
 
