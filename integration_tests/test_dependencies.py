@@ -22,7 +22,8 @@ LOWER = {
     "pp-comm": {"pp-state"},
     "pp-schedules": {"pp-comm", "pp-state"},
     "pp-optim": {"pp-state"},
-    "pp-train": {"pp-schedules", "pp-optim", "pp-comm", "pp-state"},
+    "pp-tensor": {"pp-state"},
+    "pp-train": {"pp-schedules", "pp-optim", "pp-tensor", "pp-comm", "pp-state"},
     "pp-testing": set(),
 }
 PLANNING = "Development Status :: 1 - Planning"

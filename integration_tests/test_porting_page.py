@@ -28,6 +28,7 @@ def test_the_page_lists_the_packages() -> None:
         "pp_comm",
         "pp_schedules",
         "pp_optim",
+        "pp_tensor",
         "pp_train",
     }
 

@@ -1,0 +1,209 @@
+"""Sizes, vocabulary ranges, shards and the tensor-parallel attributes of parameters.
+
+A tensor-parallel group of None means no tensor parallelism: size 1, rank 0. The attribute
+names on parameters are Megatron's (`tensor_model_parallel`, `partition_dim`,
+`partition_stride`, `sequence_parallel`); pp-optim's norms and clipping read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pp_state.numbers import check_int
+
+__all__ = [
+    "TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS",
+    "VocabUtility",
+    "copy_tensor_model_parallel_attributes",
+    "divide",
+    "join_shards",
+    "mark_sequence_parallel",
+    "pad_vocab_size",
+    "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
+    "shard_of",
+    "split_tensor_along_last_dim",
+    "tp_rank",
+    "tp_size",
+]
+
+TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, bool | int] = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+"""The attributes of a parameter every tensor-parallel rank holds whole, by name."""
+
+
+def tp_size(tp_group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in `tp_group` (1 for None)."""
+    return 1 if tp_group is None else dist.get_world_size(tp_group)
+
+
+def tp_rank(tp_group: dist.ProcessGroup | None) -> int:
+    """This rank's position in `tp_group` (0 for None)."""
+    return 0 if tp_group is None else dist.get_rank(tp_group)
+
+
+def divide(numerator: int, denominator: int, what: str, *, by: str = "tensor-parallel size") -> int:
+    """`numerator / denominator`, which must be a whole number.
+
+    Args:
+        numerator: The size to split.
+        denominator: The number of parts.
+        what: What `numerator` is, for the error ("hidden size").
+        by: What `denominator` is, for the error.
+
+    Returns:
+        The size of one part.
+
+    Raises:
+        ValueError: The division leaves a remainder, e.g. "hidden size 10 is not divisible by
+            tensor-parallel size 4".
+    """
+    check_int(by, denominator, 1)
+    if numerator % denominator:
+        raise ValueError(f"{what} {numerator} is not divisible by {by} {denominator}")
+    return numerator // denominator
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """The padded vocabulary: the smallest multiple of ``divisible_by * tp_size`` >= `vocab_size`.
+
+    Megatron's rule for ``--make-vocab-size-divisible-by``: every tensor-parallel rank gets
+    an equal slice whose size is a multiple of `divisible_by`.
+
+    Args:
+        vocab_size: The tokenizer's vocabulary size.
+        divisible_by: Megatron's ``--make-vocab-size-divisible-by``.
+        tp_size: The tensor-parallel size.
+
+    Raises:
+        TypeError: An argument is not an int.
+        ValueError: An argument is below 1.
+    """
+    check_int("vocab_size", vocab_size, 1)
+    check_int("make_vocab_size_divisible_by", divisible_by, 1)
+    check_int("tensor-parallel size", tp_size, 1)
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabUtility:
+    """Which contiguous range ``[start, end)`` of the vocabulary a tensor-parallel rank holds."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(
+        per_partition_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
+        """The range of `rank` when each of the `world_size` ranks holds the given size."""
+        del world_size  # the range depends on the rank alone; kept for Megatron's signature
+        start = rank * per_partition_vocab_size
+        return start, start + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(
+        global_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
+        """The range of `rank` when `world_size` ranks split the whole vocabulary equally.
+
+        Raises:
+            ValueError: The vocabulary does not divide by `world_size`.
+        """
+        per_partition = divide(global_vocab_size, world_size, "vocabulary size")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(
+            per_partition, rank, world_size
+        )
+
+
+def split_tensor_along_last_dim(
+    tensor: torch.Tensor, num_partitions: int, contiguous_split_chunks: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """`tensor` split into `num_partitions` equal views along its last dimension.
+
+    Args:
+        tensor: The tensor to split.
+        num_partitions: How many parts.
+        contiguous_split_chunks: Return contiguous copies instead of views.
+
+    Raises:
+        ValueError: The last dimension does not divide by `num_partitions`.
+    """
+    last = divide(tensor.size(-1), num_partitions, "last dimension", by="number of partitions")
+    chunks = torch.split(tensor, last, dim=-1)
+    if contiguous_split_chunks:
+        return tuple(chunk.contiguous() for chunk in chunks)
+    return tuple(chunks)
+
+
+def shard_of(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Part `rank` of `size` contiguous equal parts of `full` along `dim`, as a new tensor.
+
+    Raises:
+        ValueError: `full` does not divide along `dim`, or `rank` is not in ``[0, size)``.
+    """
+    part = divide(
+        full.size(dim), size, f"dimension {dim} of shape {tuple(full.shape)}:", by="shard count"
+    )
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is out of range for {size} shards")
+    return full.narrow(dim, rank * part, part).clone()
+
+
+def join_shards(shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The inverse of `shard_of`: the shards of ranks 0, 1, ... concatenated along `dim`."""
+    return torch.cat(list(shards), dim=dim)
+
+
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
+    """Marks `tensor` as split (or not) over tensor parallelism along `dim` with `stride`."""
+    tensor.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
+    tensor.partition_dim = dim  # type: ignore[attr-defined]
+    tensor.partition_stride = stride  # type: ignore[attr-defined]
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Gives `tensor` the attributes of a replicated parameter where it has none yet."""
+    for name, default in TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, default)
+
+
+def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copies the tensor-parallel attributes `source` has onto `destination`."""
+    for name in TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True for a parameter split over tensor parallelism, or for any on tensor-parallel rank 0.
+
+    A replicated parameter is then counted once over the tensor-parallel group (by rank 0).
+    """
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def mark_sequence_parallel(params_or_module: torch.nn.Module | Iterable[torch.Tensor]) -> None:
+    """Sets ``sequence_parallel = True`` on parameters replicated over tensor parallelism.
+
+    Under sequence parallelism each tensor-parallel rank sees a different part of the
+    sequence, so the gradients of such parameters (layer norms, a row-parallel bias) are
+    partial sums to be all-reduced over the tensor-parallel group.
+
+    Args:
+        params_or_module: The parameters, or a module whose parameters (all of them) to mark.
+    """
+    params = (
+        params_or_module.parameters()
+        if isinstance(params_or_module, torch.nn.Module)
+        else params_or_module
+    )
+    for param in params:
+        param.sequence_parallel = True  # type: ignore[attr-defined]
