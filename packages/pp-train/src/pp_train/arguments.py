@@ -104,6 +104,16 @@ def _check_layout_flags(parallel: ParallelArgs) -> None:
 class ParallelArgs:
     """Parallelism and the pipeline schedule."""
 
+    tensor_model_parallel_size: int = 1
+    """Ranks each layer's weights are split over (tensor parallelism); the world is tensor x
+    pipeline x data parallel. It must divide the attention heads and the FFN size."""
+
+    sequence_parallel: bool = False
+    """With tensor parallelism, also split the activations outside the tensor-parallel
+    regions (layer norms, dropout, residual adds, the transfers between stages) along the
+    sequence; --seq-length must divide by the tensor-parallel size. At tensor-parallel size 1
+    it is turned off with a warning (Megatron's behaviour)."""
+
     pipeline_model_parallel_size: int = 1
     """Pipeline stages; the rest of the world is data parallel."""
 
@@ -155,7 +165,12 @@ class ParallelArgs:
     def __post_init__(self) -> None:
         """Checks sizes and the timeout; a schedule name and a plan file exclude each other."""
         _check_at_least(
-            self, ("pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+            self,
+            (
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "num_layers_per_virtual_pipeline_stage",
+            ),
         )
         _check_positive_real(self, ("distributed_timeout_minutes", "memory_limit_gb"))
         _check_at_least(
@@ -168,6 +183,11 @@ class ParallelArgs:
                 f"--pipeline-schedule {self.pipeline_schedule} and --pipeline-schedule-file "
                 f"{self.pipeline_schedule_file} exclude each other; give one"
             )
+
+    @property
+    def sequence_parallel_in_use(self) -> bool:
+        """``--sequence-parallel`` where it applies: off at tensor-parallel size 1 (Megatron)."""
+        return self.sequence_parallel and self.tensor_model_parallel_size > 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,6 +211,10 @@ class ModelArgs:
 
     seq_length: int = 64
     """Tokens per sample."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron's
+    rule); the padded rows are never a target."""
 
     decoder_seq_length: int | None = None
     """Encoder-decoder models: the decoder's tokens per sample (None: --seq-length)."""
@@ -223,7 +247,9 @@ class ModelArgs:
     def __post_init__(self) -> None:
         """Checks the sizes, that the heads divide the hidden size, dropout and recompute."""
         names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
-        _check_at_least(self, (*names, "seq_length", "decoder_seq_length"))
+        _check_at_least(
+            self, (*names, "seq_length", "decoder_seq_length", "make_vocab_size_divisible_by")
+        )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "

@@ -68,7 +68,8 @@ class PartFigures:
     """One microbatch through one part of the model alone.
 
     Attributes:
-        parameters: The part's parameters.
+        parameters: The part's parameters on one rank (a weight split over tensor
+            parallelism counts its rank's share).
         activation_bytes: Bytes its forward saves for backward (parameters excluded).
         forward_ms: Its forward's time.
         backward_ms: Its backward's time (recomputation included, for a recomputed layer).

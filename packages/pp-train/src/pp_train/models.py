@@ -23,6 +23,7 @@ from pp_optim import (
     get_megatron_optimizer,
 )
 from pp_state import ParallelState, Placement
+from pp_tensor import set_defaults_if_not_set_tensor_model_parallel_attributes
 from pp_train.checkpoint import CkptFormat, LoadedCheckpoint, load_checkpoint
 from pp_train.embeddings import sync_shared_embeddings
 
@@ -157,6 +158,17 @@ def get_model(
     return chunks
 
 
+def _marked(chunk: torch.nn.Module) -> torch.nn.Module:
+    """`chunk`, its parameters that no tensor-parallel layer marked marked replicated.
+
+    Megatron's ``get_model`` does so (``tensor_model_parallel = False``, ``partition_dim =
+    -1``), for what reads the marks (norms, clipping, checkpoints).
+    """
+    for param in chunk.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    return chunk
+
+
 def _provide(
     model_provider: ModelProvider | EncoderDecoderModelProvider,
     state: ParallelState,
@@ -164,12 +176,12 @@ def _provide(
     vp_stage: int,
     model_type: ModelType,
 ) -> tuple[torch.nn.Module, bool, bool]:
-    """One chunk from the provider, and whether it is pre- and post-processing."""
+    """One chunk from the provider (`_marked`), and whether it is pre- and post-processing."""
     rank = state.pipeline_model_parallel_rank
     if model_type is ModelType.encoder_or_decoder:
         pre, post = where.is_first(rank, vp_stage), where.is_last(rank, vp_stage)
         provider = cast("ModelProvider", model_provider)
-        return provider(pre_process=pre, post_process=post, vp_stage=vp_stage), pre, post
+        return _marked(provider(pre_process=pre, post_process=post, vp_stage=vp_stage)), pre, post
     pp, split = state.pipeline_model_parallel_size, state.pipeline_model_parallel_split_rank
     if where.vp_size > 1 or (pp > 1 and split is None):
         raise ValueError(
@@ -185,7 +197,7 @@ def _provide(
     chunk = provider_ed(
         pre_process=pre, post_process=post, add_encoder=encoder, add_decoder=decoder
     )
-    return chunk, pre, post
+    return _marked(chunk), pre, post
 
 
 def setup_model_and_optimizer(

@@ -17,18 +17,21 @@ import dataclasses
 import datetime
 import inspect
 import os
+import random
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pp_optim import LRScheduleConfig, MegatronOptimizer, OptimizerParamScheduler
 from pp_schedules import Choice, Costs, schedule_spec
 from pp_state import ParallelConfig, ParallelState
+from pp_tensor import model_parallel_manual_seed
 from pp_train.arguments import PretrainConfig
 from pp_train.checkpoint import (
     TRACKER_FILENAME,
@@ -62,6 +65,8 @@ __all__ = [
     "default_transport",
     "lr_schedule_config",
     "pretrain",
+    "print_once",
+    "set_random_seed",
     "train_valid_test_num_samples",
     "training_config",
 ]
@@ -102,9 +107,9 @@ def pretrain(
 
     Checks `config` against the world (`check_world`, unless `layout` is given), starts the
     process group unless one runs (torchrun's environment; one process without it), measures
-    what the flags need measured, builds the parallel state, the chunks, optimizer and
-    scheduler (restored from ``--load``), the datasets and their microbatch streams, runs
-    `train`, and evaluates at the end. The last stage of the last replica prints.
+    what the flags need measured, builds the parallel state, seeds (`set_random_seed`), builds
+    the chunks, optimizer and scheduler (restored from ``--load``), the datasets and streams,
+    runs `train`, and evaluates at the end. The last stage of the last replica prints.
 
     Args:
         train_valid_test_datasets_provider: Builds the datasets (see the module docstring).
@@ -171,13 +176,21 @@ def _run_layout(
             f"this run has {world} on {transport} with pipeline size {pp}; pass check_world's "
             "layout for this run, or none"
         )
+    tp = config.parallel.tensor_model_parallel_size
+    if layout.tensor_model_parallel_size != tp:
+        raise ValueError(
+            f"the layout was checked for tensor-parallel size "
+            f"{layout.tensor_model_parallel_size}, but this run has {tp}; pass check_world's "
+            "layout for this run, or none"
+        )
     return layout
 
 
 def _parallel_state(config: PretrainConfig, layout: RunLayout) -> ParallelState:
-    """The run's parallel state (pipeline and virtual sizes, the collectives' timeout)."""
+    """The run's parallel state (tensor, pipeline and virtual sizes, the collectives' timeout)."""
     return ParallelState.create(
         ParallelConfig(
+            tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
             timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes),
@@ -214,16 +227,56 @@ def _print_now(text: str) -> None:
     print(text, flush=True)
 
 
-def _progress_line(text: str) -> None:
-    """Rank 0 says what it is doing while the ranks start (before any log line)."""
+def print_once(text: str) -> None:
+    """Prints `text` on the job's rank 0 only, before or after the process group starts.
+
+    The group's rank once it runs, else torchrun's ``RANK`` (0 without torchrun).
+    """
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank == 0:
-        print(f"pp-train: {text}", flush=True)
+        print(text, flush=True)
+
+
+def _progress_line(text: str) -> None:
+    """Rank 0 says what it is doing while the ranks start (before any log line)."""
+    print_once(f"pp-train: {text}")
+
+
+def _warn_sequence_parallel_off(config: PretrainConfig) -> None:
+    """Megatron turns ``--sequence-parallel`` off at tensor-parallel size 1; said once."""
+    parallel = config.parallel
+    if parallel.sequence_parallel and not parallel.sequence_parallel_in_use:
+        _progress_line(
+            "warning: --sequence-parallel is turned off: it needs --tensor-model-parallel-size "
+            f"2 or more, got {parallel.tensor_model_parallel_size}"
+        )
+
+
+def set_random_seed(seed: int, state: ParallelState, device: torch.device | None = None) -> None:
+    """Seeds every generator of this rank as Megatron's ``_set_random_seed`` does.
+
+    Pipeline stages draw apart (``seed + 100 x pipeline rank``; Python's, NumPy's and
+    torch's default generators); pp-tensor's tracker gets the tensor-parallel seed of
+    this rank (`pp_tensor.model_parallel_manual_seed`), so dropout inside tensor-parallel
+    regions differs across tensor-parallel ranks and the rest matches. Models that
+    initialise their weights from their own generators (the bundled GPT) and train without
+    dropout are not affected.
+
+    Args:
+        seed: The run's ``--seed``.
+        state: The parallel state (pipeline and tensor-parallel ranks).
+        device: The run's device (the tracker's states live there).
+    """
+    stage_seed = seed + 100 * state.pipeline_model_parallel_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    model_parallel_manual_seed(stage_seed, tp_rank=state.tensor_model_parallel_rank, device=device)
 
 
 @contextlib.contextmanager
 def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
     """This process's device in a running process group: the caller's, or one started here."""
+    _warn_sequence_parallel_off(config)
     _progress_line(f"configuration checked; joining the process group of {_world_size()} ...")
     if dist.is_initialized():
         _progress_line(f"process group ready ({dist.get_backend()}); building the model ...")
@@ -402,11 +455,15 @@ class _Run:
     """``--memory-limit-gb``'s choice (its table is printed at the start)."""
 
     def __post_init__(self) -> None:
+        # Before any chunk is built, as Megatron's initialisation seeds.
+        set_random_seed(self.config.training.seed, self.state, self.device)
         # Megatron logs from the last rank: the last stage (the losses) of the last replica.
         state = self.state
-        self.is_logging_rank = self.layout.placement.holds_last(
-            state.pipeline_model_parallel_rank
-        ) and (state.group_rank("dp_cp") == state.group_size("dp_cp") - 1)
+        self.is_logging_rank = (
+            self.layout.placement.holds_last(state.pipeline_model_parallel_rank)
+            and state.group_rank("dp_cp") == state.group_size("dp_cp") - 1
+            and state.tensor_model_parallel_rank == state.tensor_model_parallel_size - 1
+        )
 
     def say(self, text: str) -> None:
         if self.is_logging_rank:
@@ -432,6 +489,7 @@ class _Run:
         forward_backward = build_forward_backward_func(
             state, model, optimizer, hidden_size=config.model.hidden_size, device=self.device,
             timers=timers, resolved=layout.resolved,
+            sequence_parallel=config.parallel.sequence_parallel_in_use,
         )  # fmt: skip
         calculator = microbatch_calculator(config, state.group_size("dp_cp"))
         logger, writer = self._logger()
@@ -534,7 +592,9 @@ class _Run:
         saved.update(
             virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
             data_parallel_size=layout.data_parallel_size,
-            tensor_model_parallel_size=1,
+            tensor_model_parallel_size=self.state.tensor_model_parallel_size,
+            # Off at tensor-parallel size 1, whatever the flag said (Megatron's args too).
+            sequence_parallel=self.config.parallel.sequence_parallel_in_use,
             lr_decay_iters=self.config.lr_decay_iters,
         )
         saved.update(extra)
@@ -617,7 +677,8 @@ class _Run:
             epoch = len(train_ds)  # type: ignore[arg-type]  # a sized dataset
         line = (
             f"pp-train: {self.model_name} on {dist.get_world_size()} processes "
-            f"({dist.get_backend()}): pipeline {pp}{f' x {vp} virtual stages' if vp else ''}, "
+            f"({dist.get_backend()}): {self._tensor_parallel_text()}"
+            f"pipeline {pp}{f' x {vp} virtual stages' if vp else ''}, "
             f"data parallel {state.group_size('dp_cp')}, {title}"
             + ("" if epoch is None else f"; {epoch} training samples per epoch")
         )
@@ -638,6 +699,14 @@ class _Run:
         how = " with step costs measured in a warm-up" if self.measured else ""
         return [*lines, f"pipeline schedule chosen by simulation{how} (ms per chunk: {text}):\n"
                 + choice.table()]  # fmt: skip
+
+    def _tensor_parallel_text(self) -> str:
+        """The startup line's tensor-parallel part (nothing at size 1)."""
+        tp = self.state.tensor_model_parallel_size
+        if tp == 1:
+            return ""
+        sequence = self.config.parallel.sequence_parallel_in_use
+        return f"tensor parallel {tp}{' with sequence parallelism' if sequence else ''}, "
 
     def _final_validation(
         self,

@@ -9,7 +9,11 @@ whose activations grow with the square of the sequence length.
 
 Everything runs through non-reentrant `torch.utils.checkpoint.checkpoint` with the random state
 preserved, so the recomputed dropout masks are the original ones and a recomputed run gives the
-gradients of a plain one bit for bit. Under a split backward (zero-bubble schedules) a
+gradients of a plain one bit for bit. Torch preserves only the default generators; dropout
+drawn under a model-parallel RNG tracker (`pp_tensor.RNGStatesTracker`: attention dropout at
+tensor-parallel size > 1, every dropout under sequence parallelism) is replayed too: each
+recomputation starts from the tracker states of the original forward and leaves the tracker
+where the original forward left it. Under a split backward (zero-bubble schedules) a
 recomputed chunk runs its forward twice, once in the input-gradient and once in the
 weight-gradient step (see `pp_schedules.split_backward`).
 """
@@ -19,17 +23,30 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from pp_state.numbers import is_int
 
-__all__ = ["RecomputeConfig", "checkpoint_core_attention", "run_layers"]
+__all__ = ["RNGStates", "RecomputeConfig", "checkpoint_core_attention", "run_layers"]
 
 # A ModuleList indexes and has a length, but is no Sequence to a type checker.
 Layers = Sequence[torch.nn.Module] | torch.nn.ModuleList
+
+
+class RNGStates(Protocol):
+    """What recomputation needs of an RNG tracker (`pp_tensor.RNGStatesTracker` has it)."""
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """The named states (a dict the tracker does not change afterwards)."""
+        ...
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Replaces the named states."""
+        ...
+
 
 _GRANULARITIES = ("full", "selective")
 _METHODS = ("uniform", "block")
@@ -136,11 +153,46 @@ class RecomputeConfig:
         return dataclasses.replace(self, num_layers=layers)
 
 
-def _checkpointed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`function` run under non-reentrant checkpoint, with the random state preserved."""
+def _checkpointed(
+    function: Callable[..., Any], *args: Any, rng_tracker: RNGStates | None = None, **kwargs: Any
+) -> Any:
+    """`function` run under non-reentrant checkpoint, with the random state preserved.
+
+    Torch preserves the default generators; the states of `rng_tracker` (when given) are
+    replayed by `_replaying`.
+    """
     if not torch.is_grad_enabled():  # forward only (evaluation): nothing to recompute
         return function(*args, **kwargs)
+    if rng_tracker is not None:
+        function = _replaying(function, rng_tracker)
     return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def _states_copy(tracker: RNGStates) -> dict[str, torch.Tensor]:
+    return {name: state.clone() for name, state in tracker.get_states().items()}
+
+
+def _replaying(function: Callable[..., Any], tracker: RNGStates) -> Callable[..., Any]:
+    """`function`, whose later runs (the recomputations) see the tracker as the first run did.
+
+    A split backward recomputes twice, so every later run starts from the first run's states;
+    after each, the tracker gets back the states it had before it (the original forward's
+    advance, which the next forwards continue from).
+    """
+    first: list[dict[str, torch.Tensor]] = []
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not first:
+            first.append(_states_copy(tracker))
+            return function(*args, **kwargs)
+        advanced = _states_copy(tracker)
+        tracker.set_states(dict(first[0]))
+        try:
+            return function(*args, **kwargs)
+        finally:
+            tracker.set_states(advanced)
+
+    return run
 
 
 def _run_plain(layers: Layers, hidden: torch.Tensor) -> torch.Tensor:
@@ -159,7 +211,11 @@ def _groups(config: RecomputeConfig, count: int) -> list[tuple[range, bool]]:
 
 
 def run_layers(
-    layers: Layers, hidden: torch.Tensor, config: RecomputeConfig | None
+    layers: Layers,
+    hidden: torch.Tensor,
+    config: RecomputeConfig | None,
+    *,
+    rng_tracker: RNGStates | None = None,
 ) -> torch.Tensor:
     """Runs `layers` on `hidden` in order, checkpointing them as `config` says.
 
@@ -174,6 +230,8 @@ def run_layers(
         layers: The chunk's transformer layers, each taking and returning one tensor.
         hidden: The chunk's input activations.
         config: What to recompute; None: nothing.
+        rng_tracker: The model-parallel RNG tracker the layers' dropout may draw under;
+            recomputation replays its states. None: only the default generators are used.
 
     Returns:
         The last layer's output.
@@ -193,7 +251,7 @@ def run_layers(
     for indices, recomputed in _groups(config, len(layers)):
         group = [layers[i] for i in indices]
         if recomputed:
-            hidden = _checkpointed(_run_plain, group, hidden)
+            hidden = _checkpointed(_run_plain, group, hidden, rng_tracker=rng_tracker)
         else:
             hidden = _run_plain(group, hidden)
     return hidden
@@ -201,7 +259,8 @@ def run_layers(
 
 def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The module's class forward, under checkpoint (bound to one instance)."""
-    return _checkpointed(type(self).forward, self, *args, **kwargs)
+    tracker = getattr(self, "rng_tracker", None)
+    return _checkpointed(type(self).forward, self, *args, rng_tracker=tracker, **kwargs)
 
 
 def checkpoint_core_attention(module: torch.nn.Module) -> int:
@@ -210,8 +269,11 @@ def checkpoint_core_attention(module: torch.nn.Module) -> int:
     Each such submodule (Megatron's attribute name for the attention's softmax, dropout and
     weighted sum) gets an instance ``forward`` that runs its class's forward under
     non-reentrant checkpoint. Names of parameters and ``state_dict`` keys do not change, so
-    checkpoints stay loadable; calling this again changes nothing. A ``copy.deepcopy`` of the
-    module keeps the checkpointing (the forward is re-bound to the copy).
+    checkpoints stay loadable; calling this again changes nothing. A submodule whose dropout
+    draws under a model-parallel RNG tracker exposes it as ``rng_tracker`` (an attribute or
+    property; None or absent: none), and its recomputation replays the tracker's states. A
+    ``copy.deepcopy`` of the module keeps the checkpointing (the forward is re-bound to the
+    copy).
 
     Args:
         module: The model or chunk to search.

@@ -92,11 +92,14 @@ def build_forward_backward_func(
     plan: Plan | str | None = None,
     placement: Placement | None = None,
     resolved: ResolvedSchedule | None = None,
+    sequence_parallel: bool = False,
 ) -> PipelineExecutor:
     """The schedule for `state`'s pipeline, wired to the optimizer's loss scale and DDP's no_sync.
 
-    Activations travel in the model's dtype (fp16/bf16 chunks send half tensors). The result
-    is pp-schedules' executor, whose timeline `train` can record (``--profile-schedule``).
+    Activations travel in the model's dtype (fp16/bf16 chunks send half tensors), shaped
+    ``[seq, micro batch, hidden]`` (``seq / tp`` under sequence parallelism, as Megatron's
+    ``get_tensor_shapes``). The result is pp-schedules' executor, whose timeline `train` can
+    record (``--profile-schedule``).
 
     Args:
         state: The parallel state; its pipeline group carries the transfers.
@@ -113,6 +116,8 @@ def build_forward_backward_func(
             the plan's. Looped when None and no plan is given.
         resolved: The schedule resolved once (`pp_schedules.resolve_schedule`; `check_world`'s
             `RunLayout.resolved`): the executor plans nothing itself. Given alone.
+        sequence_parallel: The chunks' activations between stages are split along the
+            sequence over `state`'s tensor-parallel group (``--sequence-parallel``).
 
     Raises:
         ValueError: A schedule and a plan together, a resolved schedule with either, or a
@@ -122,23 +127,74 @@ def build_forward_backward_func(
     communicator = _pipeline_communicator(
         state, model, device=device, timers=timers, comm_config=comm_config
     )
+    pipelined = state.pipeline_model_parallel_size > 1
+    config = ScheduleConfig(
+        hidden_size=hidden_size, schedule=schedule, plan=plan, placement=placement,
+        pipeline_model_parallel_split_rank=state.pipeline_model_parallel_split_rank
+        if pipelined else None,
+        grad_scale_func=optimizer.scale_loss, no_sync_func=_no_sync_func(model), timers=timers,
+    )  # fmt: skip
+    split = state.tensor_model_parallel_size if sequence_parallel else 1
+    return _executor(communicator, len(model), config, resolved, sequence_split=split)
+
+
+def _executor(
+    communicator: P2PCommunicator | None,
+    vp_size: int,
+    config: ScheduleConfig,
+    resolved: ResolvedSchedule | None,
+    *,
+    sequence_split: int,
+) -> PipelineExecutor:
+    """pp-schedules' executor; one that splits the sequence when `sequence_split` > 1."""
+    if sequence_split > 1:
+        return _SequenceSplitExecutor(
+            sequence_split, communicator, vp_size=vp_size, config=config, resolved=resolved
+        )
     return get_forward_backward_func(
-        communicator,
-        vp_size=len(model),
-        config=ScheduleConfig(
-            hidden_size=hidden_size,
-            schedule=schedule,
-            plan=plan,
-            placement=placement,
-            pipeline_model_parallel_split_rank=state.pipeline_model_parallel_split_rank
-            if state.pipeline_model_parallel_size > 1
-            else None,
-            grad_scale_func=optimizer.scale_loss,
-            no_sync_func=_no_sync_func(model),
-            timers=timers,
-        ),
-        resolved=resolved,
+        communicator, vp_size=vp_size, config=config, resolved=resolved
     )
+
+
+class _SequenceSplitExecutor(PipelineExecutor):
+    """The executor for chunks whose activations between stages are split along the sequence.
+
+    Callers pass the sample's sequence lengths, as to any forward-backward function; each
+    stage sends and receives its tensor-parallel rank's part of them.
+    """
+
+    def __init__(
+        self,
+        split: int,
+        communicator: P2PCommunicator | None,
+        *,
+        vp_size: int,
+        config: ScheduleConfig,
+        resolved: ResolvedSchedule | None,
+    ) -> None:
+        super().__init__(communicator, vp_size=vp_size, config=config, resolved=resolved)
+        self.sequence_split = split
+
+    def __call__(
+        self, *, seq_length: int, decoder_seq_length: int | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """`PipelineExecutor.__call__`, with the lengths of the parts that travel.
+
+        Raises:
+            ValueError: A sequence length does not divide by the tensor-parallel size.
+        """
+        decoder = None if decoder_seq_length is None else self._part(decoder_seq_length)
+        return super().__call__(
+            seq_length=self._part(seq_length), decoder_seq_length=decoder, **kwargs
+        )
+
+    def _part(self, length: int) -> int:
+        if length % self.sequence_split:
+            raise ValueError(
+                f"sequence length {length} is not divisible by tensor-parallel size "
+                f"{self.sequence_split}, which sequence parallelism splits it over"
+            )
+        return length // self.sequence_split
 
 
 def _check_one_schedule(
@@ -206,13 +262,17 @@ def finalize_model_grads(
     *,
     placement: Placement | None = None,
 ) -> None:
-    """After backward: data-parallel reduction, then the tied embeddings' gradients.
+    """After backward: data-parallel reduction, replicated weights over tp, tied embeddings.
 
-    Every chunk's grad buffer is reduced over data parallelism (reduce-scattered with the
-    distributed optimizer: each rank's shard, where the tied copies' shards line up); the
-    word embedding's copies on the first and last stage are summed (over the embedding group,
-    or in place when one rank holds both, see `tied_embedding_sync`); with a split rank the
-    position embedding over its group (Megatron's encoder-decoder models).
+    Megatron's order. Every chunk's grad buffer is reduced over data parallelism
+    (reduce-scattered with the distributed optimizer: each rank's shard, where the tied
+    copies' shards line up); under sequence parallelism the gradients of weights every
+    tensor-parallel rank holds whole but sees only its part of the sequence through (marked
+    ``sequence_parallel``: layer norms, row-parallel biases) are summed over the
+    tensor-parallel group; the word embedding's copies on the first and last stage are
+    summed (over the embedding group, or in place when one rank holds both, see
+    `tied_embedding_sync`); with a split rank the position embedding over its group
+    (Megatron's encoder-decoder models).
 
     Args:
         model: This rank's chunks.
@@ -223,10 +283,30 @@ def finalize_model_grads(
         finish = getattr(chunk, "finish_grad_sync", None)
         if callable(finish):
             finish()
+    _allreduce_non_tensor_model_parallel_grads(model, state)
     sum_tied_gradients(model, state, checked_placement(state, placement))
     position = split_position_embedding(model, state)
     if position is not None:
         all_reduce_grads([position], group=state.group("position_embedding"))
+
+
+def _allreduce_non_tensor_model_parallel_grads(
+    model: Sequence[torch.nn.Module], state: ParallelState
+) -> None:
+    """Sums the ``sequence_parallel`` weights' gradients over tp, in one collective per dtype.
+
+    Each tensor-parallel rank computed them from its part of the sequence only.
+    """
+    if state.tensor_model_parallel_size == 1:
+        return
+    params = [
+        param
+        for chunk in model
+        for param in chunk.parameters()
+        if param.requires_grad and getattr(param, "sequence_parallel", False)
+    ]
+    if params:
+        all_reduce_grads(params, group=state.group("tp"))
 
 
 def average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """What a `PretrainConfig` means on a world of N processes, checked before any group starts.
 
-`check_world` derives the data-parallel and virtual pipeline sizes, the microbatch counts
+`check_world` checks that the model splits over the tensor-parallel size, derives the
+data-parallel (world / (tensor x pipeline)) and virtual pipeline sizes, the microbatch counts
 (several while the batch ramps up) and the split of layers, and resolves the schedule once:
 a name, ``auto`` (chosen by simulation) or the plan of ``--pipeline-schedule-file``, planned
 and validated for every microbatch count with pp-schedules' `resolve_schedule`. It refuses
@@ -11,6 +12,7 @@ instead of checking again.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +57,8 @@ class RunLayout:
     ``--memory-limit-gb`` chose (see `pp_train.memory_plan`)."""
     memory: MemoryModel | None = None
     """The run's byte model, once its parts were measured (the memory report's prediction)."""
+    tensor_model_parallel_size: int = 1
+    """Ranks each layer is split over: world = tensor x pipeline x data parallel."""
 
     @property
     def virtual_pipeline_model_parallel_size(self) -> int | None:
@@ -119,12 +123,14 @@ def check_world(
         transport: "gloo" or "nccl": whose matching rules the plans are validated under.
 
     Raises:
-        ValueError: The sizes do not fit the world, the batches do not divide, the schedule
-            cannot run them, --recompute-num-layers exceeds the fullest chunk's layers,
-            the plan file is unreadable, invalid or for other sizes, the
-            TensorBoard folder cannot be made, or the data is refused; the message names the
-            flags and what would work.
+        ValueError: The sizes do not fit the world, the model's widths (or, with
+            --sequence-parallel, its sequence) do not split over the tensor-parallel size,
+            the batches do not divide, the schedule cannot run them, --recompute-num-layers
+            exceeds the fullest chunk's layers, the plan file is unreadable, invalid or for
+            other sizes, the TensorBoard folder cannot be made, or the data is refused; the
+            message names the flags and what would work.
     """
+    _check_tensor_parallel(config)
     dp = _check_world_size(config, world_size)
     _check_batches(config, dp)
     counts = _microbatch_counts(config, dp)
@@ -153,7 +159,10 @@ def check_world(
             seed=config.training.seed,
             train_valid_test_num_samples=config.train_valid_test_num_samples,
         )
-    return RunLayout(world_size, dp, resolved, split, recompute=config.model.recompute)
+    return RunLayout(
+        world_size, dp, resolved, split, recompute=config.model.recompute,
+        tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
+    )  # fmt: skip
 
 
 def _check_recompute_layers(config: PretrainConfig, split: LayerSplit) -> None:
@@ -197,14 +206,51 @@ def check_creatable_folder(flag: str, path: str) -> None:
 
 
 def _check_world_size(config: PretrainConfig, world: int) -> int:
-    """The data-parallel size: the processes over the pipeline size."""
-    pp = config.parallel.pipeline_model_parallel_size
-    if world % pp:
+    """The data-parallel size: the processes over the tensor x pipeline size."""
+    parallel = config.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if tp == 1 and world % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the {world} processes; "
             f"use one of {divisors(world)}"
         )
-    return world // pp
+    if world % (tp * pp):
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
+            f"{tp * pp} does not divide the {world} processes; choose sizes whose product is "
+            f"one of {divisors(world)}"
+        )
+    return world // (tp * pp)
+
+
+def _check_tensor_parallel(config: PretrainConfig) -> None:
+    """The model's widths split over ``--tensor-model-parallel-size`` (and the sequence too).
+
+    Each rank holds whole attention heads and an equal slice of the hidden and FFN widths;
+    under sequence parallelism an equal slice of the sequence.
+
+    Raises:
+        ValueError: A width (or, with --sequence-parallel, a sequence length) does not
+            divide; the message names the flags, the numbers and the sizes that would work.
+    """
+    model, tp = config.model, config.parallel.tensor_model_parallel_size
+    ffn = 4 * model.hidden_size if model.ffn_hidden_size is None else model.ffn_hidden_size
+    widths = [
+        ("--hidden-size", model.hidden_size),
+        ("--num-attention-heads", model.num_attention_heads),
+        ("--ffn-hidden-size" if model.ffn_hidden_size is not None else "the FFN size", ffn),
+    ]
+    if config.parallel.sequence_parallel_in_use:
+        widths += [("--seq-length", model.seq_length)]
+        if model.decoder_seq_length is not None:
+            widths += [("--decoder-seq-length", model.decoder_seq_length)]
+    for name, value in widths:
+        if value % tp:
+            valid = divisors(math.gcd(*(v for _, v in widths)))
+            raise ValueError(
+                f"{name} {value} is not divisible by --tensor-model-parallel-size {tp}; "
+                f"tensor-parallel sizes that split the model: {', '.join(map(str, valid))}"
+            )
 
 
 def _check_batches(config: PretrainConfig, dp: int) -> None:

@@ -5,7 +5,8 @@
 ``--memory-limit-gb`` and the memory report's prediction use `model_figures`: each part of
 the model (a layer with each kind of recomputation, the embedding, the loss) alone, one
 microbatch, its parameters, its bytes saved for backward (pp-schedules' `MemoryProbe`) and
-its times.
+its times. At tensor-parallel size > 1 the parts are still measured whole (the warm-up runs
+before the process groups); the parameters are then counted per rank (see `model_figures`).
 
 Before the model is built, each rank times one microbatch through a throwaway chunk of the
 run's size (its transformer layers, no embedding or head): the forward, the input half and the
@@ -168,6 +169,7 @@ def model_figures(
     seed: int,
     dtype: torch.dtype = torch.float32,
     rounds: int = 5,
+    tensor_model_parallel_size: int = 1,
 ) -> ModelFigures:
     """Each part of the GPT alone, one microbatch: parameters, saved bytes and times.
 
@@ -175,6 +177,9 @@ def model_figures(
     run's parameter `dtype` (bf16 or fp16 halves what most activations take, as
     `Float16Module` runs them); times are medians of `rounds` rounds after one untimed, the
     slowest rank's.
+
+    Built whole (before the process groups exist); at `tensor_model_parallel_size` > 1 the
+    parameters are one rank's share (`_rank_elements`), the bytes and times the whole's.
 
     Raises:
         MemoryPlanError: A part cannot be built or run, or its forward saves nothing for
@@ -200,19 +205,41 @@ def model_figures(
                 f"{name.replace('_', ' ')} (one microbatch of {micro_batch_size} x "
                 f"{config.seq_length} tokens): {error}"
             ) from error
+    slowest = _timed([part for part, _ in built.values()], tokens, rounds)
+    tp = tensor_model_parallel_size
+    for i, (name, (part, saved)) in enumerate(built.items()):
+        count = sum(_rank_elements(p, tp) for p in part.parameters())
+        figures[name] = PartFigures(count, saved, slowest[2 * i], slowest[2 * i + 1])
+    # The last stage's output layer is a copy of the word embedding (tied weights), split by
+    # vocabulary rows over tensor parallelism.
+    shared = config.vocab_size * config.hidden_size // tp
+    return ModelFigures(**figures, shared_parameters=shared)
+
+
+def _timed(parts: list[GPTChunk], tokens: torch.Tensor, rounds: int) -> list[float]:
+    """Each part's forward and backward milliseconds: medians, the slowest rank's."""
     # Round by round over every part, so that a slow start or a busy moment of the machine
     # does not fall on one part alone; the first round is not timed.
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in built}
+    times: list[list[tuple[float, float]]] = [[] for _ in parts]
     for _ in range(rounds + 1):
-        for name, (part, _) in built.items():
-            times[name].append(_step(part, tokens, pre=part.pre_process, post=part.post_process))
-    medians = [statistics.median(t[k] for t in times[name][1:]) for name in built for k in range(2)]
-    slowest = _slowest(medians, "memory warm-up all-reduce")
-    for i, (name, (part, saved)) in enumerate(built.items()):
-        count = sum(p.numel() for p in part.parameters())
-        figures[name] = PartFigures(count, saved, slowest[2 * i], slowest[2 * i + 1])
-    # The last stage's output layer is a copy of the word embedding (tied weights).
-    return ModelFigures(**figures, shared_parameters=config.vocab_size * config.hidden_size)
+        for part, measured in zip(parts, times, strict=True):
+            measured.append(_step(part, tokens, pre=part.pre_process, post=part.post_process))
+    medians = [statistics.median(t[k] for t in measured[1:]) for measured in times for k in (0, 1)]
+    return _slowest(medians, "memory warm-up all-reduce")
+
+
+def _rank_elements(param: torch.Tensor, tp: int) -> int:
+    """The elements one of `tp` tensor-parallel ranks holds of `param`, built whole.
+
+    A weight tensor parallelism splits (marked ``tensor_model_parallel``) counts ``1 / tp``
+    of its elements, a replicated one (layer norms, row-parallel biases) all of them. The
+    warm-up's activation bytes and times are not scaled: they are the whole layer's, an
+    upper bound for one rank (the attention scores and the MLP's hidden layer are ``1 / tp``
+    per rank, under sequence parallelism the rest too; the times leave out the
+    tensor-parallel collectives).
+    """
+    split = bool(getattr(param, "tensor_model_parallel", False))
+    return param.numel() // tp if split else param.numel()
 
 
 def _saved_bytes(part: GPTChunk, tokens: torch.Tensor) -> int:

@@ -1,9 +1,11 @@
 """The ``pp-train`` command: train the bundled GPT on the bundled corpus, with Megatron's flags.
 
 Run it under torchrun (``torchrun --nproc-per-node 4 -m pp_train ...``); the world is split
-into pipeline stages and data-parallel replicas. gloo on CPU, NCCL when every local rank has a
-GPU. The flags come from `pp_train.arguments`; the run is the library's `pretrain` with the
-GPT's model and datasets providers.
+into tensor-parallel groups, pipeline stages and data-parallel replicas. gloo on CPU, NCCL when
+every local rank has a GPU. The flags come from `pp_train.arguments`; the run is the library's
+`pretrain` with the GPT's model and datasets providers. The GPT's vocabulary is the
+tokenizer's, padded by Megatron's rule (``--make-vocab-size-divisible-by`` x tensor-parallel
+size).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Any, NoReturn
 import torch
 
 from pp_schedules import Choice, Costs
+from pp_state import ParallelState
 from pp_state.store_channel import StoreChannel, StoreTimeoutError
+from pp_tensor import get_rng_tracker, pad_vocab_size
 from pp_train.app.auto_schedule import choose_measured, layout_times, model_figures
 from pp_train.app.corpus import (
     CorpusDataset,
@@ -28,11 +32,17 @@ from pp_train.app.corpus import (
     split_corpus,
 )
 from pp_train.app.gpt import GPTChunk, GPTConfig
-from pp_train.arguments import PretrainConfig, add_pretrain_flags, pretrain_config_from_args
+from pp_train.app.gpt_config import check_tensor_parallel
+from pp_train.arguments import (
+    ParallelArgs,
+    PretrainConfig,
+    add_pretrain_flags,
+    pretrain_config_from_args,
+)
 from pp_train.checkpoint import CheckpointError
 from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test_datasets
 from pp_train.memory_plan import MemoryPlanError, ModelFigures
-from pp_train.pretrain import default_transport, pretrain
+from pp_train.pretrain import default_transport, pretrain, print_once
 from pp_train.recompute import RecomputeConfig
 from pp_train.training import NonFiniteError
 from pp_train.world import check_world
@@ -143,7 +153,8 @@ def validate_args(
 ) -> argparse.Namespace:
     """Checks the flags against each other, the world size and the data, before any group.
 
-    Without ``--data-path`` the bundled corpus must hold a sample of ``--seq-length``.
+    Without ``--data-path`` the bundled corpus must hold a sample of ``--seq-length``; the
+    GPT must split over ``--tensor-model-parallel-size`` (`check_tensor_parallel`).
 
     Calls ``parser.error`` (exit status 2, usage and the message) naming the numbers and what
     would work. Sets ``config`` (the `PretrainConfig`) and ``layout`` (its `RunLayout` on the
@@ -157,6 +168,12 @@ def validate_args(
         args.layout = check_world(args.config, world_size, transport=default_transport())
         if args.config.data.data_path is None:
             check_corpus_seq_length(args.config.model.seq_length)
+        parallel = args.config.parallel
+        check_tensor_parallel(
+            _gpt_config(args.config),
+            parallel.tensor_model_parallel_size,
+            sequence_parallel=parallel.sequence_parallel_in_use,
+        )
     except ValueError as error:
         parser.error(str(error))
     args.virtual_pipeline_model_parallel_size = args.layout.virtual_pipeline_model_parallel_size
@@ -182,16 +199,28 @@ def gpt_forward_step(
     return output, loss_func
 
 
-def _gpt_config(config: PretrainConfig) -> GPTConfig:
-    """The GPT's shape, dropout and recompute; its vocabulary is the tokenizer's.
+def _tokenizer_vocab_size(config: PretrainConfig) -> int:
+    """The tokenizer's vocabulary size; without data, the corpus's bytes."""
+    data = config.data
+    if data.data_path is None:
+        return ByteTokenizer.vocab_size
+    return build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size).vocab_size
 
-    Without data the tokenizer is the corpus's bytes.
+
+def _gpt_config(config: PretrainConfig, tokenizer_vocab_size: int | None = None) -> GPTConfig:
+    """The GPT's shape, dropout and recompute.
+
+    Its vocabulary is the tokenizer's (`tokenizer_vocab_size`, built when None), padded to a
+    multiple of ``--make-vocab-size-divisible-by`` x the tensor-parallel size (Megatron's
+    rule).
     """
-    model, data = config.model, config.data
-    vocab = ByteTokenizer.vocab_size
-    if data.data_path is not None:
-        tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
-        vocab = tokenizer.vocab_size
+    model = config.model
+    tokens = _tokenizer_vocab_size(config) if tokenizer_vocab_size is None else tokenizer_vocab_size
+    vocab = pad_vocab_size(
+        tokens,
+        model.make_vocab_size_divisible_by,
+        config.parallel.tensor_model_parallel_size,
+    )
     return GPTConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -205,10 +234,12 @@ def _gpt_config(config: PretrainConfig) -> GPTConfig:
     )
 
 
-def run(args: argparse.Namespace) -> str:
-    """Trains the GPT with validated `args` through `pretrain`; returns the exit reason."""
-    config: PretrainConfig = args.config
-    gpt, seed = _gpt_config(config), config.training.seed
+def _gpt_provider(
+    gpt: GPTConfig, seed: int, parallel: ParallelArgs
+) -> Callable[..., torch.nn.Module]:
+    """The model provider `pretrain` calls for each chunk of this rank."""
+    sequence_parallel = parallel.sequence_parallel_in_use
+    tp = parallel.tensor_model_parallel_size
 
     def model_provider(
         *,
@@ -217,13 +248,29 @@ def run(args: argparse.Namespace) -> str:
         vp_stage: int,
         layers: range,
         recompute: RecomputeConfig | None,
+        state: ParallelState,
     ) -> torch.nn.Module:
         # `layers`: this chunk's global layers, from the run's per-stage layer counts;
         # `recompute`: the flags' recomputation, or the one --memory-limit-gb chose.
         shape = dataclasses.replace(gpt, recompute=recompute)
         return GPTChunk(
-            shape, layers=layers, pre_process=pre_process, post_process=post_process, seed=seed
-        )
+            shape, layers=layers, pre_process=pre_process, post_process=post_process,
+            seed=seed, tp_group=state.group("tp") if tp > 1 else None,
+            sequence_parallel=sequence_parallel, rng_tracker=get_rng_tracker(),
+        )  # fmt: skip
+
+    return model_provider
+
+
+def run(args: argparse.Namespace) -> str:
+    """Trains the GPT with validated `args` through `pretrain`; returns the exit reason."""
+    config: PretrainConfig = args.config
+    tokens = _tokenizer_vocab_size(config)
+    gpt, seed = _gpt_config(config, tokens), config.training.seed
+    print_once(
+        f"> padded vocab (size: {tokens}) with {gpt.vocab_size - tokens} dummy tokens "
+        f"(new size: {gpt.vocab_size})"
+    )
 
     def datasets_provider(num_samples: tuple[int, int, int]) -> Any:
         if config.data.data_path is not None:  # Megatron's indexed data (--data-path)
@@ -250,14 +297,16 @@ def run(args: argparse.Namespace) -> str:
         return model_figures(
             gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
             dtype=dtype or torch.float32,
+            tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
         )  # fmt: skip
 
     def measure_layout() -> tuple[Costs, float, float]:
         return layout_times(measure_memory(), gpt.recompute)
 
     return pretrain(
-        datasets_provider, model_provider, gpt_forward_step, config=config,
-        checkpoint_args={"vocab_size": gpt.vocab_size}, measure_schedule=measure,
+        datasets_provider, _gpt_provider(gpt, seed, config.parallel), gpt_forward_step,
+        config=config, checkpoint_args={"vocab_size": tokens, "padded_vocab_size": gpt.vocab_size},
+        measure_schedule=measure,
         measure_layout=measure_layout, measure_memory=measure_memory, layout=args.layout,
         model_name=f"GPT with {gpt.num_layers} layers, hidden {gpt.hidden_size},",
     )  # fmt: skip

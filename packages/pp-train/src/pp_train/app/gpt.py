@@ -3,148 +3,60 @@
 Each `GPTChunk` holds one virtual pipeline stage: the embeddings when it is the first
 (``pre_process``), some consecutive transformer layers, and the final layernorm and output
 layer when it is the last (``post_process``). Activations between chunks are shaped
-``[seq, batch, hidden]``.
+``[seq, batch, hidden]`` (``[seq / tp, batch, hidden]`` under sequence parallelism).
 
 Every parameter is initialised from a generator seeded by the run's seed and the parameter's
-global name, so the chunks of any pipeline layout together hold exactly the values of the
-single chunk of an unpipelined run.
+global name, over the full (unsplit) tensor, so the chunks of any pipeline layout and any
+tensor-parallel size together hold exactly the values of the single chunk of an unpipelined
+run at tensor-parallel size 1. The layers and their tensor-parallel split are in
+`pp_train.app.transformer` (the fused qkv weight is in Megatron's per-head order).
 
 Dropout sits where Megatron puts it: on the attention probabilities (``attention_dropout``)
 and on the embedding's, the attention's and the MLP's output (before each residual add;
-``hidden_dropout``). It draws from torch's global generator, so pipeline ranks draw
-differently (Megatron without the tensor-parallel RNG tracker). ``recompute`` checkpoints
-layers or the core attention (`pp_train.recompute`); parameter names and ``state_dict`` keys
-are the same either way.
+``hidden_dropout``). Without an RNG tracker it draws from torch's global generator, so
+pipeline ranks draw differently; with one it follows Megatron's rule (see
+`pp_train.app.transformer.TensorParallelism`). ``recompute`` checkpoints layers or the core
+attention (`pp_train.recompute`); parameter names and ``state_dict`` keys are the same either
+way and at every tensor-parallel size.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from pp_state import PipelineLayerLayout, Placement
-from pp_state.numbers import divisors, is_int, is_real
+from pp_state.numbers import divisors, is_int
+from pp_tensor import InitMethod, RNGStatesTracker, tp_size
+from pp_train.app.gpt_config import (
+    GPTConfig,
+    check_positive_int,
+    check_tensor_parallel,
+    joined,
+)
+from pp_train.app.transformer import (
+    Embedding,
+    OutputLayer,
+    TensorParallelism,
+    TransformerLayer,
+    WeightInit,
+    gathered_logits,
+    layer_norm,
+    parallel_logits,
+    parallel_loss,
+)
 from pp_train.recompute import RecomputeConfig, checkpoint_core_attention, run_layers
 
-__all__ = ["GPTChunk", "GPTConfig", "chunk_layers", "init_parameter_"]
+__all__ = ["GPTChunk", "GPTConfig", "check_tensor_parallel", "chunk_layers", "init_parameter_"]
 
 _WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
-
-
-def _joined(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    assert isinstance(value, int)
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int (1 or more), got {value}")
-
-
-def _check_probability(name: str, value: object) -> None:
-    if not is_real(value):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    assert isinstance(value, (int, float))
-    if not 0 <= value < 1:
-        raise ValueError(f"{name} must be a probability in [0, 1), got {value}")
-
-
-def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    # No call at all for p == 0: the model without dropout stays exactly what it was.
-    if p == 0 or not training:
-        return x
-    return torch.nn.functional.dropout(x, p, training=True)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape and initialisation of the GPT model (Megatron's transformer config, reduced)."""
-
-    num_layers: int
-    """Transformer layers in the whole model (all pipeline stages together)."""
-
-    hidden_size: int
-    """Width of the residual stream; must be divisible by ``num_attention_heads``."""
-
-    num_attention_heads: int
-    """Attention heads per layer; each has ``hidden_size // num_attention_heads`` channels."""
-
-    seq_length: int
-    """Longest sequence the model takes (rows of the learned position embedding)."""
-
-    vocab_size: int = 256
-    """Rows of the word embedding and of the output layer (256: one per byte)."""
-
-    ffn_hidden_size: int | None = None
-    """Width of the MLP's hidden layer; None means ``4 * hidden_size``."""
-
-    init_method_std: float = 0.02
-    """Standard deviation of the normal initialisation of weights; the output projections
-    of attention and MLP use it divided by ``sqrt(2 * num_layers)``."""
-
-    layernorm_epsilon: float = 1e-5
-    """Epsilon of every LayerNorm."""
-
-    hidden_dropout: float = 0.0
-    """Dropout probability on the embedding's output and on the attention's and the MLP's
-    output before each residual add (Megatron's ``--hidden-dropout``; 0: none)."""
-
-    attention_dropout: float = 0.0
-    """Dropout probability on the attention probabilities (Megatron's ``--attention-dropout``;
-    0: none)."""
-
-    recompute: RecomputeConfig | None = None
-    """Which activations backward recomputes instead of keeping; None: none."""
-
-    def __post_init__(self) -> None:
-        """Checks that the sizes are positive ints and the heads split the hidden size.
-
-        Raises:
-            TypeError: A size is not an int (bools are refused), a float field is not a real
-                number, or `recompute` is not a `RecomputeConfig`.
-            ValueError: A size is below 1, ``hidden_size`` is not divisible by
-                ``num_attention_heads``, a float field is not positive and finite, or a
-                dropout probability is outside [0, 1).
-        """
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            _check_positive_int(name, getattr(self, name))
-        _check_positive_int("vocab_size", self.vocab_size)
-        if self.ffn_hidden_size is not None:
-            _check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
-        for name in ("init_method_std", "layernorm_epsilon"):
-            value = getattr(self, name)
-            if not is_real(value):
-                raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be positive and finite, got {value}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            _check_probability(name, getattr(self, name))
-        if self.recompute is not None and not isinstance(self.recompute, RecomputeConfig):
-            raise TypeError(
-                f"recompute must be a RecomputeConfig or None, got {type(self.recompute).__name__}"
-            )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden size {self.hidden_size} is not divisible by "
-                f"{self.num_attention_heads} attention heads; use one of "
-                f"{_joined(divisors(self.hidden_size))}"
-            )
-
-    @property
-    def ffn_size(self) -> int:
-        """Width of the MLP's hidden layer, with None resolved to ``4 * hidden_size``."""
-        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
-
-    @property
-    def head_size(self) -> int:
-        """Channels of one attention head."""
-        return self.hidden_size // self.num_attention_heads
+# Output projections get the smaller std, as in Megatron's scaled_init_method_normal.
+_SCALED_SUFFIXES = ("self_attention.proj.weight", "mlp.fc2.weight")
 
 
 def chunk_layers(
@@ -202,7 +114,7 @@ def chunk_layers(
         raise ValueError(
             f"{num_layers} layers do not split evenly over pipeline size {pp_size} x virtual "
             f"size {vp_size} = {stages} virtual stages; pipeline size times virtual size must "
-            f"be one of {_joined(divisors(num_layers))}"
+            f"be one of {joined(divisors(num_layers))}"
         )
     return where.layers(pp_rank, vp_stage, num_layers)
 
@@ -218,7 +130,7 @@ def _checked_placement(
 ) -> Placement:
     """`chunk_layers`' sizes and position checked; the placement, looped when None."""
     for name, value in (("num_layers", num_layers), ("pp_size", pp_size), ("vp_size", vp_size)):
-        _check_positive_int(name, value)
+        check_positive_int(name, value)
     for name, value, size in (("pp_rank", pp_rank, pp_size), ("vp_stage", vp_stage, vp_size)):
         if not is_int(value):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -259,106 +171,18 @@ def init_parameter_(tensor: torch.Tensor, *, seed: int, name: str, std: float) -
         tensor.copy_(values)
 
 
-class _CoreAttention(torch.nn.Module):
-    """Softmax, dropout and weighted sum of causal attention (no parameters).
-
-    A module of its own, under Megatron's name ``core_attention``, so that selective recompute
-    (`pp_train.recompute.checkpoint_core_attention`) finds it.
-    """
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.dropout = config.attention_dropout
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        return out
-
-
-class _SelfAttention(torch.nn.Module):
-    """Causal multi-head self-attention on ``[seq, batch, hidden]`` activations."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_size = config.head_size
-        self.qkv = torch.nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.core_attention = _CoreAttention(config)
-        self.proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        seq, batch, _ = x.shape
-        return x.reshape(seq, batch, self.num_heads, self.head_size).permute(1, 2, 0, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq, batch, hidden = x.shape
-        qkv: torch.Tensor = self.qkv(x)
-        query, key, value = (self._heads(part) for part in torch.chunk(qkv, 3, dim=-1))
-        context: torch.Tensor = self.core_attention(query, key, value)
-        context = context.permute(2, 0, 1, 3).reshape(seq, batch, hidden)
-        out: torch.Tensor = self.proj(context)
-        return out
-
-
-class _MLP(torch.nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(config.hidden_size, config.ffn_size)
-        self.fc2 = torch.nn.Linear(config.ffn_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-        return out
-
-
-class _TransformerLayer(torch.nn.Module):
-    """Pre-LayerNorm block: ``x + attention(LN(x))``, then ``x + mlp(LN(x))``."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        eps = config.layernorm_epsilon
-        self.input_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=eps)
-        self.self_attention = _SelfAttention(config)
-        self.post_attention_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = _MLP(config)
-        self.hidden_dropout = config.hidden_dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p, training = self.hidden_dropout, self.training
-        x = x + _dropout(self.self_attention(self.input_layernorm(x)), p, training)
-        mlp_out = self.mlp(self.post_attention_layernorm(x))
-        out: torch.Tensor = x + _dropout(mlp_out, p, training)
-        return out
-
-
-class _Embedding(torch.nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.word_embeddings = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = torch.nn.Embedding(config.seq_length, config.hidden_size)
-        self.hidden_dropout = config.hidden_dropout
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        embedded: torch.Tensor = self.word_embeddings(tokens) + self.position_embeddings(positions)
-        # Megatron's activations are sequence-first; its embedding dropout is the hidden one.
-        return _dropout(embedded.transpose(0, 1).contiguous(), self.hidden_dropout, self.training)
-
-
-# Output projections get the smaller std, as in Megatron's scaled_init_method_normal.
-_SCALED_SUFFIXES = ("self_attention.proj.weight", "mlp.fc2.weight")
-
-
 class GPTChunk(torch.nn.Module):
-    """One virtual pipeline stage of the GPT model.
+    """One virtual pipeline stage of the GPT model, on one tensor-parallel rank.
 
     Parameter names are local (``layers.0`` is this chunk's first layer); `layer_numbers`
-    and `global_named_parameters` give the global layer indices. ``recompute`` is the
-    config's recompute setting for this chunk (`RecomputeConfig.for_chunk`), which `forward`
-    hands to `pp_train.recompute.run_layers`.
+    and `global_named_parameters` give the global layer indices. Names and ``state_dict``
+    keys are the same at every tensor-parallel size; a split parameter holds this rank's
+    contiguous slice (`tensor_parallel_dims` says along which dimension). ``recompute`` is
+    the config's recompute setting for this chunk (`RecomputeConfig.for_chunk`), which
+    `forward` hands to `pp_train.recompute.run_layers`.
     """
+
+    output_layer: OutputLayer | None
 
     def __init__(
         self,
@@ -369,6 +193,9 @@ class GPTChunk(torch.nn.Module):
         post_process: bool,
         seed: int,
         share_embeddings_and_output_weights: bool = True,
+        tp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        rng_tracker: RNGStatesTracker | None = None,
     ) -> None:
         """Builds and initialises the chunk.
 
@@ -385,41 +212,54 @@ class GPTChunk(torch.nn.Module):
                 ``shared`` and ``shared_embedding`` whose gradient the trainer all-reduces
                 with the embedding's over the embedding group (the embedding, when a later
                 chunk holds the copy, is marked ``shared_embedding`` too, as in Megatron).
+            tp_group: The tensor-parallel group; None: tensor-parallel size 1.
+            sequence_parallel: Split the activations between layers along the sequence (off
+                at tensor-parallel size 1).
+            rng_tracker: A seeded model-parallel RNG tracker: dropout then follows Megatron's
+                rule (`pp_train.app.transformer.TensorParallelism`). None: every dropout
+                draws from torch's default generator.
 
         Raises:
             TypeError: `config` is not a `GPTConfig`, `layers` not a range, or `seed` not an
                 int.
             ValueError: `layers` is not a run of consecutive indices inside
-                ``0 .. num_layers - 1``.
+                ``0 .. num_layers - 1``, or the model does not split over the tensor-parallel
+                size (`check_tensor_parallel`).
         """
         super().__init__()
         _check_chunk_arguments(config, layers, seed)
+        check_tensor_parallel(config, tp_size(tp_group))
         self.config = config
         self.layer_numbers = layers
         self.pre_process = pre_process
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.parallel = TensorParallelism(tp_group, sequence_parallel, rng_tracker)
         self.input_tensor: torch.Tensor | None = None
-        # Built on the meta device: torch's own initialisation would draw from the global
-        # generator, which the chunks of different layouts would then leave in different
-        # states. Every value is set by _initialise instead.
-        with torch.device("meta"):
-            self.embedding = _Embedding(config) if pre_process else None
-            self.layers = torch.nn.ModuleList(_TransformerLayer(config) for _ in layers)
-            self.final_layernorm = (
-                torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-                if post_process
-                else None
-            )
-            self.output_layer = (
-                torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-                if post_process and not (pre_process and share_embeddings_and_output_weights)
-                else None
-            )
-        self.to_empty(device="cpu")
-        self._initialise(seed)
+        self._build(seed)
         self._mark_tied_output_weight()
         self.recompute = _chunk_recompute(config.recompute, self.layers)
+
+    def _build(self, seed: int) -> None:
+        """The chunk's modules, every weight drawn by global name over its full shape."""
+        config, parallel = self.config, self.parallel
+        self.embedding = (
+            Embedding(config, parallel, _weight_init(config, seed, ""))
+            if self.pre_process
+            else None
+        )
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(config, parallel, _weight_init(config, seed, f"layers.{index}."))
+            for index in self.layer_numbers
+        )
+        self.final_layernorm = layer_norm(config, parallel) if self.post_process else None
+        self.output_layer = None
+        tied = self.share_embeddings_and_output_weights
+        if self.post_process and not (self.pre_process and tied):
+            # The tied copy starts as the word embedding itself, so the stages agree without
+            # the broadcast Megatron needs.
+            name = _WORD_EMBEDDING_NAME if tied else "output_layer.weight"
+            self.output_layer = OutputLayer(config, parallel, _init_method(config, seed, name))
 
     def global_name(self, local_name: str) -> str:
         """The global name of a parameter: its layer index made global.
@@ -454,25 +294,26 @@ class GPTChunk(torch.nn.Module):
         """This chunk's parameters under their global names (see `global_name`)."""
         return [(self.global_name(name), param) for name, param in self.named_parameters()]
 
-    def _initialise(self, seed: int) -> None:
-        std = self.config.init_method_std
-        scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
-        for local_name, param in self.named_parameters():
-            name = self.global_name(local_name)
-            if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
-                # The tied copy starts as the word embedding itself, so the stages agree
-                # without the broadcast Megatron needs.
-                init_parameter_(param, seed=seed, name=_WORD_EMBEDDING_NAME, std=std)
-            elif name.endswith(_SCALED_SUFFIXES):
-                init_parameter_(param, seed=seed, name=name, std=scaled_std)
-            elif "layernorm" in name:
-                with torch.no_grad():
-                    param.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif name.endswith("bias"):
-                with torch.no_grad():
-                    param.zero_()
-            else:
-                init_parameter_(param, seed=seed, name=name, std=std)
+    def tensor_parallel_dims(self) -> dict[str, int]:
+        """The dimension along which each split parameter is sliced over tensor parallelism.
+
+        The same at every tensor-parallel size (1 included), so a checkpoint saved at one
+        size can be cut for another. Parameters every rank holds whole are left out.
+
+        Returns:
+            Partition dimension by global name (see `global_name`) and by checkpoint key
+            (see `sharded_state_keys`; a tied output layer is keyed as the word embedding).
+        """
+        by_local = {
+            local: int(getattr(param, "partition_dim", -1))  # set by pp-tensor
+            for local, param in self.named_parameters()
+            if getattr(param, "tensor_model_parallel", False)
+        }
+        dims = {self.global_name(local): dim for local, dim in by_local.items()}
+        for local, key in self.sharded_state_keys().items():
+            if local in by_local:
+                dims[key] = by_local[local]
+        return dims
 
     def _mark_tied_output_weight(self) -> None:
         if not self.share_embeddings_and_output_weights:
@@ -534,6 +375,12 @@ class GPTChunk(torch.nn.Module):
                 f"sequence length {tokens.shape[1]} exceeds the model's seq_length "
                 f"{self.config.seq_length}; use sequences of 1 .. {self.config.seq_length}"
             )
+        size = self.parallel.size
+        if self.parallel.sequence_parallel and tokens.shape[1] % size:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} does not divide over tensor-parallel size "
+                f"{size} under sequence parallelism; use a multiple of {size}"
+            )
         embedded: torch.Tensor = self.embedding(tokens)
         return embedded
 
@@ -548,27 +395,46 @@ class GPTChunk(torch.nn.Module):
 
         Returns:
             On the last stage, the per-token cross-entropy loss as fp32 ``[batch, seq]`` when
-            `labels` is given, else the logits ``[batch, seq, vocab]``. On other stages the
-            activations ``[seq, batch, hidden]``.
+            `labels` is given, else the logits ``[batch, seq, vocab]`` (the whole vocabulary;
+            both the same on every tensor-parallel rank). On other stages the activations
+            ``[seq, batch, hidden]``, or ``[seq / tp, batch, hidden]`` (this rank's part of
+            the sequence) under sequence parallelism.
 
         Raises:
-            ValueError: The first stage got no tokens, tokens of the wrong rank, or a
-                sequence longer than ``seq_length``.
+            ValueError: The first stage got no tokens, tokens of the wrong rank, a sequence
+                longer than ``seq_length`` or, under sequence parallelism, one that does not
+                divide over the tensor-parallel size.
             RuntimeError: A later stage was run before `set_input_tensor`.
         """
-        hidden = run_layers(self.layers, self._chunk_input(tokens), self.recompute)
+        hidden = run_layers(
+            self.layers,
+            self._chunk_input(tokens),
+            self.recompute,
+            rng_tracker=self.parallel.rng_tracker,
+        )
         if self.final_layernorm is None:
             return hidden
-        hidden = self.final_layernorm(hidden)
-        logits = torch.matmul(hidden, self._output_weight().t()).transpose(0, 1)
+        logits = parallel_logits(self.final_layernorm(hidden), self._output_weight(), self.parallel)
         if labels is None:
-            return logits.contiguous()
-        # fp32 cross entropy even for a half model: the softmax over the vocabulary loses
-        # too much in bf16.
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
-        )
-        return loss.view(labels.shape)
+            return gathered_logits(logits, self.parallel)
+        return parallel_loss(logits, labels, self.parallel)
+
+
+def _init_method(config: GPTConfig, seed: int, name: str) -> InitMethod:
+    """Fills the full weight named `name` (global) by `init_parameter_`."""
+    std = config.init_method_std
+    if name.endswith(_SCALED_SUFFIXES):
+        std /= math.sqrt(2.0 * config.num_layers)
+    return functools.partial(init_parameter_, seed=seed, name=name, std=std)
+
+
+def _weight_init(config: GPTConfig, seed: int, prefix: str) -> WeightInit:
+    """The init methods of a module whose weights' global names start with `prefix`."""
+
+    def init_method(local_name: str) -> InitMethod:
+        return _init_method(config, seed, prefix + local_name)
+
+    return init_method
 
 
 def _chunk_recompute(
