@@ -9,9 +9,11 @@ convert`` converts between the formats without the model (`pp_train.checkpoint.c
 
 The modules: `formats` (the API above), `torch_format` and `torch_dist` / `loading` (each
 format), `optimizer_shards` and `distrib_optim` (the distributed optimizer's state in each),
-`async_save`, `convert`, `keys` (global keys), `tracker` (paths and the tracker
-file), `rng` (random generator states), `agreement` (every rank's verdict before any acts),
-`files` (atomic writes and renames), `load_request`, `validation` and `errors`.
+`tensor_parallel` and `planners` (tensor-parallel parts placed in, and read from, the whole
+tensors of a torch_dist checkpoint), `async_save`, `convert`, `keys` (global keys),
+`tracker` (paths and the tracker file), `rng` (random generator states), `agreement`
+(every rank's verdict before any acts), `files` (atomic writes and renames),
+`load_request`, `validation` and `errors`.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class AsyncCheckpointSaver:
         if self.timeout is None:
             self.timeout = state.config.timeout
         prepare(staging, content, state, iteration)
-        writer, planner = writer_and_planner(staging)
+        writer, planner = writer_and_planner(staging, content.chunks)
         future = dcp.async_save(
             content.tensors,
             storage_writer=writer,

@@ -8,10 +8,12 @@ save through `pp_train.checkpoint.save_checkpoint` whose chunks implement
 `ShardedStateKeys`; files without them are refused (the training command's
 ``--ckpt-convert-format`` converts those, with the model).
 
-``torch`` -> ``torch_dist`` keys every tensor by its global name, as a torch_dist save does.
-``torch_dist`` -> ``torch`` writes the layout that saved the checkpoint (one file per
-recorded position). The output is written into a temporary sibling directory, its tracker
-last, and renamed into place; the input is only read.
+``torch`` -> ``torch_dist`` keys every tensor by its global name, as a torch_dist save does,
+joining the tensor-parallel parts of a split tensor into the whole (the record names each
+split tensor's dimension). ``torch_dist`` -> ``torch`` writes the layout that saved the
+checkpoint (one file per recorded position, each with its tensor-parallel parts). The output
+is written into a temporary sibling directory, its tracker last, and renamed into place; the
+input is only read.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from pp_tensor import join_shards, shard_of
 from pp_train.checkpoint.errors import CheckpointError
 from pp_train.checkpoint.files import atomic_write, fsync_directory
 from pp_train.checkpoint.formats import CKPT_FORMATS, CkptFormat, detect_format
 from pp_train.checkpoint.keys import FP32_PARAM_PREFIX, MODEL_PREFIX, OPTIMIZER_STATE_PREFIX
 from pp_train.checkpoint.loading import load_planner, read_common, read_metadata
+from pp_train.checkpoint.tensor_parallel import name_of_key
 from pp_train.checkpoint.torch_dist import (
     CONVERSION_KEY,
     RECORD_PREFIX,
@@ -219,19 +223,25 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _torch_writer(files: list[dict[str, Any]], iteration: int) -> Any:
     """What writes the torch_dist iteration directory of the torch `files`."""
+    parts: dict[str, dict[int, Any]] = {}
     tensors: dict[str, Any] = {}
     for content in files:
         record = content[CONVERSION_KEY]
+        rank = record["tensor_rank"]
         chunk_keys = model_keys(len(record["chunks"]))
         for key, names in zip(chunk_keys, record["chunks"], strict=True):
             for local, name in names.items():
-                tensors.setdefault(MODEL_PREFIX + name, content[key][local])
+                parts.setdefault(MODEL_PREFIX + name, {}).setdefault(rank, content[key][local])
         if "optimizer" in content and record["optimizer_params"] is not None:
             for key, value in _optimizer_entries(content["optimizer"], record).items():
-                tensors.setdefault(key, value)
+                parts.setdefault(key, {}).setdefault(rank, value)
         if "rng_state" in content:
             tensors.update({f"rng_state.rank{r}": content["rng_state"] for r in record["ranks"]})
         tensors[record_key(record["tensor_rank"], record["pipeline_rank"])] = record
+    layout = files[0][CONVERSION_KEY]["layout"]
+    dims = {n: d for c in files for n, d in c[CONVERSION_KEY].get("tensor_parallel", {}).items()}
+    for key, held in parts.items():
+        tensors[key] = _whole(key, held, dims, layout["tensor_model_parallel_size"])
     common = _common(files[0], iteration)
 
     def write(staging: Path) -> None:
@@ -243,6 +253,34 @@ def _torch_writer(files: list[dict[str, Any]], iteration: int) -> Any:
             dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=True)
 
     return write
+
+
+def _whole(key: str, held: dict[int, Any], dims: dict[str, int], size: int) -> Any:
+    """The whole tensor of `key` from each tensor-parallel rank's part (`held`, by rank).
+
+    Raises:
+        CheckpointError: A split tensor lacks some rank's part.
+    """
+    name = name_of_key(key)
+    dim = None if name is None else dims.get(name)
+    first = held[min(held)]
+    if dim is None or size == 1 or not isinstance(first, torch.Tensor) or first.dim() <= dim:
+        return first  # held whole by every tensor-parallel rank
+    if sorted(held) != list(range(size)):
+        raise CheckpointError(
+            f"{key} is split over {size} tensor-parallel ranks, but only the files of ranks "
+            f"{sorted(held)} hold it; nothing was written"
+        )
+    return join_shards([held[rank] for rank in range(size)], dim)
+
+
+def _part(name: str, value: Any, record: dict[str, Any]) -> Any:
+    """This position's tensor-parallel part of the whole `value` of global name `name`."""
+    dim = record.get("tensor_parallel", {}).get(name)
+    size = record["layout"]["tensor_model_parallel_size"]
+    if dim is None or size == 1 or not isinstance(value, torch.Tensor) or value.dim() <= dim:
+        return value
+    return shard_of(value, dim, record["tensor_rank"], size)
 
 
 def _optimizer_entries(optimizer: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
@@ -330,7 +368,10 @@ def _torch_file(
         "consumed_valid_samples": common["consumed_valid_samples"],
     }
     for key, names in zip(model_keys(len(record["chunks"])), record["chunks"], strict=True):
-        content[key] = {local: buffers[MODEL_PREFIX + name] for local, name in names.items()}
+        content[key] = {
+            local: _part(name, buffers[MODEL_PREFIX + name], record)
+            for local, name in names.items()
+        }
     if record["optimizer_params"] is not None and "grad_scaler" in common:
         content["optimizer"] = _torch_optimizer(record, buffers, common["grad_scaler"])
     if "opt_param_scheduler" in common:
@@ -355,9 +396,11 @@ def _torch_optimizer(
     copies: list[list[torch.Tensor]] = [[] for _ in record["param_groups"]]
     for index, (name, group, is_copy) in enumerate(record["optimizer_params"]):
         if name in by_name:  # a copy each: tied parameters must not share one state tensor
-            state[index] = {entry: value.clone() for entry, value in by_name[name].items()}
+            state[index] = {
+                entry: _part(name, value, record).clone() for entry, value in by_name[name].items()
+            }
         if is_copy:
-            copies[group].append(buffers[FP32_PARAM_PREFIX + name])
+            copies[group].append(_part(name, buffers[FP32_PARAM_PREFIX + name], record))
     optimizer: dict[str, Any] = {
         "optimizer": {"state": state, "param_groups": record["param_groups"]},
         "grad_scaler": grad_scaler,

@@ -2,10 +2,12 @@
 
 Four steps, each ending in a check that every rank passed, so a refused load changes
 nothing anywhere and never touches the files: (1) each rank reads ``common.pt`` and DCP's
-``.metadata``, checks the model's shape, that every shard file is there and that each key it
-needs has the shape it expects, and allocates buffers; (2) DCP reads the buffers (the
-resharding: each rank asks for its own global keys); (3) the optimizer, scheduler and RNG
-states are checked; (4) everything is applied.
+``.metadata``, checks the model's shape, that every shard file is there, that each key it
+needs has the shape it expects and that the saved chunks hold the block of it this rank
+needs, and allocates buffers; (2) DCP reads the buffers (the resharding: each rank asks for
+its own global keys, a tensor split over tensor parallelism for its part of the whole,
+`pp_train.checkpoint.tensor_parallel`); (3) the optimizer, scheduler and RNG states are
+checked; (4) everything is applied.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
 
 from pp_optim import DistributedOptimizer, Float16OptimizerWithFloat16Params
 from pp_train.checkpoint.agreement import raise_if_any_failed
@@ -37,7 +37,18 @@ from pp_train.checkpoint.optimizer_shards import (
     owned_shards,
     plan_shard_load,
 )
+from pp_train.checkpoint.planners import RegionLoadPlanner
 from pp_train.checkpoint.rng import RngState, parse_rng_state, restore_rng
+from pp_train.checkpoint.tensor_parallel import (
+    Box,
+    RegionRead,
+    TensorSplit,
+    VocabResize,
+    assemble,
+    coverage_gap,
+    plan_region,
+    tensor_splits,
+)
 from pp_train.checkpoint.torch_dist import (
     COMMON_FILENAME,
     dcp_failure,
@@ -54,16 +65,12 @@ LAYOUT_ARGS = (
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
     "data_parallel_size",
+    "tensor_model_parallel_size",
+    "padded_vocab_size",
+    "make_vocab_size_divisible_by",
 )
-"""Settings a torch_dist checkpoint does not need to share with the run that loads it."""
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but objects are unpickled with ``weights_only=True`` (no code runs)."""
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        # Our keys are flat, so the caller's dict is where the object goes.
-        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+"""Settings a torch_dist checkpoint does not need to share with the run that loads it (a
+padded vocabulary of another size is trimmed or padded, `VocabResize`)."""
 
 
 @dataclasses.dataclass
@@ -76,6 +83,17 @@ class _Plan:
     rng_key: str | None
     notes: list[str]
     optimizer: ShardLoad | None = None
+    reads: dict[str, RegionRead] = dataclasses.field(default_factory=dict)
+    """The tensors read as this rank's block of a whole (model, whole optimizer state)."""
+
+    def regions(self) -> dict[str, Any]:
+        """The block of each saved tensor read, for the planner."""
+        return {key: read.box for key, read in self.reads.items() if read.box is not None}
+
+    def assemble(self) -> None:
+        """Replaces each block read by this rank's part (zero rows where a vocabulary grew)."""
+        for key, read in self.reads.items():
+            self.buffers[key] = assemble(read, self.buffers.get(key))
 
 
 def load_torch_dist(request: LoadRequest, iteration: int) -> LoadedCheckpoint:
@@ -96,7 +114,9 @@ def load_torch_dist(request: LoadRequest, iteration: int) -> LoadedCheckpoint:
     named.agree(rank, error, f"cannot load {directory}", unchanged)
     assert plan is not None
     try:
-        dcp.load(plan.buffers, storage_reader=FileSystemReader(directory), planner=load_planner())
+        reader, planner = FileSystemReader(directory), load_planner(plan.regions())
+        dcp.load(plan.buffers, storage_reader=reader, planner=planner)
+        plan.assemble()
     except (Exception, CheckpointException) as caught:  # DCP's is a BaseException
         raise dcp_failure(
             caught,
@@ -134,9 +154,14 @@ class _Named:
         )
 
 
-def load_planner() -> DefaultLoadPlanner:
-    """DCP's load planner for our flat keys, unpickling objects with ``weights_only=True``."""
-    return _SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+def load_planner(regions: dict[str, Any] | None = None) -> RegionLoadPlanner:
+    """DCP's load planner for our flat keys, unpickling objects with ``weights_only=True``.
+
+    Args:
+        regions: Keys read as a block of the saved tensor (`pp_train.checkpoint.
+            tensor_parallel.Box`); the others are read whole.
+    """
+    return RegionLoadPlanner(regions)
 
 
 def _where(request: LoadRequest, directory: Path) -> str:
@@ -148,24 +173,39 @@ def _plan(request: LoadRequest, directory: Path, iteration: int) -> _Plan:
     common = read_common(directory, iteration, where)
     _check_model_args(common["args"], request, where)
     metadata = read_metadata(directory, where)
-    buffers: dict[str, Any] = {}
+    state = request.state
+    splits = tensor_splits(
+        request.model, state.tensor_model_parallel_rank, state.tensor_model_parallel_size
+    )
+    resize = VocabResize.between(common["args"], request.args)
     problems: list[str] = []
-    for key, held in model_targets(request.model).items():
-        buffers[key] = _buffer(metadata, key, tuple(held[0].shape), problems)
-    notes: list[str] = []
+    names = {key: key[len(MODEL_PREFIX) :] for key in model_targets(request.model)}
+    reads = _region_reads(metadata, names, splits, resize, problems)
+    buffers: dict[str, Any] = {}
     shards = None
     if request.load_optim and request.optimizer is not None:
-        shards = _optimizer_load(request, metadata, problems)
-        buffers.update({} if shards is None else shards.buffers(metadata))
+        shards = _optimizer_load(request, metadata, problems, splits, _saved_tp_size(common))
+        if shards is not None:
+            reads.update(_region_reads(metadata, shards.whole_keys(), splits, resize, problems))
+            buffers.update(shards.buffers(metadata))
         for name in ("opt_param_scheduler", "grad_scaler"):
             if name not in common:
                 problems.append(f"has no {name!r} state (to load without it: no_load_optim)")
     if problems:
         raise CheckpointError(f"{where} does not fit this run: {listed(problems, '; ')}")
+    buffers.update({key: read.buffer() for key, read in reads.items() if read.box is not None})
+    notes = [resize.note()] if resize is not None and any(r.resized for r in reads.values()) else []
     rng_key = _rng_key(request, common, metadata, where, notes)
     if rng_key is not None:
         buffers[rng_key] = None
-    return _Plan(directory, common, buffers, rng_key, notes, shards)
+    return _Plan(directory, common, buffers, rng_key, notes, shards, reads)
+
+
+def _saved_tp_size(common: dict[str, Any]) -> int:
+    """The saving run's tensor-parallel size (recorded with its layout; 1 before tp)."""
+    layout = common.get("layout")
+    size = layout.get("tensor_model_parallel_size", 1) if isinstance(layout, dict) else 1
+    return size if isinstance(size, int) and size >= 1 else 1
 
 
 def read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
@@ -235,30 +275,63 @@ def read_metadata(directory: Path, where: str) -> Metadata:
         raise CheckpointError(
             f"{where} is missing shard file(s) {shards}: "
             f"expected {len(files)} files named in its .metadata, found {len(files) - len(missing)}"
+            f"; {_lost_tensors(metadata, set(missing))}"
         )
     return metadata
 
 
-def _buffer(
-    metadata: Metadata, key: str, shape: tuple[int, ...] | None, problems: list[str]
-) -> torch.Tensor | None:
-    """An empty tensor to read `key` into, or None with the problem recorded."""
-    entry = metadata.state_dict_metadata.get(key)
-    if not isinstance(entry, TensorStorageMetadata):
-        expected = "a tensor" if shape is None else f"shape {shape}"
-        problems.append(
-            f"{key}: expected {expected}, found {'nothing' if entry is None else 'an object'}"
-        )
-        return None
-    found = tuple(entry.size)
-    if shape is not None and found != shape:
-        problems.append(f"{key}: expected shape {shape}, found {found}")
-        return None
-    return torch.empty(found, dtype=entry.properties.dtype)
+def _lost_tensors(metadata: Metadata, missing: set[str]) -> str:
+    """The tensors whose chunks were in the `missing` files, and what of them is left."""
+    lost: dict[str, list[tuple[int, ...]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if info.relative_path in missing and index.offset is not None:
+            lost.setdefault(index.fqn, []).append(tuple(index.offset))
+    described = []
+    for key, offsets in sorted(lost.items()):
+        entry = metadata.state_dict_metadata[key]
+        if isinstance(entry, TensorStorageMetadata):
+            whole = Box((0,) * len(entry.size), tuple(entry.size))
+            described.append(coverage_gap(key, entry, whole, offsets) or key)
+        else:
+            described.append(f"{key} (an object)")
+    return f"the missing file(s) held {listed(described, '; ')}"
+
+
+def _region_reads(
+    metadata: Metadata,
+    names: dict[str, str],
+    splits: dict[str, TensorSplit],
+    resize: VocabResize | None,
+    problems: list[str],
+) -> dict[str, RegionRead]:
+    """What to read of each key (of global name `names[key]`): this rank's part of it.
+
+    A missing key, another shape or a block the saved chunks do not cover is recorded in
+    `problems` instead.
+    """
+    reads = {}
+    for key, name in names.items():
+        split = splits[name]
+        entry = metadata.state_dict_metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            problems.append(
+                f"{key}: expected shape {split.full_shape}, found "
+                f"{'nothing' if entry is None else 'an object'}"
+            )
+            continue
+        try:
+            reads[key] = plan_region(key, entry, split, resize)
+        except ValueError as error:
+            problems.append(str(error))
+    return reads
 
 
 def _optimizer_load(
-    request: LoadRequest, metadata: Metadata, problems: list[str]
+    request: LoadRequest,
+    metadata: Metadata,
+    problems: list[str],
+    splits: dict[str, TensorSplit],
+    saved_tp_size: int,
 ) -> ShardLoad | None:
     """The saved ranges that fill the optimizer's state, or None with the problem recorded.
 
@@ -276,7 +349,7 @@ def _optimizer_load(
             for main in main_params(request.model, optimizer)
         ]  # fmt: skip
     try:
-        return plan_shard_load(owned, ShardIndex(metadata))
+        return plan_shard_load(owned, ShardIndex(metadata), splits, saved_tp_size)
     except ValueError as error:
         problems.append(str(error))
         return None

@@ -4,50 +4,63 @@ pp-optim's `DistributedOptimizer` keeps, on each data-parallel rank, the fp32 ma
 optimizer state of a flat range of some parameters (`DistributedOptimizer.shard_ranges`).
 Each rank writes each range under the parameter's global name and the range itself:
 
-- ``optimizer.shard.<global name>.<entry>.<start>-<end>``: elements ``[start, end)`` of the
-  flattened parameter's ``entry``: ``fp32_param`` (the main copy of an fp16/bf16
-  parameter; an fp32 parameter is its own main copy, saved as ``model.<global name>``) or
-  an optimizer state tensor (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's ``momentum_buffer``);
+- ``optimizer.shard.<global name>.<entry>.<start>-<end>``: the elements numbered
+  ``[start, end)`` of the parameter's ``entry``: ``fp32_param`` (the main copy of an
+  fp16/bf16 parameter; an fp32 parameter is its own main copy, saved as
+  ``model.<global name>``) or an optimizer state tensor (Adam's ``exp_avg``, ``exp_avg_sq``,
+  SGD's ``momentum_buffer``). Elements are numbered by the flattened parameter; under tensor
+  parallelism a rank's parameter is its part of the whole, and the parts are numbered one
+  after the other in tensor-parallel rank order (`SavedNumbering`);
 - ``optimizer.state.<global name>.step``: Adam's step count, the key the whole optimizer
   uses too.
 
-DCP's ``.metadata`` lists every key, so a loader at another data-parallel or pipeline size
-finds, for each range it owns, the saved ranges that overlap it and copies their common
-elements (`ShardIndex`). A checkpoint of the whole optimizer (``optimizer.state.<global
-name>.<entry>``, ``optimizer.fp32_param.<global name>``) is one range ``[0, numel)`` per
-entry, so either optimizer loads the other's checkpoints.
+DCP's ``.metadata`` lists every key, so a loader at another data-parallel, pipeline or
+tensor-parallel size finds the saved number of each element it owns (`saved_numbers`: where
+its part lies in the whole, then where that is in the saving run's parts) and copies it from
+the saved range holding it (`ShardIndex`). A checkpoint of the whole optimizer
+(``optimizer.state.<global name>.<entry>``, ``optimizer.fp32_param.<global name>``) is read
+like a model tensor (this rank's block of the whole) and sliced, so either optimizer loads the
+other's checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pp_optim import DistributedOptimizer
+from pp_train.checkpoint.errors import listed
 from pp_train.checkpoint.keys import (
     FP32_PARAM_PREFIX,
     MODEL_PREFIX,
     OPTIMIZER_STATE_PREFIX,
     chunk_global_keys,
 )
+from pp_train.checkpoint.tensor_parallel import TensorSplit
 from pp_train.wrappers import unwrap_model
 
 __all__ = [
     "MAIN_PARAM_ENTRY",
     "SHARD_PREFIX",
     "OwnedShard",
+    "SavedNumbering",
     "SavedRange",
     "ShardIndex",
     "ShardLoad",
+    "Source",
     "distributed_state",
     "owned_shards",
     "plan_shard_load",
+    "saved_numbers",
     "shard_key",
+    "shard_offset",
     "shard_tensors",
 ]
 
@@ -105,17 +118,23 @@ def owned_shards(
 
 
 def shard_tensors(
-    model: Sequence[torch.nn.Module], optimizer: DistributedOptimizer
+    model: Sequence[torch.nn.Module],
+    optimizer: DistributedOptimizer,
+    splits: Mapping[str, TensorSplit] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's fp32 main shards and optimizer state under their global keys.
 
     A range held twice (the tied copies of a word embedding on one rank) is taken from its
-    first holder; the copies have equal gradients and so equal state.
+    first holder; the copies have equal gradients and so equal state. A range of a part of a
+    parameter split over tensor parallelism (`splits`, by global name) is numbered from its
+    part's first element (`shard_offset`).
     """
     tensors: dict[str, torch.Tensor] = {}
     for owned in owned_shards(model, optimizer):
+        offset = shard_offset((splits or {}).get(owned.name))
+        start, end = owned.start + offset, owned.end + offset
         if owned.is_copy:
-            key = shard_key(owned.name, MAIN_PARAM_ENTRY, owned.start, owned.end)
+            key = shard_key(owned.name, MAIN_PARAM_ENTRY, start, end)
             tensors.setdefault(key, owned.main_param.detach())
         for entry, value in optimizer.optimizer.state.get(owned.main_param, {}).items():
             if not isinstance(value, torch.Tensor):
@@ -123,64 +142,147 @@ def shard_tensors(
             if value.dim() == 0:
                 tensors.setdefault(f"{OPTIMIZER_STATE_PREFIX}{owned.name}.{entry}", value)
             else:
-                key = shard_key(owned.name, entry, owned.start, owned.end)
-                tensors.setdefault(key, value.detach())
+                tensors.setdefault(shard_key(owned.name, entry, start, end), value.detach())
     return tensors
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedRange:
-    """A saved tensor holding elements ``[start, end)`` of one parameter's entry."""
+    """A saved tensor holding the elements numbered ``[start, end)`` of one parameter's entry."""
 
     key: str
     start: int
     end: int
 
 
-class ShardIndex:
-    """Where a checkpoint keeps each parameter's optimizer state, by element range.
+@dataclasses.dataclass(frozen=True)
+class SavedNumbering:
+    """How a checkpoint numbers one parameter's elements in its shard keys.
 
-    Built from DCP's ``.metadata``: shard keys of a distributed optimizer, whole-tensor keys
-    of the other optimizer, both read as ranges of the flattened parameter.
+    The saving run's tensor-parallel parts in rank order, each flattened: element ``k`` of
+    rank ``r``'s part is number ``r * part_numel + k`` (`shard_offset`). At tensor-parallel
+    size 1 that is the flattened parameter, and for a split along dimension 0 the flattened
+    whole at any size; whole-tensor keys are read as blocks instead (`ShardIndex.wholes`).
+    """
+
+    shape: tuple[int, ...]
+    """The whole parameter's saved shape."""
+    tp_size: int
+    """The saving run's tensor-parallel size."""
+
+
+def shard_offset(split: TensorSplit | None) -> int:
+    """The number of the first element of a rank's part (`SavedNumbering`)."""
+    if split is None or not split.is_split:
+        return 0
+    return split.rank * math.prod(split.local_shape)
+
+
+def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:
+    index: list[torch.Tensor] = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat = flat // size
+    return index[::-1]
+
+
+def _ravel(index: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+    flat = torch.zeros_like(index[0])
+    for position, size in zip(index, shape, strict=True):
+        flat = flat * size + position
+    return flat
+
+
+def saved_numbers(start: int, end: int, split: TensorSplit, saved: SavedNumbering) -> torch.Tensor:
+    """The saved numbers of elements ``[start, end)`` of this rank's flattened part `split`.
+
+    -1 for an element past the saved rows (a vocabulary padded further than the saved one).
+
+    Raises:
+        ValueError: The saved parameter has another number of dimensions.
+    """
+    numbers = torch.arange(start, end, dtype=torch.int64)
+    whole = split.dim < 0 or (split.size == 1 and saved.tp_size == 1)
+    if whole and saved.shape == split.local_shape:  # numbered as the flattened parameter
+        return numbers
+    if len(saved.shape) != len(split.local_shape):
+        raise ValueError(f"saved shape {saved.shape}, this run's {split.full_shape}")
+    index = _unravel(numbers, split.local_shape)
+    dim = split.dim
+    if dim >= 0:
+        index[dim] = index[dim] + split.box.offsets[dim]
+    inside = index[0] < saved.shape[0]
+    if dim >= 0 and saved.tp_size > 1:
+        part = saved.shape[dim] // saved.tp_size
+        owner = index[dim] // part
+        index[dim] = index[dim] - owner * part
+        part_shape = [*saved.shape[:dim], part, *saved.shape[dim + 1 :]]
+        numbers = owner * math.prod(part_shape) + _ravel(index, part_shape)
+    else:
+        numbers = _ravel(index, saved.shape)
+    return torch.where(inside, numbers, -1)
+
+
+def _runs(indices: torch.Tensor) -> list[str]:
+    """Sorted `indices` as ``[start, end)`` runs of consecutive numbers."""
+    if not indices.numel():
+        return []
+    breaks = torch.nonzero(indices[1:] != indices[:-1] + 1).flatten() + 1
+    bounds = [0, *breaks.tolist(), indices.numel()]
+    return [
+        f"[{int(indices[a])}, {int(indices[b - 1]) + 1})" for a, b in itertools.pairwise(bounds)
+    ]
+
+
+class ShardIndex:
+    """Where a checkpoint keeps each parameter's optimizer state.
+
+    Built from DCP's ``.metadata``: shard keys of a distributed optimizer (ranges of the
+    `SavedNumbering`), and whole-tensor keys of the other optimizer (read as this rank's
+    block of the whole tensor, like a model tensor).
     """
 
     def __init__(self, metadata: Metadata) -> None:
         """Indexes every optimizer key of `metadata`."""
         self.ranges: dict[tuple[str, str], list[SavedRange]] = {}
+        self.wholes: dict[tuple[str, str], str] = {}
         self.scalars: dict[str, dict[str, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for key, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
                 self._add(key, tuple(entry.size))
 
     def _add(self, key: str, size: tuple[int, ...]) -> None:
-        numel = 1
-        for dim in size:
-            numel *= dim
         found = _SHARD_KEY.match(key)
         if found is not None:
-            name, entry = found[1], found[2]
             saved = SavedRange(key, int(found[3]), int(found[4]))
+            self.ranges.setdefault((found[1], found[2]), []).append(saved)
+        elif key.startswith(MODEL_PREFIX):
+            self.shapes[key[len(MODEL_PREFIX) :]] = size
         elif key.startswith(FP32_PARAM_PREFIX):
-            name, entry = key[len(FP32_PARAM_PREFIX) :], MAIN_PARAM_ENTRY
-            saved = SavedRange(key, 0, numel)
+            self.wholes[(key[len(FP32_PARAM_PREFIX) :], MAIN_PARAM_ENTRY)] = key
         elif key.startswith(OPTIMIZER_STATE_PREFIX):
             name, _, entry = key[len(OPTIMIZER_STATE_PREFIX) :].rpartition(".")
-            if not size:
+            if size:
+                self.wholes[(name, entry)] = key
+            else:
                 self.scalars.setdefault(name, {})[entry] = key
-                return
-            saved = SavedRange(key, 0, numel)
-        else:
-            return
-        self.ranges.setdefault((name, entry), []).append(saved)
 
     def state_entries(self, name: str) -> list[str]:
         """The optimizer state tensors saved for parameter `name` (main copy left out)."""
-        return sorted(
-            entry for (saved, entry) in self.ranges if saved == name and entry != MAIN_PARAM_ENTRY
-        )
+        entries = {entry for (saved, entry) in [*self.ranges, *self.wholes] if saved == name}
+        return sorted(entries - {MAIN_PARAM_ENTRY})
 
-    def pieces(self, shard: OwnedShard, entry: str) -> list[SavedRange]:
-        """Saved ranges that together cover `shard`'s range of its parameter's `entry`.
+    def pieces(
+        self, shard: OwnedShard, entry: str, numbers: torch.Tensor, total: int
+    ) -> list[SavedRange]:
+        """Saved ranges that together hold the elements numbered `numbers` (-1: none needed).
+
+        Args:
+            shard: The range owned (named in errors).
+            entry: The entry (main copy or a state tensor).
+            numbers: The saved number of each owned element (`saved_numbers`).
+            total: Elements of the whole saved parameter.
 
         Raises:
             ValueError: Some elements are in no saved range, or a saved range reaches past
@@ -188,38 +290,42 @@ class ShardIndex:
         """
         saved = sorted(self.ranges.get((shard.name, entry), []), key=lambda r: (r.start, -r.end))
         what = f"optimizer state {entry} of {shard.name}"
-        too_long = [r for r in saved if r.end > shard.numel]
+        too_long = [r for r in saved if r.end > total]
         if too_long:
             raise ValueError(
                 f"{what}: saved key {too_long[0].key} reaches element {too_long[0].end}; the "
-                f"parameter has {shard.numel} elements (the checkpoint holds another model)"
+                f"parameter has {total} elements (the checkpoint holds another model)"
             )
-        chosen, reached = [], shard.start
-        for piece in saved:
-            if reached >= shard.end:
-                break
-            if piece.start <= reached < piece.end:
-                chosen.append(piece)
-                reached = piece.end
-        if reached < shard.end:
+        wanted = numbers >= 0
+        starts = torch.tensor([r.start for r in saved] or [0], dtype=torch.int64)
+        ends = torch.tensor([r.end for r in saved] or [0], dtype=torch.int64)
+        slot = torch.searchsorted(starts, numbers, right=True) - 1
+        held = (slot >= 0) & (numbers < ends[slot.clamp(min=0)])
+        missing = torch.nonzero(wanted & ~held).flatten() + shard.start
+        if missing.numel():
             raise ValueError(
-                f"{what}: elements [{reached}, {shard.end}) are in no saved shard (saved "
-                f"ranges {[(r.start, r.end) for r in saved]}); a rank's file is missing or the "
-                "checkpoint holds another model"
+                f"{what}: elements {listed(_runs(missing))} of this rank's range are in no "
+                f"saved shard (saved ranges {[(r.start, r.end) for r in saved][:8]}); a rank's "
+                "file is missing or the checkpoint holds another model"
             )
-        return chosen
+        return [saved[i] for i in torch.unique(slot[wanted]).tolist()]
 
 
-def _copy_range(
-    pieces: Sequence[SavedRange], buffers: dict[str, Any], start: int, end: int
+def _gather(
+    pieces: Sequence[SavedRange], numbers: torch.Tensor, buffers: dict[str, Any]
 ) -> torch.Tensor:
-    """Elements ``[start, end)`` assembled from the loaded `pieces`, in fp32."""
-    out = torch.empty(end - start, dtype=torch.float32)
+    """The elements numbered `numbers` from the loaded `pieces`, in fp32 (0 for -1)."""
+    out = torch.zeros(numbers.numel(), dtype=torch.float32)
     for piece in pieces:
         flat = buffers[piece.key].reshape(-1)
-        low, high = max(start, piece.start), min(end, piece.end)
-        out[low - start : high - start] = flat[low - piece.start : high - piece.start]
+        inside = (numbers >= piece.start) & (numbers < piece.end)
+        out[inside] = flat[numbers[inside] - piece.start].float()
     return out
+
+
+Source = str | list[SavedRange]
+"""Where an owned range's entry is read from: a whole-tensor key (read as this rank's part),
+or the saved ranges holding its elements."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,14 +334,31 @@ class ShardLoad:
 
     owned: list[OwnedShard]
     """The ranges, in the optimizer's order."""
-    entries: list[list[tuple[str, list[SavedRange]]]]
-    """Per range: each entry (main copy, state tensors) and the saved ranges covering it."""
+    entries: list[list[tuple[str, Source]]]
+    """Per range: each entry (main copy, state tensors) and where it is read from."""
     scalars: list[dict[str, str]]
     """Per range: scalar state (Adam's step) and its key."""
+    numberings: list[tuple[TensorSplit, SavedNumbering]]
+    """Per range: this rank's part of the parameter and the checkpoint's numbering."""
+
+    def whole_keys(self) -> dict[str, str]:
+        """Each whole-tensor key read, with its parameter's global name."""
+        return {
+            source: owned.name
+            for owned, entries in zip(self.owned, self.entries, strict=True)
+            for _, source in entries
+            if isinstance(source, str)
+        }
 
     def buffers(self, metadata: Metadata) -> dict[str, torch.Tensor]:
-        """An empty tensor for every saved key this rank reads."""
-        keys = {piece.key for shard in self.entries for _, ps in shard for piece in ps}
+        """An empty tensor for every saved range and scalar this rank reads."""
+        keys = {
+            piece.key
+            for entries in self.entries
+            for _, source in entries
+            if not isinstance(source, str)
+            for piece in source
+        }
         keys.update(key for scalars in self.scalars for key in scalars.values())
         buffers = {}
         for key in sorted(keys):
@@ -245,30 +368,76 @@ class ShardLoad:
         return buffers
 
     def values(self, index: int, buffers: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Range `index`'s loaded entries: flat fp32 tensors, and its scalars (copies)."""
+        """Range `index`'s loaded entries: flat fp32 tensors, and its scalars (copies).
+
+        `buffers` holds what DCP read, whole-tensor keys as this rank's part.
+        """
         owned = self.owned[index]
-        values = {
-            entry: _copy_range(pieces, buffers, owned.start, owned.end)
-            for entry, pieces in self.entries[index]
-        }
+        values = {}
+        numbers = None
+        for entry, source in self.entries[index]:
+            if isinstance(source, str):
+                part = buffers[source].reshape(-1)[owned.start : owned.end]
+                values[entry] = part.to(torch.float32, copy=True)
+                continue
+            if numbers is None:
+                numbers = saved_numbers(owned.start, owned.end, *self.numberings[index])
+            values[entry] = _gather(source, numbers, buffers)
         values.update({e: buffers[k].clone() for e, k in self.scalars[index].items()})
         return values
 
 
-def plan_shard_load(owned: list[OwnedShard], index: ShardIndex) -> ShardLoad:
-    """Which saved ranges fill each of the `owned` ranges.
+def _split_of(
+    shard: OwnedShard, splits: Mapping[str, TensorSplit], index: ShardIndex
+) -> TensorSplit:
+    """This rank's part of `shard`'s parameter; without a split, the whole parameter."""
+    split = splits.get(shard.name)
+    if split is not None:
+        return split
+    saved = index.shapes.get(shard.name)
+    shape = saved if saved is not None and math.prod(saved) == shard.numel else (shard.numel,)
+    return TensorSplit(-1, 0, 1, shape)
+
+
+def plan_shard_load(
+    owned: list[OwnedShard],
+    index: ShardIndex,
+    splits: Mapping[str, TensorSplit] | None = None,
+    saved_tp_size: int = 1,
+) -> ShardLoad:
+    """Where each of the `owned` ranges' entries is read from.
+
+    Args:
+        owned: The ranges (this rank's parts of parameters, flattened).
+        index: The checkpoint's optimizer keys.
+        splits: This rank's part of each parameter by global name (whole when absent).
+        saved_tp_size: The saving run's tensor-parallel size (`SavedNumbering`).
 
     Raises:
         ValueError: A range is not covered by the checkpoint (see `ShardIndex.pieces`).
     """
-    entries = []
+    entries, numberings = [], []
     for shard in owned:
+        split = _split_of(shard, splits or {}, index)
+        numbering = SavedNumbering(index.shapes.get(shard.name, split.full_shape), saved_tp_size)
+        numberings.append((split, numbering))
         names = index.state_entries(shard.name)
         if shard.is_copy:
             names = [MAIN_PARAM_ENTRY, *names]
-        entries.append([(e, index.pieces(shard, e)) for e in names])
+        sources: list[tuple[str, Source]] = []
+        numbers = None
+        for entry in names:
+            whole = index.wholes.get((shard.name, entry))
+            if whole is not None:
+                sources.append((entry, whole))
+                continue
+            if numbers is None:
+                numbers = saved_numbers(shard.start, shard.end, split, numbering)
+            total = math.prod(numbering.shape)
+            sources.append((entry, index.pieces(shard, entry, numbers, total)))
+        entries.append(sources)
     scalars = [dict(index.scalars.get(shard.name, {})) for shard in owned]
-    return ShardLoad(owned, entries, scalars)
+    return ShardLoad(owned, entries, scalars, numberings)
 
 
 def distributed_state(

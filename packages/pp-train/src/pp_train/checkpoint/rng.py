@@ -1,7 +1,10 @@
 """Random generator states as plain data: saved with a checkpoint, checked before restoring.
 
 A state is parsed (`parse_rng_state`) while a load is still being validated and restored
-(`restore_rng`) only once every rank can load, so a malformed state changes nothing.
+(`restore_rng`) only once every rank can load, so a malformed state changes nothing. Besides
+the process's generators it holds the named states of pp-tensor's RNG tracker
+(`pp_tensor.get_rng_tracker`: the tensor-parallel state dropout draws from inside
+tensor-parallel regions), as Megatron saves them (``rng_tracker_states``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import torch
 
 from pp_state.numbers import is_int
+from pp_tensor import get_rng_tracker
 
 __all__ = ["RngState", "get_rng_state", "parse_rng_state", "restore_rng", "set_rng_state"]
 
@@ -34,14 +38,20 @@ class RngState:
     numpy_state: tuple[str, list[int], int, int, float] | None
     """numpy's legacy global state (None: saved without numpy)."""
 
+    tracker_states: dict[str, torch.Tensor] | None = None
+    """The RNG tracker's named states (None or empty: saved without any; the tracker is
+    then left as this run seeded it)."""
+
 
 def get_rng_state() -> dict[str, Any]:
     """This process's random generator states, as plain data.
 
     Returns:
-        ``{"random", "torch", "cuda", "numpy"}``: Python's state as a list, torch's CPU
-        state, every CUDA device's state (None without CUDA) and numpy's legacy global state
-        as a list (None without numpy); loadable with ``torch.load(..., weights_only=True)``.
+        ``{"random", "torch", "cuda", "numpy", "rng_tracker_states"}``: Python's state as a
+        list, torch's CPU state, every CUDA device's state (None without CUDA), numpy's
+        legacy global state as a list (None without numpy) and the RNG tracker's named
+        states (`pp_tensor.get_rng_tracker`, a dict of byte tensors); loadable with
+        ``torch.load(..., weights_only=True)``.
     """
     version, internal, gauss = random.getstate()
     cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else None
@@ -50,6 +60,7 @@ def get_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": cuda,
         "numpy": _numpy_rng_state(),
+        "rng_tracker_states": get_rng_tracker().get_states(),
     }
 
 
@@ -57,7 +68,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restores what `get_rng_state` returned; a malformed state changes nothing.
 
     CUDA states are restored for the devices present (none without CUDA); numpy's when numpy
-    is importable and the state holds one.
+    is importable and the state holds one; the RNG tracker's when the state holds any.
 
     Args:
         state: The states, as `get_rng_state` returns them.
@@ -95,6 +106,7 @@ def parse_rng_state(state: Mapping[str, Any]) -> RngState:
         torch_state=_parse_byte_tensor(state["torch"], "torch", torch.get_rng_state().numel()),
         cuda_states=_parse_cuda_rng(state.get("cuda")),
         numpy_state=_parse_numpy_rng(state.get("numpy")),
+        tracker_states=_parse_tracker_states(state.get("rng_tracker_states")),
     )
 
 
@@ -131,6 +143,19 @@ def _parse_cuda_rng(value: object) -> list[torch.Tensor] | None:
     return [_parse_byte_tensor(item, "cuda", None) for item in value]
 
 
+def _parse_tracker_states(value: object) -> dict[str, torch.Tensor] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(
+            f"RNG state 'rng_tracker_states' must map names to byte tensors, got {value!r:.80}"
+        )
+    return {
+        name: _parse_byte_tensor(item, f"rng_tracker_states[{name!r}]", None)
+        for name, item in value.items()
+    }
+
+
 def _parse_numpy_rng(value: object) -> tuple[str, list[int], int, int, float] | None:
     if value is None:
         return None
@@ -152,6 +177,8 @@ def _parse_numpy_rng(value: object) -> tuple[str, list[int], int, int, float] | 
 
 def restore_rng(state: RngState) -> None:
     """Applies a state `parse_rng_state` checked (CUDA for the devices present)."""
+    if state.tracker_states:  # a run that saved none keeps this run's tracker seeding
+        get_rng_tracker().set_states(state.tracker_states)
     random.setstate(state.python_state)
     torch.set_rng_state(state.torch_state)
     if state.cuda_states is not None and torch.cuda.is_available():

@@ -9,8 +9,11 @@ A checkpoint of iteration N is one directory in Megatron's layout::
     <root>/latest_checkpointed_iteration.txt the text "N", moved last
 
 Tensors are keyed by global names (`pp_train.checkpoint.keys`), so a checkpoint saved at
-one (pipeline, virtual, data) layout loads at any other holding the same model: DCP reads
-each rank's keys from wherever they were written. Every rank writes into
+one (tensor, pipeline, virtual, data) layout loads at any other holding the same model: DCP
+reads each rank's keys from wherever they were written. A tensor split over tensor
+parallelism is written by each tensor-parallel rank as its part of the whole, at its offsets
+(`pp_train.checkpoint.tensor_parallel`, `pp_train.checkpoint.planners`), so the checkpoint
+holds each whole tensor once, as at tensor-parallel size 1. Every rank writes into
 ``iter_000000N.partial``; once DCP has written ``.metadata`` (after every rank's data),
 global rank 0 renames it to ``iter_000000N`` and then moves the tracker, so a crash at any
 moment leaves the tracker on the last complete checkpoint.
@@ -54,7 +57,9 @@ from pp_train.checkpoint.keys import (
     optimizer_tensors,
 )
 from pp_train.checkpoint.optimizer_shards import shard_tensors
+from pp_train.checkpoint.planners import ChunkSavePlanner
 from pp_train.checkpoint.rng import get_rng_state
+from pp_train.checkpoint.tensor_parallel import Box, TensorSplit, save_chunks, tensor_splits
 from pp_train.checkpoint.tracker import CHECKPOINT_VERSION, TRACKER_FILENAME, iteration_directory
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
 from pp_train.wrappers import finish_param_sync, unwrap_model
@@ -125,7 +130,9 @@ def conversion_record(
     the global ranks holding it (the writer first); each chunk's ``state_dict`` keys mapped to
     global names; and, with an optimizer, its parameters in torch's state-dict order as
     ``[global name, group, is fp32 copy]``, its ``param_groups`` and whether it keeps fp32
-    copies (``fp32_from_fp16_params``). None when a chunk lacks ``sharded_state_keys``.
+    copies (``fp32_from_fp16_params``); ``tensor_parallel``: the dimension each tensor split
+    over tensor parallelism is split along, by global name (the converter joins and splits
+    the parts with it). None when a chunk lacks ``sharded_state_keys``.
     A distributed optimizer's shards are not recorded (``distributed_optimizer``: True): the
     converter does not take them.
     """
@@ -142,6 +149,9 @@ def conversion_record(
         "param_groups": None,
         "fp32_copies": False,
         "distributed_optimizer": isinstance(optimizer, DistributedOptimizer),
+        "tensor_parallel": {
+            name: split.dim for name, split in _splits(state, model).items() if split.dim >= 0
+        },
     }
     if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
         record["optimizer_params"] = [
@@ -152,6 +162,11 @@ def conversion_record(
     return record
 
 
+def _splits(state: ParallelState, model: list[torch.nn.Module]) -> dict[str, TensorSplit]:
+    rank, size = state.tensor_model_parallel_rank, state.tensor_model_parallel_size
+    return tensor_splits(model, rank, size)
+
+
 @dataclasses.dataclass(frozen=True)
 class SaveContent:
     """What one rank hands to DCP, and the common state global rank 0 writes."""
@@ -160,6 +175,9 @@ class SaveContent:
     """Global keys to tensors (and this rank's RNG state, an object)."""
     common: dict[str, Any]
     """``common.pt``'s content."""
+    chunks: dict[str, tuple[Box, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    """The keys of `tensors` that are this rank's tensor-parallel part of a whole tensor:
+    their block in it and its shape (`pp_train.checkpoint.planners.ChunkSavePlanner`)."""
 
 
 def save_content(
@@ -177,8 +195,10 @@ def save_content(
 
     A `DistributedOptimizer`'s state is this rank's shards (`pp_train.checkpoint.
     optimizer_shards`); the parameters' all-gathers still in flight are waited for first.
+    Tensors split over tensor parallelism are this rank's parts (`SaveContent.chunks`).
     """
     finish_param_sync(model)
+    splits = _splits(state, model)
     tensors: dict[str, Any] = {key: held[0] for key, held in model_targets(model).items()}
     common: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -191,7 +211,7 @@ def save_content(
     }
     if optimizer is not None:
         if isinstance(optimizer, DistributedOptimizer):
-            tensors.update(shard_tensors(model, optimizer))
+            tensors.update(shard_tensors(model, optimizer, splits))
         else:
             tensors.update(optimizer_tensors(model, optimizer))
         scaler = optimizer.grad_scaler
@@ -204,7 +224,8 @@ def save_content(
         record = conversion_record(state, model, optimizer)
         if record is not None:
             tensors[record_key(record["tensor_rank"], record["pipeline_rank"])] = record
-    return SaveContent({k: _detached(v) for k, v in tensors.items()}, common)
+    chunks = save_chunks(tensors, splits)
+    return SaveContent({k: _detached(v) for k, v in tensors.items()}, common, chunks)
 
 
 def _detached(value: Any) -> Any:
@@ -250,9 +271,17 @@ def write_common(directory: Path, common: dict[str, Any]) -> None:
     _atomic_write(directory / FORMAT_METADATA_FILENAME, lambda f: f.write(metadata))
 
 
-def writer_and_planner(staging: Path) -> tuple[FileSystemWriter, DefaultSavePlanner]:
-    """DCP's file writer (each file synced) and a planner for our flat, global keys."""
-    return FileSystemWriter(staging, sync_files=True), DefaultSavePlanner(flatten_state_dict=False)
+def writer_and_planner(
+    staging: Path, chunks: dict[str, tuple[Box, tuple[int, ...]]] | None = None
+) -> tuple[FileSystemWriter, DefaultSavePlanner]:
+    """DCP's file writer (each file synced) and a planner for our flat, global keys.
+
+    Args:
+        staging: The directory written.
+        chunks: The keys holding a tensor-parallel part, placed in their whole tensor
+            (`SaveContent.chunks`).
+    """
+    return FileSystemWriter(staging, sync_files=True), ChunkSavePlanner(chunks)
 
 
 def write_torch_dist(
@@ -265,7 +294,7 @@ def write_torch_dist(
         CollectiveError: On every survivor when a rank died or stopped answering.
     """
     prepare(staging, content, state, iteration)
-    writer, planner = writer_and_planner(staging)
+    writer, planner = writer_and_planner(staging, content.chunks)
     try:
         dcp.save(content.tensors, storage_writer=writer, planner=planner)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException

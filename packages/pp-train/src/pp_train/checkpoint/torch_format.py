@@ -58,6 +58,7 @@ from pp_train.checkpoint.tracker import (
     TRACKER_FILENAME,
     agree_on_iteration,
     checkpoint_path,
+    iteration_directory,
 )
 from pp_train.checkpoint.validation import (
     check_load_arguments,
@@ -378,6 +379,7 @@ def load_latest_torch(request: LoadRequest) -> LoadedCheckpoint | None:
     plan: _LoadPlan | None = None
     error: BaseException | None = None
     try:
+        _check_tensor_parallel_size(root, iteration, state)
         plan = _plan_load(_read_checkpoint(path, iteration, state.rank), request, path, iteration)
     except Exception as caught:  # whatever the cause, every rank must hear of it
         error = caught
@@ -404,6 +406,32 @@ def load_latest_torch(request: LoadRequest) -> LoadedCheckpoint | None:
         iteration=iteration,
     )
     return plan.result
+
+
+_POSITION = re.compile(r"mp_rank_(\d{2})(?:_\d{3})?")
+
+
+def _check_tensor_parallel_size(root: Path, iteration: int, state: ParallelState) -> None:
+    """Refuses a checkpoint whose ``mp_rank_TT`` directories are of another tensor size.
+
+    Raises:
+        CheckpointError: The directories name another number of tensor-parallel ranks;
+            the message names both sizes and how to load it (through torch_dist).
+    """
+    directory = iteration_directory(root, iteration)
+    found = [_POSITION.fullmatch(p.name) for p in directory.glob("mp_rank_*")]
+    ranks = {int(match[1]) for match in found if match is not None}
+    saved, current = max(ranks, default=-1) + 1, state.tensor_model_parallel_size
+    if not ranks or saved == current:
+        return
+    raise CheckpointError(
+        f"rank {state.rank}: torch checkpoint {directory} was saved at tensor-parallel size "
+        f"{saved} (mp_rank_00 .. mp_rank_{saved - 1:02d}); this run has tensor-parallel size "
+        f"{current}, and the torch format loads only at the size that saved it. Convert it "
+        f"to torch_dist (python -m pp_train.checkpoint convert --input {root} --output NEW "
+        "--to torch_dist), then load NEW with --ckpt-format torch_dist, which reshards "
+        "across tensor-parallel sizes; nothing was loaded"
+    )
 
 
 def _read_checkpoint(path: Path, iteration: int, rank: int) -> dict[str, Any]:
