@@ -387,6 +387,7 @@ BENCHMARKS = [
     ("pp-optim", "distopt_bench.py", [], 2),
     ("pp-optim", "distopt_bench.py", [], 4),
     ("pp-train", "memory_bench.py", [], 4),
+    ("pp-train", "tp_bench.py", [], 4),
 ]
 
 
