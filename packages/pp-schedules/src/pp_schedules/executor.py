@@ -21,6 +21,7 @@ turn of a V) a tensor is handed over in memory.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from pp_comm import NullTimers, P2PCommunicator, Timers
 from pp_schedules.actions import Action
 from pp_schedules.autograd import check_torch_ddp_order, custom_backward, deallocate_output_tensor
+from pp_schedules.flight_recorder import DEFAULT_RECORDER_SIZE, FlightRecorder
 from pp_schedules.memory_probe import MemoryProbe, MemorySample
 from pp_schedules.plan_walk import CallArguments, PlanWalk, PreparedPlan, RunStats
 from pp_schedules.plans import as_plan
@@ -41,9 +43,17 @@ from pp_schedules.resolution import (
     resolve_schedule,
 )
 from pp_schedules.schedule_config import ForwardStepFunc, PlanLike, ScheduleConfig
+from pp_schedules.stop_channel import (
+    DEFAULT_REPORT_WAIT_S,
+    check_report_wait,
+    publish_head,
+    report_stop,
+)
+from pp_schedules.stop_report import StopReport
 from pp_schedules.timeline import MeasuredSpan
 from pp_schedules.validation import PlanReport, sends_delivered
 from pp_state.placement import Placement
+from pp_state.store_channel import StoreChannel
 
 __all__ = [
     "ChunkIteratorError",
@@ -76,13 +86,21 @@ class PipelineExecutor:
         config: ScheduleConfig | None = None,
         plan: PlanLike | None = None,
         resolved: ResolvedSchedule | None = None,
+        recorder_size: int = DEFAULT_RECORDER_SIZE,
+        channel: StoreChannel | None = None,
+        report_wait: float = DEFAULT_REPORT_WAIT_S,
     ) -> None:
         """Bind to a pipeline (None: a single stage), a config, and a plan or resolved schedule.
 
+        `recorder_size` steps are kept by the flight recorder (`recorder`). When a call
+        fails, this rank publishes its position through `channel` (default: the default
+        process group's store) and waits up to `report_wait` seconds for the other ranks'
+        to build a `StopReport` (see `report_stop`).
+
         Raises:
             ValueError: A plan, placement or resolved schedule that does not fit the
-                pipeline, a prefetch the communicator cannot take, or a split rank with
-                virtual stages.
+                pipeline, a prefetch the communicator cannot take, a split rank with
+                virtual stages, a recorder size below 1 or a `report_wait` not above 0.
         """
         self.communicator = communicator
         self.config = config or ScheduleConfig()
@@ -114,6 +132,12 @@ class PipelineExecutor:
         """The samples of the last call, one per compute step (empty without a probe)."""
         self._resolutions: dict[int, ResolvedSchedule] = {}
         self._plans: dict[tuple[int, bool], PreparedPlan] = {}
+        self.recorder = FlightRecorder(recorder_size)
+        """The last plan steps this rank walked (always on)."""
+        self.channel = channel
+        """Where positions are published on a stop; None: the default group's store."""
+        self.report_wait = check_report_wait(report_wait)
+        """Seconds a stopped rank waits, at most, for the other ranks' positions."""
 
     @property
     def placement(self) -> Placement:
@@ -215,6 +239,48 @@ class PipelineExecutor:
     def record_timeline(self, enabled: bool = True) -> None:
         """Record every compute step and exchange of the following calls in `timeline`."""
         self.recording = enabled
+
+    def set_recorder_size(self, size: int) -> None:
+        """Keep the last `size` steps from now on (a new, empty recorder).
+
+        Raises:
+            ValueError: `size` is not a whole number of 1 or more.
+        """
+        self.recorder = FlightRecorder(size)
+
+    def publish_position(self, channel: StoreChannel | None = None) -> bool:
+        """Publish where this rank is (its recorder head) for the other ranks' stop report.
+
+        For a trainer stopping on its own (SIGTERM, a non-finite loss): it returns at once.
+
+        Returns:
+            Whether it was published (not with a single stage, without a store, or before
+            the first call).
+        """
+        if channel is not None:
+            self.channel = channel
+        return publish_head(self) is not None
+
+    def report_stop(self, error: BaseException | None = None) -> StopReport | None:
+        """Publish this rank's position, gather the others' and build the stop report.
+
+        Waits at most `report_wait` seconds. The lowest rank that answered prints the report
+        on stderr; `error`, when given, gets it as ``error.stop_report`` and a one-line note.
+
+        Returns:
+            The report, or None (a single stage, no store, or no call run yet).
+        """
+        report = report_stop(self, error)
+        if report is None:
+            return None
+        if error is not None:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(error, "stop_report", report)  # noqa: B010 - any exception type
+            if sys.version_info >= (3, 11):
+                error.add_note(f"where every rank was: {report.cause} (error.stop_report)")
+        if min(report.heads) == self.rank:
+            print(report.render(), file=sys.stderr, flush=True)
+        return report
 
     def record_memory(self, probe: MemoryProbe | None) -> None:
         """Measure memory in the following calls with `probe`; None stops measuring.
@@ -426,6 +492,8 @@ class PipelineExecutor:
             # Sends of this step may still be pending; a later step would receive them.
             if self.communicator is not None:
                 self.communicator.invalidate(f"a pipeline step failed: {type(error).__name__}")
+            if isinstance(error, Exception):
+                self.report_stop(error)
             raise
         self.memory_samples = probe.samples[taken:] if probe is not None else []
 

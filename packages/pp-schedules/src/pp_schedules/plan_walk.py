@@ -26,6 +26,7 @@ from pp_schedules.autograd import (
     is_torch_ddp,
     tensor_list,
 )
+from pp_schedules.flight_recorder import FlightRecorder
 from pp_schedules.lowering import Exchange, Message, Step
 from pp_schedules.memory_probe import MemoryProbe, storage_bytes
 from pp_schedules.schedule_config import ForwardStepFunc, ScheduleConfig
@@ -105,6 +106,8 @@ class WalkHost(Protocol):
     """Whether the call records its timeline."""
     memory_probe: MemoryProbe | None
     """Samples the rank's bytes after each compute step, when set."""
+    recorder: FlightRecorder
+    """Keeps the rank's last steps (always on; see `pp_schedules.flight_recorder`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,7 +133,8 @@ class PlanWalk:
     def __init__(self, executor: WalkHost, call: CallArguments, prepared: PreparedPlan) -> None:
         self.x = executor
         self.call = call
-        self.steps = prepared.report.steps[executor.rank]
+        self.plan = prepared.report.steps
+        self.steps = self.plan[executor.rank]
         self.delivered = prepared.delivered
         self.placement = prepared.placement
         hidden = executor.config.hidden_size
@@ -173,10 +177,14 @@ class PlanWalk:
         action (``F0.1``): the samples line up with the rank's compute steps in plan order.
         """
         probe = self.x.memory_probe
+        recorder = self.x.recorder
+        recorder.start_call(self.x.rank, self.plan)
         with self.sync_control():
             for index, step in enumerate(self.steps):
                 kind = EXCHANGE if step.compute is None else step.compute.kind
+                recorder.begin(index, step)
                 STEP_HANDLERS[kind](self, index, step)
+                recorder.end()
                 if probe is not None and step.compute is not None:
                     probe.sample(str(step.compute))
                 for done in self.delivered.get(index, ()):
@@ -196,7 +204,9 @@ class PlanWalk:
         ):
             return
         del self.pending[index]
+        self.x.recorder.wait(("send", index))
         handle.wait_send()
+        self.x.recorder.waited()
 
     # -------------------------------------------------------------------- stage geometry
     def _first(self, chunk: int) -> bool:
@@ -291,11 +301,14 @@ class PlanWalk:
     def _wait_for(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
         """A received tensor list, once its transfer has completed."""
         handle, number, tensors = self.arrived.pop(key)
+        self.x.recorder.wait(("recv", key))
         if self.recorder is None:
             handle.wait_recv([number])
+            self.x.recorder.waited()
             return tensors
         start = self.recorder.now()
         handle.wait_recv([number])
+        self.x.recorder.waited()
         self.recorder.add(f"wait {key[0]} {key[1]}.{key[2]}", "wait", key[1], key[2], start,
                           self.recorder.now())  # fmt: skip
         return tensors
@@ -513,8 +526,10 @@ class PlanWalk:
 
     def finish(self) -> None:
         """Complete the sends still in flight and check that nothing was left over."""
-        for handle, _ in self.pending.values():
+        for index, (handle, _) in self.pending.items():
+            self.x.recorder.wait(("send", index))
             handle.wait_send()
+        self.x.recorder.waited()
         self.pending.clear()
         assert not self.outputs, "every forward got its backward"
         assert not self.arrived, "every received tensor was used"

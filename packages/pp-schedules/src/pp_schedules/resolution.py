@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from pp_schedules.actions import Action
 from pp_schedules.auto import Choice, choose_schedule
+from pp_schedules.nccl_rules import TRANSPORTS, check_transport
 from pp_schedules.plans import Plan, as_plan
 from pp_schedules.registry import default_schedule, schedule_spec, schedules_for
 from pp_schedules.simulation import Costs, StageCosts
@@ -35,9 +36,6 @@ __all__ = [
     "plan",
     "resolve_schedule",
 ]
-
-TRANSPORTS = ("gloo", "nccl")
-"""The transports a schedule is resolved for: gloo (CPU tensors) and NCCL (CUDA tensors)."""
 
 
 def plan(
@@ -94,17 +92,6 @@ def plan(
 
 def _placement_name(placement: Placement | str | None) -> str | None:
     return placement.name if isinstance(placement, Placement) else placement
-
-
-def check_transport(transport: str) -> str:
-    """`transport`, checked to be one of `TRANSPORTS`.
-
-    Raises:
-        ValueError: Another transport; the message lists the valid ones.
-    """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
-    return transport
 
 
 def default_prefetch(transport: str, exchanges_shapes: bool) -> int:

@@ -29,6 +29,7 @@ from pp_schedules.lowering import (
     outgoing_message,
     placement_of,
 )
+from pp_schedules.nccl_rules import check_transport, nccl_problem
 from pp_state.placement import Placement
 
 __all__ = ["Links", "PlanError", "PlanReport", "render_grid", "validate"]
@@ -242,10 +243,24 @@ def _consumers(steps: Sequence[Sequence[Step]]) -> dict[tuple[int, int], list[tu
     return dict(consumers)
 
 
-def _run(steps: Sequence[Sequence[Step]]) -> None:
-    """Execute the plan under the executor's rules; raise PlanError on deadlock or mismatch."""
+def _run(steps: Sequence[Sequence[Step]], transport: str, exchanges_shapes: bool) -> None:
+    """Execute the plan under the executor's rules; raise PlanError on deadlock or mismatch.
+
+    gloo's rules first (tags keep the streams apart); on NCCL, then its own rules too (see
+    `pp_schedules.nccl_rules`), which only refuse more.
+    """
     links = Links(steps)
     links.check_pairs()
+    _run_tagged(steps, links)
+    if transport == "nccl":
+        problem = nccl_problem(steps, links.consumer, exchanges_shapes=exchanges_shapes)
+        if problem is not None:
+            text, marks = problem
+            raise PlanError(f"{text}\n" + render_grid(steps, marks))
+
+
+def _run_tagged(steps: Sequence[Sequence[Step]], links: Links) -> None:
+    """Exchanges never block, compute steps wait for their receives: raise on deadlock."""
     cursor = [0] * len(steps)
     progressed = True
     while progressed:
@@ -362,6 +377,8 @@ def validate(
     forward_only: bool = False,
     placement: Placement | None = None,
     prefetch: int = 0,
+    transport: str = "gloo",
+    exchanges_shapes: bool = False,
 ) -> PlanReport:
     """Check a plan and lower it for execution.
 
@@ -379,14 +396,19 @@ def validate(
         placement: Which stage each (rank, chunk) holds; the plan's, or looped.
         prefetch: Post each receive this many exchanges early (see `lower`); a plan that
             writes its exchanges is checked and kept as written.
+        transport: Whose rules the exchanges run under: "gloo" (pairing by peer and tag)
+            or "nccl" (by posting order, batches blocking; `pp_schedules.nccl_rules`).
+        exchanges_shapes: Shape headers go ahead of messages (matters on NCCL only).
 
     Returns:
         The lowered steps and each rank's peak number of activations held.
 
     Raises:
+        ValueError: An unknown transport; the message names the valid ones.
         PlanError: The first problem found, with the rank x step grid and the failing step in
             brackets.
     """
+    check_transport(transport)
     where = placement_of(plan, vp_size, placement)
     if num_microbatches is None:
         num_microbatches = 1 + max((a.microbatch for rank in plan for a in rank), default=-1)
@@ -398,7 +420,7 @@ def validate(
         raise PlanError(str(error)) from None
     if getattr(plan, "steps", None) is not None:
         _check_written(steps, where)
-    _run(steps)
+    _run(steps, transport, exchanges_shapes)
     return PlanReport(
         steps=steps,
         peak_in_flight=[_peak_in_flight(actions) for actions in plan],

@@ -1,0 +1,213 @@
+"""The flight recorder: each rank's last plan steps, kept always, cheap enough to never switch off.
+
+The executor records every lowered step it walks (compute step or exchange) in a ring buffer of
+a fixed size: the call's iteration, the step's index in the rank's lowered plan, the step, when
+it started and ended (``time.perf_counter``), and what it waits for while it waits (a receive a
+compute step uses, or the sends of an earlier exchange). Recording stores references and two
+clock readings; the plain-data form (`FlightRecorder.head`, `FlightRecorder.recent`) is built
+only when asked, after a failure or on a signal.
+
+`head` is the step the rank is in: the one started and not ended, or else the last ended. A
+stopped pipeline's ranks publish their heads so that one report says where every rank was
+(`pp_schedules.stop_report`).
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pp_schedules.lowering import Message, Step
+
+__all__ = [
+    "DEFAULT_RECORDER_SIZE",
+    "FlightRecorder",
+    "NullFlightRecorder",
+    "check_recorder_size",
+    "transfer_record",
+]
+
+DEFAULT_RECORDER_SIZE = 256
+"""Steps each rank keeps: several calls of a small plan, the tail of a large one."""
+
+# A ring entry is a list (cheaper to build and update than an object):
+# [iteration, step index, Step, start, end or None, what it waits for or None].
+_END, _WAITING = 4, 5
+
+
+def check_recorder_size(size: object) -> int:
+    """`size` as a recorder size (a whole number of steps, 1 or more).
+
+    Raises:
+        ValueError: `size` is not a whole number of 1 or more.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"the flight recorder's size must be a whole number of steps, 1 or more, got {size!r}"
+        )
+    return size
+
+
+def transfer_record(message: Message) -> dict[str, Any]:
+    """One transfer as plain data: peer, direction, what moves and the tensor's key.
+
+    ``key`` is the tensor's name on both sides (channel, microbatch, sender's chunk, receiver's
+    chunk), so a receive can be matched with the send that feeds it.
+    """
+    action = message.action
+    what = "activations" if message.channel == "forward" else "gradients"
+    return {
+        "peer": message.peer,
+        "direction": "send" if message.is_send else "recv",
+        "what": f"{what} of mb {action.microbatch} chunk {action.chunk}",
+        "action": str(action),
+        "key": list(message.key(0)),
+    }
+
+
+def _kind(step: Step) -> str:
+    return step.compute.kind if step.compute is not None else "exchange"
+
+
+class FlightRecorder:
+    """A ring buffer of one rank's last `size` plan steps.
+
+    The walk calls `begin` and `end` around each step, `wait` / `waited` around each wait for a
+    transfer; `start_call` once per call. Nothing else is computed while recording.
+
+    Args:
+        size: Steps kept (1 or more).
+
+    Raises:
+        ValueError: `size` is not a whole number of 1 or more.
+    """
+
+    def __init__(self, size: int = DEFAULT_RECORDER_SIZE) -> None:
+        self.size = check_recorder_size(size)
+        self.rank = 0
+        self.iteration = 0
+        """Calls started (the current call's number, from 1)."""
+        self.plan: Sequence[Sequence[Step]] = ()
+        """The current call's lowered plan, every rank's steps (what a stop report draws)."""
+        self._ring: list[list[Any] | None] = [None] * self.size
+        self._count = 0
+        self._current: list[Any] | None = None
+
+    def start_call(self, rank: int, plan: Sequence[Sequence[Step]]) -> None:
+        """A call begins: count it, and keep the rank and the lowered plan for `head`."""
+        self.iteration += 1
+        self.rank = rank
+        self.plan = plan
+
+    def begin(self, index: int, step: Step) -> None:
+        """Step `index` of the call's plan starts."""
+        entry = [self.iteration, index, step, time.perf_counter(), None, None]
+        self._ring[self._count % self.size] = entry
+        self._count += 1
+        self._current = entry
+
+    def end(self) -> None:
+        """The step begun last has ended."""
+        if self._current is not None:
+            self._current[_END] = time.perf_counter()
+
+    def wait(self, what: tuple[str, Any]) -> None:
+        """The rank waits: ``("recv", (channel, microbatch, chunk))`` or ``("send", index)``."""
+        if self._current is not None:
+            self._current[_WAITING] = what
+
+    def waited(self) -> None:
+        """The wait is over."""
+        if self._current is not None:
+            self._current[_WAITING] = None
+
+    @property
+    def recorded(self) -> int:
+        """Steps recorded since the recorder was made (those beyond `size` are gone)."""
+        return self._count
+
+    def head(self) -> dict[str, Any] | None:
+        """Where the rank is, as plain data (JSON-able); None before the first step.
+
+        Keys: ``iteration``, ``step`` (index in the rank's lowered plan), ``action``,
+        ``kind`` (F, B, I, W or exchange), ``microbatch``, ``chunk``, ``transfers`` (an
+        exchange's, each with ``peer``, ``direction``, ``what``), ``start``, ``end`` (None
+        while running), ``state`` ("running", "posting", "waiting" or "ended") and
+        ``waiting_for`` (the transfers it waits for).
+        """
+        return None if self._current is None else self._record(self._current, True)
+
+    def recent(self) -> list[dict[str, Any]]:
+        """The steps kept, oldest first, as `head` describes them (without their waits)."""
+        count = min(self._count, self.size)
+        entries = [self._ring[(self._count - count + k) % self.size] for k in range(count)]
+        return [self._record(entry, False) for entry in entries if entry is not None]
+
+    def _record(self, entry: list[Any], with_waits: bool) -> dict[str, Any]:
+        iteration, index, step, start, end, waiting = entry
+        compute = step.compute
+        first = compute if compute is not None else step.exchange.messages[0].action
+        messages = step.exchange.messages if step.exchange is not None else ()
+        waits = self._waits(waiting, index) if with_waits and waiting is not None else []
+        return {
+            "iteration": iteration,
+            "step": index,
+            "action": str(step),
+            "kind": _kind(step),
+            "microbatch": first.microbatch,
+            "chunk": first.chunk,
+            "transfers": [transfer_record(m) for m in messages],
+            "start": start,
+            "end": end,
+            "state": self._state(step, end, waits),
+            "waiting_for": waits,
+        }
+
+    @staticmethod
+    def _state(step: Step, end: float | None, waits: list[dict[str, Any]]) -> str:
+        if waits:
+            return "waiting"
+        if end is not None:
+            return "ended"
+        return "running" if step.compute is not None else "posting"
+
+    def _waits(self, waiting: tuple[str, Any], index: int) -> list[dict[str, Any]]:
+        """The transfers a wait marker names, found in the call's plan."""
+        kind, what = waiting
+        plan = self.plan[self.rank] if self.rank < len(self.plan) else ()
+        if kind == "send" and 0 <= what < len(plan) and plan[what].exchange is not None:
+            messages = plan[what].exchange.messages
+            return [transfer_record(m) for m in messages if m.is_send]
+        if kind != "recv":
+            return []
+        channel, microbatch, chunk = what
+        # The receive that feeds this step was posted by the latest exchange before it.
+        for earlier in reversed(plan[: min(index, len(plan))]):
+            for message in earlier.exchange.messages if earlier.exchange is not None else ():
+                action = message.action
+                if (
+                    not message.is_send
+                    and message.channel == channel
+                    and (action.microbatch, action.chunk) == (microbatch, chunk)
+                ):
+                    return [transfer_record(message)]
+        return []
+
+
+class NullFlightRecorder(FlightRecorder):
+    """A recorder that records nothing: the baseline a cost measurement compares with."""
+
+    def begin(self, index: int, step: Step) -> None:
+        """Records nothing."""
+
+    def end(self) -> None:
+        """Records nothing."""
+
+    def wait(self, what: tuple[str, Any]) -> None:
+        """Records nothing."""
+
+    def waited(self) -> None:
+        """Records nothing."""
