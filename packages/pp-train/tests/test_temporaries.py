@@ -124,6 +124,21 @@ def test_a_directory_moved_aside_whose_replacement_came_in_is_removed(tmp_path: 
     assert new.is_file()
 
 
+def test_a_published_directory_keeps_no_writer_marker(tmp_path: Path) -> None:
+    """Renamed in, the staging directory loses its ``.writer``: it names a temporary's writer."""
+    _file(tmp_path / "iter_0000002/.metadata", 10)  # an earlier save of the same iteration
+    _partial(tmp_path, 2, f"{HOST} {os.getpid()}")
+    (tmp_path / "iter_0000002.partial/.metadata").write_bytes(b"x" * 20)
+    publish(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt",
+    ]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "iter_0000002").iterdir()) == [
+        ".metadata", "__0_0.distcp",
+    ]  # fmt: skip
+    assert (tmp_path / "iter_0000002/.metadata").stat().st_size == 20
+
+
 def test_a_failed_rename_in_puts_the_directory_moved_aside_back(tmp_path: Path) -> None:
     old = _file(tmp_path / "iter_0000002/.metadata", 10)
     _file(tmp_path / "iter_0000002.partial/.metadata", 20)

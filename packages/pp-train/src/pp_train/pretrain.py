@@ -292,20 +292,49 @@ def _process_group(config: PretrainConfig) -> Iterator[torch.device]:
             {} if "RANK" in os.environ
             else {"init_method": f"file://{scratch}/rendezvous", "rank": 0, "world_size": 1}
         )  # fmt: skip
+        joining = single or restarted_store(os.environ, timeout)
         if _local_gpus():
             torch.cuda.set_device(local_rank)
-            dist.init_process_group("nccl", timeout=timeout, **single)
+            dist.init_process_group("nccl", timeout=timeout, **joining)
             device = torch.device("cuda", local_rank)
         else:
             # Ranks on one machine share its cores; more threads per rank only contend.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-            dist.init_process_group("gloo", timeout=timeout, **single)
+            dist.init_process_group("gloo", timeout=timeout, **joining)
             device = torch.device("cpu")
         _progress_line(f"process group ready ({dist.get_backend()}); building the model ...")
         try:
             yield device
         finally:
             dist.destroy_process_group()
+
+
+def restarted_store(environ: Mapping[str, str], timeout: datetime.timedelta) -> dict[str, Any]:
+    """How a worker that torchrun restarted joins its group: the agent's store, prefixed anew.
+
+    torchrun's agent keeps one store for all its restarts, and torch 2.13's ``env://`` joins
+    it without a per-restart prefix: a restarted gloo group reads the dead workers' addresses
+    and fails to connect ("Connection refused"), so ``--max-restarts`` could never resume.
+    Joined under a prefix naming the restart count, each attempt has keys of its own.
+
+    Args:
+        environ: The environment torchrun set.
+        timeout: The store's timeout (the process group's).
+
+    Returns:
+        ``init_process_group``'s ``store``, ``rank`` and ``world_size`` for a restarted worker
+        of an agent that hosts the store; empty (``env://`` as usual) otherwise.
+    """
+    restart = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    prefixed = dist.PrefixStore(f"pp-train/restart-{restart}", store)
+    return {"store": prefixed, "rank": int(environ["RANK"]), "world_size": world_size}
 
 
 def _measured_run(

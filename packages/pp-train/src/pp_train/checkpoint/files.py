@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from pp_train.temporaries import REPLACED_SUFFIX, temporary_path
+from pp_train.temporaries import REPLACED_SUFFIX, WRITER_FILENAME, temporary_path
 
 __all__ = ["atomic_write", "fsync_directory", "move_in"]
 
@@ -59,13 +59,17 @@ def atomic_write(
 def move_in(staging: Path, final: Path) -> Path:
     """Renames the complete directory `staging` to `final`; an existing `final` is moved aside.
 
-    The aside copy (``iter_N.replaced``) is returned, to be deleted once the tracker moved;
-    a failed rename in puts it back. A kill between the two renames is repaired by the next
-    save or load (`pp_train.temporaries.restore_moved_aside`). The caller syncs the parent.
+    The writer's marker (``.writer``) is removed first: it names the writer of a temporary,
+    and a published directory has none. The aside copy (``iter_N.replaced``) is returned, to
+    be deleted once the tracker moved; a failed rename in puts it back. A kill between the
+    two renames is repaired by the next save or load
+    (`pp_train.temporaries.restore_moved_aside`). The caller syncs the parent.
 
     Raises:
         OSError: A rename failed; `final` is as it was.
     """
+    with contextlib.suppress(FileNotFoundError):
+        (staging / WRITER_FILENAME).unlink()
     replaced = final.with_name(final.name + REPLACED_SUFFIX)
     if final.exists():
         if replaced.exists():
