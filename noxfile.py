@@ -436,6 +436,23 @@ def bench_checkpoint(session: nox.Session) -> None:
 
 
 @nox.session
+def soak(session: nox.Session) -> None:
+    """The fault-injected soak (not in the default run): 1,000 steps of the GPT under torchrun.
+
+    Kills, SIGTERMs and SIGSTOPs ranks, fills the checkpoint disk during a save and corrupts
+    the newest checkpoint, at seeded random moments; prints a table of what each fault did.
+    Arguments after ``--`` go to the script (``-- --seed 2 --faults kill,stop``).
+    """
+    _install(session, LIBRARIES)
+    session.run(
+        "python",
+        str(PACKAGES / "pp-train" / "benchmarks" / "soak.py"),
+        *session.posargs,
+        env=TEST_ENV,
+    )
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: the bundled GPT on 4 CPU processes under torchrun, stopped and resumed."""
     _install(session, LIBRARIES, "tensorboard>=2.14")

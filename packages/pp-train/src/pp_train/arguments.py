@@ -456,6 +456,10 @@ class LoggingArgs:
     profile_schedule_iteration: int | None = None
     """The iteration --profile-schedule records (None: the second this run trains)."""
 
+    stop_report_dir: str | None = dataclasses.field(default=None, metadata={"metavar": "DIR"})
+    """Where a stopped pipeline's report goes (pipeline-stop-iter<N>-rank<R>.txt, .json,
+    .trace.json); None: --tensorboard-dir, else --save, else the working directory."""
+
     def __post_init__(self) -> None:
         """Checks the interval and that a profile iteration comes with a profile file."""
         _check_at_least(self, ("log_interval", "profile_schedule_iteration"))

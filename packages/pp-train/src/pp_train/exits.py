@@ -28,6 +28,11 @@ _AGREED_EXITS: tuple[ExitReason, ...] = ("signal", "autoresume", "exit_duration"
 class SigtermFlag:
     """Records SIGTERM instead of dying, so the loop can save first; restores on exit.
 
+    The handler only sets a flag: Python runs it in the main thread between bytecodes, late
+    when that thread waits in a transfer. Publishing the rank's position for the stop report
+    is done at once by `pp_train.live_dump.SignalWatcher`'s thread, which this handler's
+    presence lets the signal reach (``signal.set_wakeup_fd``; the loop enters both).
+
     Args:
         enabled: Install the handler (`TrainingArgs.exit_signal_handler`); off, a no-op.
     """

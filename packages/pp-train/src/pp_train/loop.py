@@ -18,11 +18,13 @@ import torch
 
 from pp_comm import NullTimers
 from pp_optim import MegatronOptimizer, OptimizerParamScheduler
-from pp_schedules import Simulation
+from pp_schedules import PipelineExecutor, Simulation
+from pp_schedules.stop_report import StopReport
 from pp_state import ParallelState, Placement
 from pp_train.arguments import PretrainConfig
 from pp_train.evaluation import evaluate
 from pp_train.exits import SigtermFlag, exit_reason
+from pp_train.live_dump import SignalWatcher
 from pp_train.memory import MemoryReport, prediction_line, training_state_tensors
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
@@ -36,8 +38,9 @@ from pp_train.run import (
     loop_config,
 )
 from pp_train.schedule_profile import ScheduleProfile
-from pp_train.step import ForwardBackwardFunc, ForwardStepFunc, StepResult
+from pp_train.step import ForwardBackwardFunc, ForwardStepFunc, NonFiniteError, StepResult
 from pp_train.step_log import log_step, timers_line, write_timers
+from pp_train.stop_reports import keep_report, report_directory, report_non_finite
 
 __all__ = ["TrainLoop", "train"]
 
@@ -160,9 +163,14 @@ class TrainLoop:
         run, config, progress = self.run, self.run.config, self.run.progress
         started = time.monotonic()
         training = config.training
-        with SigtermFlag(training.exit_signal_handler) as signals, self._measuring():
+        with (
+            SigtermFlag(training.exit_signal_handler) as signals,
+            self._watching(),
+            self._measuring(),
+        ):
             while progress.iteration < training.train_iters:
-                self.iteration(train_data_iterator, valid_data_iterator)
+                with self._reporting_stops():
+                    self.iteration(train_data_iterator, valid_data_iterator)
                 reason = exit_reason(
                     training,
                     progress.iteration,
@@ -176,6 +184,41 @@ class TrainLoop:
             run.save()  # the final state, unless the last iteration just saved it
         run.finish_saves()
         return "train_iters"
+
+    @property
+    def executor(self) -> PipelineExecutor | None:
+        """The run's pipeline executor (None: a forward-backward function of the caller's)."""
+        function = self.forward_backward_func
+        return function if isinstance(function, PipelineExecutor) else None
+
+    def _watching(self) -> SignalWatcher:
+        """SIGTERM's position and SIGUSR2's live dump, answered by a thread (`SignalWatcher`)."""
+        progress = self.run.progress
+        return SignalWatcher(
+            self.executor,
+            iteration=lambda: progress.iteration + 1,
+            directory=report_directory(self.run.config),
+        )
+
+    @contextlib.contextmanager
+    def _reporting_stops(self) -> Iterator[None]:
+        """An iteration; a stop report (the executor's, or a non-finite stop's) kept on failure."""
+        try:
+            yield
+        except NonFiniteError as error:
+            if self.executor is not None:
+                iteration = self.run.progress.iteration + 1
+                directory = report_directory(self.run.config)
+                report_non_finite(error, self.executor, directory, iteration)
+            raise
+        except Exception as error:
+            report = getattr(error, "stop_report", None)
+            if isinstance(report, StopReport) and self.executor is not None:
+                iteration = self.run.progress.iteration + 1
+                keep_report(
+                    error, report, self.executor, report_directory(self.run.config), iteration
+                )
+            raise
 
     @contextlib.contextmanager
     def _measuring(self) -> Iterator[None]:

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
@@ -44,6 +45,7 @@ from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test
 from pp_train.memory_plan import MemoryPlanError, ModelFigures
 from pp_train.pretrain import default_transport, pretrain, print_once
 from pp_train.recompute import RecomputeConfig
+from pp_train.stop_reports import exit_line
 from pp_train.training import NonFiniteError
 from pp_train.world import check_world
 from pp_train.wrappers import unwrap_model
@@ -317,12 +319,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     validate_args(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
+    # A live-dump request (pp_train.dump) before or after the training loop, which answers
+    # it, must not end the process: SIGUSR2's default action is to terminate.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
         run(args)
     except (CheckpointError, NonFiniteError, MemoryPlanError) as error:
         # Every rank refuses together; one clear line instead of a traceback per rank.
         if os.environ.get("RANK", "0") == "0":
             print(f"pp-train: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as error:
+        # A stopped pipeline: its report is printed and written; one line names the cause.
+        line = exit_line(error, int(os.environ.get("RANK", "0")))
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
         return 1
     return 0
 

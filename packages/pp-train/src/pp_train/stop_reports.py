@@ -1,0 +1,220 @@
+"""The trainer's side of a stopped pipeline's report: where it is written, and its own stops.
+
+pp-schedules' executor builds a `StopReport` when a call fails on two or more pipeline ranks
+(a p2p timeout, a lost peer, a contract mismatch) and attaches it to the error as
+``error.stop_report``. The trainer then:
+
+- writes it beside the logs (`report_directory`: ``--stop-report-dir``, else
+  ``--tensorboard-dir``, else ``--save``, else the working directory) as
+  ``pipeline-stop-iter<N>-rank<R>.txt``, ``.json`` and ``.trace.json``, on the rank that
+  printed it (the lowest pipeline rank that answered), and names the cause in its exit line
+  (`exit_line`);
+- on a non-finite loss or gradient norm (`NonFiniteError`), a stop no transfer saw, publishes
+  every rank's position and prints the report with the non-finite value as its cause
+  (`report_non_finite`);
+- on SIGTERM (torchrun's agent terminates the survivors soon after a rank dies, long before any
+  p2p timeout), publishes the position at once and, when the pipeline is broken, prints the
+  report (`report_on_sigterm`, run by `pp_train.live_dump.SignalWatcher`'s thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pp_schedules import PipelineExecutor
+from pp_schedules.stop_channel import report_stop
+from pp_schedules.stop_report import StopReport
+from pp_state.store_channel import StoreChannel
+from pp_train.arguments import PretrainConfig
+
+__all__ = [
+    "REPORT_STEM",
+    "SigtermOutcome",
+    "exit_line",
+    "keep_report",
+    "report_directory",
+    "report_non_finite",
+    "report_on_sigterm",
+    "report_stem",
+    "use_default_store",
+]
+
+REPORT_STEM = "pipeline-stop"
+"""The report files' name: ``pipeline-stop-iter<N>-rank<R>`` and a suffix."""
+
+
+def report_directory(config: PretrainConfig) -> Path:
+    """Where reports go: ``--stop-report-dir``, else ``--tensorboard-dir``, else ``--save``.
+
+    Without any of them, the working directory.
+    """
+    for choice in (
+        config.logging.stop_report_dir,
+        config.logging.tensorboard_dir,
+        config.checkpoint.save,
+    ):
+        if choice is not None:
+            return Path(choice)
+    return Path.cwd()
+
+
+def report_stem(iteration: int, global_rank: int) -> str:
+    """The report files' name without suffix, for training iteration `iteration`."""
+    return f"{REPORT_STEM}-iter{iteration}-rank{global_rank}"
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _reports_here(report: StopReport, executor: PipelineExecutor) -> bool:
+    """Whether this rank printed the report: the lowest pipeline rank that answered."""
+    return bool(report.heads) and min(report.heads) == executor.rank
+
+
+def keep_report(
+    error: BaseException | None,
+    report: StopReport,
+    executor: PipelineExecutor,
+    directory: Path,
+    iteration: int,
+) -> list[Path]:
+    """Attach `report` to `error`; on the rank that printed it, write it under `directory`.
+
+    `error` gets ``stop_report`` and ``stop_report_files`` (the paths written: empty on the
+    other ranks, or when the directory cannot be written, which costs a note on stderr).
+
+    Returns:
+        The paths written.
+    """
+    paths: list[Path] = []
+    if _reports_here(report, executor):
+        try:
+            paths = report.write(directory, report_stem(iteration, _global_rank()))
+        except OSError as failure:  # the report was printed already; the error stands
+            print(f"pp-train: the stop report was not written: {failure}", file=sys.stderr)
+    if error is not None:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(error, "stop_report", report)  # noqa: B010 - any exception type
+            setattr(error, "stop_report_files", paths)  # noqa: B010
+    return paths
+
+
+def exit_line(error: BaseException, rank: int) -> str | None:
+    """The one line global rank `rank` leaves with after a stop the trainer reported, or None.
+
+    The rank that wrote the report names the cause and the file; the others their own error
+    (its first line, without the backend's words).
+    """
+    report = getattr(error, "stop_report", None)
+    files = getattr(error, "stop_report_files", None)
+    if not isinstance(report, StopReport) or files is None:
+        return None
+    if files:
+        return (
+            f"pp-train: error: the pipeline stopped (call {report.iteration}): {report.cause} "
+            f"(report: {files[0]})"
+        )
+    lines = str(error).strip().splitlines()
+    first = lines[0].split(" Cause: ")[0][:300] if lines else ""
+    return f"pp-train: rank {rank} stopped: {type(error).__name__}: {first}"
+
+
+def report_non_finite(
+    error: BaseException, executor: PipelineExecutor, directory: Path, iteration: int
+) -> StopReport | None:
+    """Publish this rank's position, gather the others' and print where every rank stopped.
+
+    Every rank raises the `NonFiniteError` together, so every stage answers at once; the
+    report's cause is the non-finite value, not a lost rank.
+
+    Returns:
+        The report (kept as `keep_report` does), or None with a single stage or no store.
+    """
+    report = report_stop(executor, None)
+    if report is None:
+        return None
+    lines = str(error).strip().splitlines()
+    value = lines[0] if lines else type(error).__name__
+    cause = f"a non-finite value stopped training, no rank is lost: {value}"
+    report = dataclasses.replace(report, cause=cause)
+    if _reports_here(report, executor):
+        print(report.render(), file=sys.stderr, flush=True)
+    keep_report(error, report, executor, directory, iteration)
+    return report
+
+
+@dataclasses.dataclass(frozen=True)
+class SigtermOutcome:
+    """What `report_on_sigterm` found.
+
+    Attributes:
+        published: This rank published its position.
+        report: The report, when the pipeline is broken (a rank failed or did not answer).
+        failed: A rank that answered had failed: the pipeline cannot finish the iteration.
+    """
+
+    published: bool
+    report: StopReport | None = None
+    failed: bool = False
+
+
+def _own_error_published(executor: PipelineExecutor) -> bool:
+    """Whether the executor has published this rank's failure in the current call already.
+
+    Its failure path publishes with the error before it raises; a signal arriving then must
+    not overwrite that position with one without the error.
+    """
+    channel, communicator = executor.channel, executor.communicator
+    if channel is None or communicator is None:
+        return False
+    # pp_schedules.stop_channel's key for a rank's position (it has no public name for it).
+    key = f"{channel.prefix}where/{communicator.rank}"
+    try:
+        if not channel.store.check([key]):
+            return False
+        document: dict[str, Any] = json.loads(channel.store.get(key))
+    except Exception:  # a store that fails: publish anyway, it notes its own failure
+        return False
+    return document.get("iteration") == executor.recorder.iteration and bool(document.get("error"))
+
+
+def use_default_store(executor: PipelineExecutor) -> None:
+    """Give the executor the default group's store as its channel (unless it has one).
+
+    Called before training, so that its failure path and a signal's publish use one channel.
+    """
+    if executor.channel is None and dist.is_initialized():
+        with contextlib.suppress(Exception):  # no store: the executor notes it when it tries
+            executor.channel = StoreChannel.from_default_group(timeout=executor.report_wait)
+
+
+def report_on_sigterm(
+    executor: PipelineExecutor, directory: Path, iteration: int
+) -> SigtermOutcome:
+    """On SIGTERM: publish this rank's position at once, then the report if the pipeline broke.
+
+    Waits at most the executor's ``report_wait`` for the other stages. A pipeline whose stages
+    all answered without an error is stopping in order (the loop saves and leaves): no report.
+    Otherwise the lowest pipeline rank that answered prints and writes it. A rank whose
+    executor is already reporting its own failure does nothing here.
+    """
+    if executor.communicator is None or _own_error_published(executor):
+        return SigtermOutcome(published=False)
+    report = report_stop(executor, None)
+    if report is None:
+        return SigtermOutcome(published=False)
+    failed = any(head.get("error") for head in report.heads.values())
+    if not failed and len(report.heads) == executor.pp_size:
+        return SigtermOutcome(published=True)
+    if _reports_here(report, executor):
+        print(report.render(), file=sys.stderr, flush=True)
+    keep_report(None, report, executor, directory, iteration)
+    return SigtermOutcome(published=True, report=report, failed=failed)
