@@ -59,17 +59,16 @@ def atomic_write(
 def move_in(staging: Path, final: Path) -> Path:
     """Renames the complete directory `staging` to `final`; an existing `final` is moved aside.
 
-    The writer's marker (``.writer``) is removed first: it names the writer of a temporary,
-    and a published directory has none. The aside copy (``iter_N.replaced``) is returned, to
-    be deleted once the tracker moved; a failed rename in puts it back. A kill between the
-    two renames is repaired by the next save or load
+    The writer's marker (``.writer``) is removed once renamed in: it names the writer of a
+    temporary (a kill before the rename leaves it, so the next start removes the dead
+    writer's ``.partial``), and a published directory has none. The aside copy
+    (``iter_N.replaced``) is returned, to be deleted once the tracker moved; a failed rename
+    in puts it back. A kill between the two renames is repaired by the next save or load
     (`pp_train.temporaries.restore_moved_aside`). The caller syncs the parent.
 
     Raises:
         OSError: A rename failed; `final` is as it was.
     """
-    with contextlib.suppress(FileNotFoundError):
-        (staging / WRITER_FILENAME).unlink()
     replaced = final.with_name(final.name + REPLACED_SUFFIX)
     if final.exists():
         if replaced.exists():
@@ -84,4 +83,6 @@ def move_in(staging: Path, final: Path) -> Path:
         if error.errno is None:
             raise OSError(detail) from error
         raise OSError(error.errno, detail) from error
+    with contextlib.suppress(FileNotFoundError):
+        (final / WRITER_FILENAME).unlink()
     return replaced
