@@ -36,6 +36,7 @@ __all__ = [
     "position_document",
     "publish_document",
     "publish_head",
+    "read_position",
     "report_stop",
 ]
 
@@ -155,7 +156,8 @@ def _neighbours(document: dict[str, Any]) -> dict[int, int]:
     return {(stage - 1) % size: document["prev_rank"], (stage + 1) % size: document["next_rank"]}
 
 
-def _read(channel: StoreChannel, global_rank: int) -> dict[str, Any] | None:
+def read_position(channel: StoreChannel, global_rank: int) -> dict[str, Any] | None:
+    """The position `global_rank` published in `channel`, or None if it has published none."""
     key = channel.prefix + _key(global_rank)
     if not channel.store.check([key]):
         return None
@@ -178,7 +180,7 @@ def gather_positions(
             if stage in known:
                 continue
             try:
-                document = _read(channel, global_rank)
+                document = read_position(channel, global_rank)
             except Exception as error:  # a gone store ends the wait, quietly
                 _note(own["rank"], "read the other ranks' positions", error)
                 return known

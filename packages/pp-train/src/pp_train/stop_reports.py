@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from pp_schedules import PipelineExecutor
-from pp_schedules.stop_channel import report_stop
+from pp_schedules.stop_channel import read_position, report_stop
 from pp_schedules.stop_report import StopReport
 from pp_state.store_channel import StoreChannel
 from pp_train.arguments import PretrainConfig
@@ -175,13 +173,11 @@ def _own_error_published(executor: PipelineExecutor) -> bool:
     channel, communicator = executor.channel, executor.communicator
     if channel is None or communicator is None:
         return False
-    # pp_schedules.stop_channel's key for a rank's position (it has no public name for it).
-    key = f"{channel.prefix}where/{communicator.rank}"
     try:
-        if not channel.store.check([key]):
-            return False
-        document: dict[str, Any] = json.loads(channel.store.get(key))
+        document = read_position(channel, communicator.rank)
     except Exception:  # a store that fails: publish anyway, it notes its own failure
+        return False
+    if document is None:
         return False
     return document.get("iteration") == executor.recorder.iteration and bool(document.get("error"))
 
