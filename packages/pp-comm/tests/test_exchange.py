@@ -322,10 +322,29 @@ def test_a_lost_message_times_out_naming_its_microbatch(batched: bool) -> None:
     )
 
 
+def _stream_group_problems(comm: P2PCommunicator) -> list[str]:
+    """Each stream of this rank on a two-rank group of its own (what NCCL needs)."""
+    streams = comm._topology.stream_groups
+    s, n = comm.stage, comm.num_stages
+    neighbours = {(s + 1) % n, (s - 1) % n}
+    wanted = {
+        (a, b, c) for p in neighbours for a, b in ((s, p), (p, s)) for c in ("forward", "backward")
+    }
+    problems = [] if set(streams) == wanted else [f"streams {sorted(streams)}"]
+    if len({id(g) for g in streams.values()}) != len(streams):
+        problems.append("two streams share a process group")
+    for (a, b, _), group in streams.items():
+        if dist.get_process_group_ranks(group) != sorted((a, b)):
+            problems.append(f"stream {a}->{b}: group {dist.get_process_group_ranks(group)}")
+    if comm.transport != "nccl":
+        problems.append(f"transport {comm.transport}")
+    return problems
+
+
 def _nccl_structure() -> list[str]:
-    # No GPUs here: run the structure NCCL gets (coalesced batches, a process group for the
-    # backward channel of two stages, all headers before any data) over gloo, which can run
-    # it too, by telling pp-comm that tags do not separate messages.
+    # No GPUs here: run the structure NCCL gets (coalesced batches, a two-rank process group
+    # per stream, headers before data on each stream) over gloo, which can run it too, by
+    # telling pp-comm that tags do not separate messages.
     import pp_comm.communicator
     import pp_comm.transport
 
@@ -336,9 +355,7 @@ def _nccl_structure() -> list[str]:
         for shapes in ("fixed", "variable", "debug"):
             comm = P2PCommunicator(dist.group.WORLD, config=_config(batched, shapes))
             s, n = comm.stage, comm.num_stages
-            channels = comm._topology.channels
-            if (channels["forward"] is channels["backward"]) != (n > 2):
-                problems.append("two stages need a process group per channel")
+            problems += _stream_group_problems(comm)
             known = None if shapes == "variable" else (2,)
             received, handle = comm.exchange(
                 [

@@ -593,7 +593,7 @@ def test_receives_posted_early_run_as_planned_and_change_nothing(
 class _FakeComm:
     """Enough of a communicator to build an executor (no transfers)."""
 
-    num_stages, stage, device = 2, 0, torch.device("cpu")
+    num_stages, stage, device, transport = 2, 0, torch.device("cpu"), "gloo"
 
     def __init__(self, config: CommConfig) -> None:
         self.config = config
@@ -617,3 +617,56 @@ def test_deallocate_output_tensor_has_megatrons_signature() -> None:
     deallocate_output_tensor(output, deallocate_pipeline_outputs=True)
     assert (before, output.numel()) == (12, 1)
     assert output.grad_fn is not None  # the graph stays for backward
+
+
+def _on_stream_groups(pp: int, vp: int, name: str, headers: bool) -> dict[str, Any]:
+    # No GPUs here: run what NCCL gets (a two-rank group per stream, batches per group,
+    # headers ahead of data) over gloo, by telling pp-comm that tags do not separate streams.
+    import pp_comm.communicator
+    import pp_comm.transport
+
+    for module in (pp_comm.transport, pp_comm.communicator):
+        module.__dict__["matches_by_tag"] = lambda device: False
+    config = CommConfig(variable_seq_lengths=headers, timeout=datetime.timedelta(seconds=60))
+    comm = P2PCommunicator(None, config=config)
+    m = 2 * pp
+    forward_backward = get_forward_backward_func(
+        comm, vp_size=vp, config=ScheduleConfig(schedule=name, hidden_size=WIDTH)
+    )
+    chunks = stage_chunks(
+        tiny_layers(LAYERS, WIDTH),
+        stages=forward_backward.placement.stages[comm.stage],
+        num_stages=pp * vp,
+    )
+    store = forward_backward(
+        forward_step_func=tiny_forward_step(),
+        data_iterator=[iter(tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)) for _ in chunks],
+        model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=BATCH,
+    )  # fmt: skip
+    groups = len(comm._topology.stream_groups)
+    comm.destroy()
+    return {
+        "transport": (comm.transport, forward_backward.transport, forward_backward.prefetch),
+        "groups": groups,
+        "losses": [float(d["lm loss"]) for d in store],
+    }
+
+
+@pytest.mark.parametrize(
+    ("pp", "vp", "name", "headers"),
+    [(4, 2, "zbv", False), (4, 2, "interleaved_1f1b", True), (2, 2, "zbv", True)],
+)
+def test_schedules_nccl_refused_before_run_on_a_group_per_stream(
+    pp: int, vp: int, name: str, headers: bool
+) -> None:
+    """ZB-V beyond two ranks and interleaving were refused on NCCL; they validate under its
+    rules now and run on pp-comm's stream groups (emulated over gloo)."""
+    results = run_distributed(_on_stream_groups, pp, pp, vp, name, headers, timeout=180)
+    expected, _ = reference_run(
+        tiny_layers(LAYERS, WIDTH), tiny_microbatches(2 * pp, seq=SEQ, batch=BATCH, width=WIDTH)
+    )
+    for result in results:
+        assert result["transport"] == ("nccl", "nccl", 0)
+        assert result["groups"] == (8 if pp > 2 else 4)  # to and from each neighbour, 2 channels
+    last = results[0] if name == "zbv" else results[-1]  # where the loss is computed
+    assert last["losses"] == pytest.approx(expected, rel=1e-6)

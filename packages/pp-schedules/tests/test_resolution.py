@@ -14,6 +14,7 @@ from pp_schedules import (
     COMPUTE,
     ActionKind,
     Choice,
+    PlanError,
     ResolvedSchedule,
     ScheduleConfig,
     default_prefetch,
@@ -128,12 +129,22 @@ def test_transport_and_prefetch_are_checked() -> None:
     assert headers.prefetch == 0
 
 
-def test_nccl_refuses_links_carrying_both_directions_beyond_two_ranks() -> None:
-    with pytest.raises(ValueError, match=r"which NCCL .* cannot keep apart beyond two ranks"):
-        resolve_schedule("zbv", pp_size=4, vp_size=2, microbatch_counts=[8], transport="nccl")
-    assert resolve_schedule("zbv", pp_size=4, vp_size=2, microbatch_counts=[8]).name == "zbv"
-    two = resolve_schedule("zbv", pp_size=2, vp_size=2, microbatch_counts=[4], transport="nccl")
-    assert two.prefetch == 0
+def test_nccl_runs_every_placement_each_stream_on_its_own_group() -> None:
+    # pp-comm gives each stream its own group on NCCL, so the V placement's link carrying
+    # activations and gradients the same way resolves there too.
+    for pp, m in ((2, 4), (4, 8)):
+        on_nccl = resolve_schedule(
+            "zbv", pp_size=pp, vp_size=2, microbatch_counts=[m], transport="nccl"
+        )
+        assert (on_nccl.name, on_nccl.prefetch, on_nccl.transport) == ("zbv", 0, "nccl")
+
+
+@pytest.mark.reliability
+def test_nccl_resolution_refuses_a_plan_its_rules_refuse() -> None:
+    # Receives posted two exchanges early share a batch: the first waits for the second.
+    assert resolve_schedule("1f1b", pp_size=4, microbatch_counts=[8], prefetch=2).prefetch == 2
+    with pytest.raises(PlanError, match="the plan hangs on NCCL: rank 0 step 3"):
+        resolve_schedule("1f1b", pp_size=4, microbatch_counts=[8], prefetch=2, transport="nccl")
 
 
 def test_the_walk_dispatches_every_action_kind_through_its_table() -> None:
@@ -148,6 +159,7 @@ class _FakeComm:
     def __init__(self, stages: int, config: CommConfig | None = None) -> None:
         self.num_stages, self.stage, self.device = stages, 0, torch.device("cpu")
         self.config = config or CommConfig()
+        self.transport = "gloo"
 
 
 def test_an_executor_refuses_a_resolved_schedule_that_does_not_fit() -> None:
@@ -251,15 +263,12 @@ def test_an_executor_given_a_resolved_schedule_never_plans_or_validates() -> Non
 
 
 def test_auto_on_nccl_passes_over_a_schedule_nccl_cannot_run() -> None:
-    # ZB-V's V placement sends activations and gradients the same way beyond two ranks,
-    # which NCCL cannot keep apart: auto takes the best schedule NCCL runs instead.
-    on_gloo = resolve_schedule("auto", pp_size=4, vp_size=2, microbatch_counts=[8])
-    on_nccl = resolve_schedule(
-        "auto", pp_size=4, vp_size=2, microbatch_counts=[8], transport="nccl"
-    )
-    assert on_gloo.name == "zbv"
-    assert on_nccl.name == "interleaved_1f1b"
+    # With receives posted two exchanges early, 1F1B and ZB-H1 would hang on NCCL (a batch
+    # holds a receive whose sender needs this rank first): auto takes what NCCL runs.
+    options = {"pp_size": 4, "microbatch_counts": [8], "prefetch": 2}
+    on_gloo = resolve_schedule("auto", **options)  # type: ignore[arg-type]
+    on_nccl = resolve_schedule("auto", transport="nccl", **options)  # type: ignore[arg-type]
+    assert on_gloo.name in ("1f1b", "zb_h1")
+    assert on_nccl.name == "gpipe"
     assert on_nccl.choice is not None
-    assert "zbv" not in [candidate.name for candidate in on_nccl.choice.candidates]
-    with pytest.raises(ValueError, match="NCCL"):
-        resolve_schedule("zbv", pp_size=4, vp_size=2, microbatch_counts=[8], transport="nccl")
+    assert [candidate.name for candidate in on_nccl.choice.candidates] == ["gpipe"]

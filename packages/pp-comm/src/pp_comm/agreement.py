@@ -129,15 +129,22 @@ class ShapeHeaders:
         if self._transport.matches_by_tag:
             data = self._post_as_headers_arrive(transfers, headers, posted, operation, deadline)
             return expected + data
+        # NCCL: each stream has its own group, so a batch holds sends only or receives only.
+        # The sends' data goes out at once, behind their headers; the receives' data is
+        # posted once their headers are in.
+        sending = [t for t in transfers if t.sends]
+        receiving = [t for t in transfers if not t.sends]
+        self._buffers.fill(sending, operation)
+        sent = self._transport.post(sending, tag=DATA_TAG, operation=operation)
         arriving = [p for p in posted if not all(t.sends for t in p[1])]
         self._transport.wait(arriving, operation, deadline)
         for transfer, header in zip(transfers, headers, strict=True):
             if not transfer.sends:
                 transfer.specs = decode_header(header.tensors[0])
-        self._buffers.fill(transfers, operation)
+        self._buffers.fill(receiving, operation)
         in_flight = [p for p in posted if all(t.sends for t in p[1])]
-        data = self._transport.post(transfers, tag=DATA_TAG, operation=operation)
-        return expected + in_flight + data
+        data = self._transport.post(receiving, tag=DATA_TAG, operation=operation)
+        return expected + in_flight + sent + data
 
     def _post_expectations(self, transfers: list[Transfer], operation: str) -> list[Posted]:
         """Each receive sends back what it asked for; each send posts the receive of that.

@@ -85,10 +85,11 @@ class P2PCommunicator:
     """Point-to-point transfers between neighbouring stages of one pipeline.
 
     Bound to a pipeline process group (from pp-state or any ``torch.distributed`` group whose
-    members, in group-rank order, are the stages) and a device. Every member of the group must
-    construct it at the same time: with two stages on CUDA (NCCL) it creates a second group
-    over the same ranks so that activations and gradients between the two travel on separate
-    channels (on gloo, tags separate them).
+    members, in group-rank order, are the stages) and a device. On CUDA (NCCL, which pairs
+    transfers by posting order, not tags) each stream (one sender, one receiver, activations
+    or gradients) gets a two-rank process group of its own, and making those is collective:
+    every rank of the default group constructs its communicator at the same point. On gloo
+    tags separate the streams and nothing is created.
 
     The operations keep Megatron-LM's names and meaning. Calls that would cross the ends of
     the pipeline are no-ops returning None (``recv_forward`` on the first stage); an
@@ -137,7 +138,7 @@ class P2PCommunicator:
                 "scatter_gather_tensors_in_pipeline needs the tensor-parallel group: pass tp_group"
             )
         self.device = torch.device(device if device is not None else _default_device(pp_group))
-        self._topology = Topology(pp_group, channel_groups=not matches_by_tag(self.device))
+        self._topology = Topology(pp_group, stream_groups=not matches_by_tag(self.device))
         self._engine = Exchanger(
             self._topology,
             self.config,
@@ -193,6 +194,11 @@ class P2PCommunicator:
         return self._topology.peer["send_prev"]
 
     @property
+    def transport(self) -> str:
+        """Whose matching rules the transfers follow: "gloo" (tags) or "nccl" (order)."""
+        return "gloo" if self._engine.transport.matches_by_tag else "nccl"
+
+    @property
     def is_first_stage(self) -> bool:
         """Whether this rank is stage 0."""
         return self._first
@@ -211,7 +217,7 @@ class P2PCommunicator:
         self._engine.transport.broken = reason
 
     def destroy(self) -> None:
-        """Destroy the extra channel group made for a two-stage NCCL pipeline, if any."""
+        """Destroy the stream groups made on NCCL, if any."""
         self._topology.destroy()
 
     # ------------------------------------------------------------------------- the general calls

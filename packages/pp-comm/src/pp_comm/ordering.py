@@ -13,8 +13,8 @@ Two *channels* keep the two kinds of traffic apart: the forward channel carries
 ``send_next``/``recv_prev``, the backward channel ``send_prev``/``recv_next``. With two stages
 the next and previous stage are the same rank, so a message in one direction could be matched
 by a receive meant for the other (the crossed tensors of Megatron-LM issue 750); there the
-communicator gives each channel its own tag (gloo) or process group (NCCL), and matching by
-direction is guaranteed.
+communicator gives each channel its own tag (gloo), or each stream (sender, receiver, channel)
+its own process group (NCCL), and matching by direction is guaranteed.
 """
 
 from __future__ import annotations

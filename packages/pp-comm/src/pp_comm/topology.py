@@ -1,23 +1,34 @@
-"""Where a rank sits in its pipeline, and which process group each direction travels on."""
+"""Where a rank sits in its pipeline, and which process group each stream travels on."""
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch.distributed as dist
 
-from pp_comm.ordering import CHANNEL_OF_SLOT, SLOTS, Channel, Slot
+from pp_comm.message import SEND_SLOTS
+from pp_comm.ordering import SLOTS, Channel, Slot
 
-__all__ = ["Topology"]
+__all__ = ["CHANNELS", "Stream", "Topology", "ring_links"]
+
+CHANNELS: tuple[Channel, ...] = ("forward", "backward")
+"""The two channels: activations and gradients."""
+
+Stream: TypeAlias = tuple[int, int, Channel]
+"""A stream: (sending global rank, receiving global rank, channel)."""
 
 
 class Topology:
-    """A rank's stage, its neighbours, and the channels (process groups) to reach them.
+    """A rank's stage, its neighbours, and the process group each stream travels on.
 
-    Activations travel on the forward channel, gradients on the backward channel. With more
-    than two stages both are the pipeline group. With two stages, next and previous are the
-    same rank, so a gradient could be matched with a receive meant for an activation (the
-    crossed tensors of Megatron-LM issue 750). Where tags keep them apart (gloo, see
-    `pp_comm.transport`) both channels still use the pipeline group; elsewhere (NCCL, which
-    ignores tags) gradients get a process group of their own.
+    A *stream* is what one rank sends one neighbour on one channel: activations ("forward")
+    or gradients ("backward"). Where tags keep streams apart (gloo, see `pp_comm.transport`)
+    every stream uses the pipeline group. NCCL ignores tags and pairs the sends and receives
+    of two ranks of one communicator in posting order, running each rank's calls on one
+    communicator one after another; there every stream gets a two-rank process group of its
+    own (`stream_group`), so streams never pair with each other (with two stages, an
+    activation with a gradient: the crossed tensors of Megatron-LM issue 750) and a receive
+    posted early holds up only later messages of its own stream.
 
     Attributes:
         group: The pipeline group.
@@ -26,18 +37,20 @@ class Topology:
         size: Number of stages.
         rank: This rank's global rank.
         backend: The pipeline group's backend name.
-        channels: The process group each channel uses.
         peer: Each slot's peer, as a global rank.
-        group_peer: Each slot's peer, as a rank of the group its channel uses.
+        stream_groups: The process group of each stream this rank sends or receives, by
+            (sending rank, receiving rank, channel); empty where tags separate the streams.
     """
 
-    def __init__(self, pp_group: dist.ProcessGroup, *, channel_groups: bool) -> None:
+    def __init__(self, pp_group: dist.ProcessGroup, *, stream_groups: bool) -> None:
         """Read the layout of `pp_group`.
 
         Args:
             pp_group: The pipeline group.
-            channel_groups: Whether a two-stage pipeline needs a process group for its
-                backward channel (tags do not separate the channels).
+            stream_groups: Whether each stream needs a process group of its own (tags do not
+                separate streams). Making them is collective over the default group: every
+                rank constructs its pipeline's topology at the same point, as with
+                ``torch.distributed.new_group``.
 
         Raises:
             ValueError: This rank is not in `pp_group`.
@@ -50,48 +63,46 @@ class Topology:
         self.size = len(self.ranks)
         self.rank = self.ranks[self.stage]
         self.backend = str(dist.get_backend(pp_group))
-        self._owned: list[dist.ProcessGroup] = []
-        self.channels: dict[Channel, dist.ProcessGroup] = {
-            "forward": pp_group,
-            "backward": (
-                self._backward_channel() if self.size == 2 and channel_groups else pp_group
-            ),
-        }
         self.peer: dict[Slot, int] = {slot: self._neighbour(slot) for slot in SLOTS}
-        self.group_peer: dict[Slot, int] = {
-            slot: dist.get_group_rank(self.group_of(slot), self.peer[slot]) for slot in SLOTS
-        }
+        self.stream_groups: dict[Stream, dist.ProcessGroup] = (
+            self._make_stream_groups() if stream_groups else {}
+        )
 
     def _neighbour(self, slot: Slot) -> int:
         step = 1 if slot in ("send_next", "recv_next") else -1
         return self.ranks[(self.stage + step) % self.size]
 
-    def _backward_channel(self) -> dist.ProcessGroup:
-        """A second group over the two stages, so gradients never match activations.
+    def _make_stream_groups(self) -> dict[Stream, dist.ProcessGroup]:
+        """One two-rank group per stream of every pipeline, made by every rank in one order.
 
-        As in Megatron, the world group serves as the gradients' channel; when the pipeline
-        group is the world itself, every rank is a stage and is constructing a communicator,
-        so a duplicate group can be created collectively. Nothing is created with local
-        synchronization, so stages that hold different numbers of groups cannot disagree on
-        a group's name.
+        ``new_group`` must be called by every rank of the default group for every group, in
+        the same order, so each rank first learns every pipeline's ranks.
         """
-        world = dist.group.WORLD
-        assert world is not None
-        if self.group != world:
-            return world
-        duplicate: dist.ProcessGroup = dist.new_group(self.ranks, backend=self.backend)
-        self._owned.append(duplicate)
-        return duplicate
+        pipelines: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(pipelines, self.ranks)
+        mine: dict[Stream, dist.ProcessGroup] = {}
+        for ranks in sorted({tuple(p) for p in pipelines if p is not None}):
+            for sender, receiver in ring_links(ranks):
+                for channel in CHANNELS:
+                    group = dist.new_group([sender, receiver], backend=self.backend)
+                    if self.rank in (sender, receiver):
+                        mine[(sender, receiver, channel)] = group
+        return mine
+
+    def stream(self, slot: Slot, channel: Channel) -> Stream:
+        """The stream a transfer in `slot` on `channel` belongs to."""
+        peer = self.peer[slot]
+        return (self.rank, peer, channel) if slot in SEND_SLOTS else (peer, self.rank, channel)
+
+    def group_for(self, slot: Slot, channel: Channel) -> dist.ProcessGroup:
+        """The process group a transfer in `slot` on `channel` travels on."""
+        if not self.stream_groups:
+            return self.group
+        return self.stream_groups[self.stream(slot, channel)]
 
     def peer_in(self, slot: Slot, channel: Channel) -> int:
-        """The peer of `slot` as a rank of the group `channel` uses."""
-        if self.channels[channel] is self.group_of(slot):
-            return self.group_peer[slot]
-        return dist.get_group_rank(self.channels[channel], self.peer[slot])
-
-    def group_of(self, slot: Slot) -> dist.ProcessGroup:
-        """The process group `slot` travels on."""
-        return self.channels[CHANNEL_OF_SLOT[slot]]
+        """The peer of `slot` as a rank of the group a transfer on `channel` travels on."""
+        return dist.get_group_rank(self.group_for(slot, channel), self.peer[slot])
 
     def stage_of(self, rank: int) -> int:
         """The stage of global rank `rank`."""
@@ -102,8 +113,21 @@ class Topology:
         return f"rank {self.rank} (stage {self.stage} of {self.size})"
 
     def destroy(self) -> None:
-        """Destroy the group made for a two-stage pipeline's backward channel, if any."""
-        for group in self._owned:
+        """Destroy the stream groups, if any."""
+        groups = list(self.stream_groups.values())
+        self.stream_groups.clear()
+        for group in groups:
             if dist.is_initialized():
                 dist.destroy_process_group(group)
-        self._owned.clear()
+
+
+def ring_links(ranks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Each (sender, receiver) pair of neighbouring stages of a pipeline, both ways round.
+
+    Stages form a ring (the last stage's next is the first: interleaved schedules use that
+    link), so a pipeline of n > 2 stages has 2n pairs; two stages have two, one has none.
+    """
+    n = len(ranks)
+    pairs = {(ranks[s], ranks[(s + 1) % n]) for s in range(n)} if n > 1 else set()
+    pairs |= {(b, a) for a, b in pairs}
+    return sorted(pairs)

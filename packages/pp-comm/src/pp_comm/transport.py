@@ -8,11 +8,13 @@ and with two stages, where next and previous are the same rank, an activation ca
 a receive meant for a gradient.
 
 NCCL ignores tags (``batch_isend_irecv`` and individual sends alike): sends and receives
-between two ranks of one communicator match in posting order. There the two channels of a
-two-stage pipeline use two process groups (see `pp_comm.topology`), and headers and data
-share one stream: a call posts all its headers before its data, so both sides see the same
-sequence, and agree, as long as they group their header-carrying messages (variable shapes
-or debug) into calls alike. Without headers, pairing is by order alone on every backend.
+between two ranks of one communicator match in posting order, and a rank runs its calls on
+one communicator one after another. There each stream (one sender, one receiver, one
+channel) travels on a two-rank process group of its own (see `pp_comm.topology`), and
+headers and data share their stream: on each stream a call posts all its headers before its
+data, so both sides see the same sequence, and agree, as long as they group their
+header-carrying messages (variable shapes or debug) into calls alike. Without headers,
+pairing is by order alone on every backend.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pp_comm.ordering import (
     unbatched_order,
 )
 from pp_comm.payload import TensorSpec, describe
-from pp_comm.topology import Topology
+from pp_comm.topology import CHANNELS, Topology
 
 __all__ = [
     "DATA_TAG",
@@ -170,17 +172,17 @@ class Transport:
         )
         rank_of_slot = {slot: index for index, slot in enumerate(order)}
         self._slot_rank: Callable[[Transfer], int] = lambda t: rank_of_slot[t.slot]
-        # Per slot and stream: how to post on its group, to which group rank, what tag offset.
+        # Per slot and channel: how to post on its group, to which group rank, what tag offset.
         self._posts = {
             (slot, channel): (
-                topology.channels[channel].send
+                topology.group_for(slot, channel).send
                 if slot in SEND_SLOTS
-                else topology.channels[channel].recv,
+                else topology.group_for(slot, channel).recv,
                 topology.peer_in(slot, channel),
                 _BACKWARD_TAG if self.matches_by_tag and channel == "backward" else 0,
             )
             for slot in SLOTS
-            for channel in ("forward", "backward")
+            for channel in CHANNELS
         }
 
     def post(self, transfers: list[Transfer], *, tag: int, operation: str) -> list[Posted]:
@@ -232,16 +234,16 @@ class Transport:
     def _post_coalesced(self, ordered: list[Transfer], tag: int) -> list[Posted]:
         """One ``batch_isend_irecv`` per process group used, launched by NCCL as one group call.
 
-        Both channels share the pipeline group unless there are two stages. A batch has one
-        work, so waiting for its receives waits for its sends too.
+        Each stream has a group of its own (see `pp_comm.topology`), so a batch holds one
+        stream's messages of the call, in order, and has one work: waiting for it waits for
+        that stream's messages only.
         """
         posted: list[Posted] = []
-        groups: list[dist.ProcessGroup] = []
-        for group in self.topology.channels.values():
-            if all(group is not seen for seen in groups):
-                groups.append(group)
-        for group in groups:
-            members = [t for t in ordered if self.topology.channels[t.channel] is group]
+        by_group: dict[int, tuple[dist.ProcessGroup, list[Transfer]]] = {}
+        for transfer in ordered:
+            group = self.topology.group_for(transfer.slot, transfer.channel)
+            by_group.setdefault(id(group), (group, []))[1].append(transfer)
+        for group, members in by_group.values():
             ops = [
                 dist.P2POp(dist.isend if t.sends else dist.irecv, wire, t.peer, group, tag)
                 for t in members

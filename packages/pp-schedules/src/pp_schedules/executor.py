@@ -107,9 +107,8 @@ class PipelineExecutor:
         self.pp_size = communicator.num_stages if communicator is not None else 1
         self.rank = communicator.stage if communicator is not None else 0
         # gloo completes each transfer on its own; NCCL in posting order, a batch as one work.
-        cuda = communicator is not None and communicator.device.type == "cuda"
-        self.transport = "nccl" if cuda else "gloo"
-        self.independent = not cuda
+        self.transport = communicator.transport if communicator is not None else "gloo"
+        self.independent = self.transport == "gloo"
         given = plan if plan is not None else self.config.plan
         self.user_plan = None if given is None else as_plan(given)
         if resolved is not None:

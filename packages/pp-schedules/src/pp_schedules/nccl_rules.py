@@ -3,21 +3,19 @@
 What pp-comm posts on CUDA tensors for one exchange (one ``P2PCommunicator.exchange`` call)
 with ``batch_p2p_comm`` (its default):
 
-- Process groups. Activations (the forward channel) travel on the pipeline group. Gradients
-  (the backward channel) travel on the pipeline group too, except with two stages, where the
-  next and the previous stage are one rank: there they have a second group of their own
-  (`pp_comm.topology.Topology`). So beyond two ranks, a link that carries activations and
-  gradients the same way (the V placement) carries both on one group.
-- One ``batch_isend_irecv`` per group the call uses, holding all of that group's sends and
-  receives of the call (``Transport._post_coalesced``); NCCL launches it as one group call,
-  one work, complete once every operation in it is. Inside a batch the order by slot does not
-  matter here: two operations of one group between the same two ranks in the same direction
-  have the same slot, and keep the order of the exchange's messages.
+- Process groups. Each *stream* (one sending rank, one receiving rank, one channel:
+  activations or gradients) travels on a two-rank process group of its own
+  (`pp_comm.topology.Topology`). So a link that carries activations both ways (interleaved
+  with two ranks) or activations and gradients the same way (the V placement) keeps each
+  stream on its own communicator.
+- One ``batch_isend_irecv`` per group the call uses, holding all of that stream's messages of
+  the call in order (``Transport._post_coalesced``); NCCL launches it as one group call, one
+  work, complete once every operation in it is.
 - With shape headers (``variable_seq_lengths`` or ``debug``): first one batch per group of
-  fixed-size headers, one per message, then a wait for the batches that hold a received
-  header (the shapes are read on the host), and only then the data batches
-  (``ShapeHeaders.post``). Headers and data share the stream of a pair of ranks: a call's
-  headers go before its data.
+  fixed-size headers, one per message; then the sends' data; then a wait for the batches that
+  hold a received header (the shapes are read on the host), and only then the receives' data
+  (``ShapeHeaders.post``). Headers and data share their stream: a call's headers go before
+  its data.
 - Contract frames (``check_contracts``) are gloo's only; nothing else travels.
 - The executor waits for a receive right before the compute step that uses it (on CUDA the
   compute is ordered after the batch, and every later post after the compute), so nothing a
@@ -25,13 +23,18 @@ with ``batch_p2p_comm`` (its default):
 
 The rules checked (`nccl_problem`):
 
-- One communicator per process group, and on each rank one stream per communicator: a rank's
-  batches on one group run one after another, in posting order.
+- One communicator per process group, and on each rank one stream of work per communicator:
+  a rank's batches on one group run one after another, in posting order.
 - Between two ranks on one communicator, the n-th send from A to B meets B's n-th receive
   from A: tags are ignored. A header meeting data, or two different tensors meeting (another
-  microbatch, chunk or channel), is a mis-pairing.
+  microbatch or chunk), is a mis-pairing.
 - An operation completes only while the batch of its partner runs too (a rendezvous: the
   strictest reading, as for large messages); a batch completes when all its operations have.
+
+``stream_groups=False`` models one group for every stream of the pipeline instead (what
+Megatron's p2p posts): there two streams between the same two ranks pair with each other, and
+a receive posted early holds up every later batch of the rank. Several built-in schedules
+mis-pair or hang that way, which is why pp-comm gives each stream its own group.
 
 Not modelled: ``batch_p2p_comm=False`` (individual posts in `pp_comm.ordering`'s parity order,
 whose freedom from deadlock ``pp_comm.find_deadlock`` checks) and ``debug``'s expectations
@@ -110,8 +113,10 @@ class _Posts:
         steps: Sequence[Sequence[Step]],
         consumer: Mapping[tuple[int, int], Sequence[tuple[int, int]]],
         headers: bool,
+        stream_groups: bool = True,
     ) -> None:
         self.steps = steps
+        self.stream_groups = stream_groups
         self.operations: list[_Operation] = []
         self.batches: list[tuple[int, int, str, list[int]]] = []  # rank, step, group, ops
         self.programs: list[list[int | _Wait]] = []
@@ -131,36 +136,47 @@ class _Posts:
     def _exchange(
         self, rank: int, index: int, messages: Sequence[Message], headers: bool
     ) -> list[int | _Wait]:
-        """What one pp-comm call posts and waits for: header batches, then data batches."""
-        program: list[int | _Wait] = []
-        if headers:
-            posted = self._post(rank, index, messages, True)
-            program += posted
-            receiving = [b for b in posted if not all(self._sends(b))]
-            if receiving:
-                program.append(_Wait(index, frozenset(receiving)))
-        program += self._post(rank, index, messages, False if headers else None)
+        """What one pp-comm call posts and waits for.
+
+        Without headers: one batch per group. With them: header batches, the sends' data,
+        a wait for the received headers, then the receives' data.
+        """
+        numbered = list(enumerate(messages))
+        if not headers:
+            return list(self._post(rank, index, numbered, None))
+        program: list[int | _Wait] = list(self._post(rank, index, numbered, True))
+        receiving = [b for b in program if isinstance(b, int) and not all(self._sends(b))]
+        program += self._post(rank, index, [(n, m) for n, m in numbered if m.is_send], False)
+        if receiving:
+            program.append(_Wait(index, frozenset(receiving)))
+        program += self._post(rank, index, [(n, m) for n, m in numbered if not m.is_send], False)
         return program
 
     def _sends(self, batch: int) -> list[bool]:
         return [self.operations[o].message.is_send for o in self.batches[batch][3]]
 
+    def group(self, rank: int, message: Message) -> str:
+        """The process group `message` of `rank` travels on."""
+        src, dst = (rank, message.peer) if message.is_send else (message.peer, rank)
+        if self.stream_groups:
+            return f"{message.channel} {src}->{dst}"
+        two_ranks = len(self.steps) == 2
+        return "gradients" if two_ranks and message.channel == "backward" else "pipeline"
+
     def _post(
-        self, rank: int, index: int, messages: Sequence[Message], header: bool | None
+        self, rank: int, index: int, numbered: Sequence[tuple[int, Message]], header: bool | None
     ) -> list[int]:
         """One batch per process group the messages use (headers, data or both: None)."""
-        two_ranks = len(self.steps) == 2
-        by_group: dict[str, list[int]] = defaultdict(list)
-        for number, message in enumerate(messages):
-            split = two_ranks and message.channel == "backward"
-            by_group["gradients" if split else "pipeline"].append(number)
+        by_group: dict[str, list[tuple[int, Message]]] = defaultdict(list)
+        for number, message in numbered:
+            by_group[self.group(rank, message)].append((number, message))
         made = []
-        for group, numbers in by_group.items():
+        for group, members in by_group.items():
             batch = len(self.batches)
             ops = []
-            for number in numbers:
+            for number, message in members:
                 ops.append(len(self.operations))
-                self.operations.append(_Operation(rank, index, messages[number], header, batch))
+                self.operations.append(_Operation(rank, index, message, header, batch))
                 if not header:
                     self._data[(rank, index, number)] = batch
             self.batches.append((rank, index, group, ops))
@@ -314,6 +330,7 @@ def nccl_problem(
     consumer: Mapping[tuple[int, int], Sequence[tuple[int, int]]],
     *,
     exchanges_shapes: bool = False,
+    stream_groups: bool = True,
 ) -> Problem | None:
     """Why the lowered plan would mis-pair or hang on NCCL, or None if it runs there.
 
@@ -322,11 +339,13 @@ def nccl_problem(
         consumer: For each (rank, compute step), the (exchange step, message) of each receive
             it uses (`pp_schedules.validation.Links.consumer`).
         exchanges_shapes: Whether a shape header goes ahead of every message.
+        stream_groups: Whether each stream has a process group of its own, as pp-comm gives
+            it; False models one group for the whole pipeline.
 
     Returns:
         The first problem (its text, and the step of each rank to mark), or None.
     """
-    posts = _Posts(steps, consumer, exchanges_shapes)
+    posts = _Posts(steps, consumer, exchanges_shapes, stream_groups)
     partner, mispaired = posts.partners()
     if mispaired is not None:
         return mispaired

@@ -13,6 +13,7 @@ registry and `choose_schedule`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 from pp_schedules.actions import Action
@@ -28,7 +29,6 @@ from pp_state.placement import Placement
 __all__ = [
     "TRANSPORTS",
     "ResolvedSchedule",
-    "check_nccl_links",
     "check_plan_fits",
     "check_prefetch",
     "check_transport",
@@ -143,28 +143,6 @@ def check_plan_fits(
     if placement is not None and str(placement) != str(where):
         raise ValueError(f"the plan runs on placement {where}, but the config asks for {placement}")
     return where
-
-
-def check_nccl_links(report: PlanReport, placement: Placement) -> None:
-    """Refuse a link carrying activations and gradients the same way beyond two ranks.
-
-    NCCL matches transfers in order only, so it cannot keep the two streams apart yet.
-
-    Raises:
-        ValueError: Naming the placement and what to use instead.
-    """
-    streams: dict[tuple[int, int], set[str]] = {}
-    for rank, steps in enumerate(report.steps):
-        for step in steps:
-            for message in step.exchange.messages if step.exchange else ():
-                if message.is_send:
-                    streams.setdefault((rank, message.peer), set()).add(message.channel)
-    if len(report.steps) > 2 and any(len(c) > 1 for c in streams.values()):
-        raise ValueError(
-            f"placement {placement} sends activations and gradients the same way "
-            "between two ranks, which NCCL (matching transfers in order only) cannot keep "
-            "apart beyond two ranks yet; use the looped placement, or gloo"
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,6 +261,8 @@ class _Request:
     placement: Placement | str | None
     include_forward_only: bool
     transport: str = "gloo"
+    prefetch: int = 0
+    exchanges_shapes: bool = False
 
     def named(self, name: str, placement: Placement | str | None) -> dict[tuple[int, bool], Plan]:
         """Every plan of the schedule called `name` on `placement`."""
@@ -331,13 +311,16 @@ class _Request:
         return choice, runnable[choice.chosen.name]
 
     def check_transport_runs(self, plan: Plan) -> None:
-        """On NCCL, refuse a candidate NCCL cannot run (`check_nccl_links`), so auto skips it.
+        """On NCCL, refuse a candidate NCCL's rules refuse, so auto skips it.
 
         Raises:
-            ValueError: The plan's placement sends activations and gradients the same way.
+            PlanError: The plan would mis-pair or hang on NCCL as it is posted there.
         """
         if self.transport == "nccl":
-            check_nccl_links(validate(plan, num_microbatches=self.counts[-1]), plan.placement)
+            validate(
+                plan, num_microbatches=self.counts[-1], prefetch=self.prefetch,
+                transport=self.transport, exchanges_shapes=self.exchanges_shapes,
+            )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,30 +346,27 @@ def _plans(
 
 
 def _validated(
-    plans: Mapping[tuple[int, bool], Plan], prefetch: int, transport: str
+    plans: Mapping[tuple[int, bool], Plan], request: _Request
 ) -> dict[tuple[int, bool], PlanReport]:
-    """Each plan validated (receives moved `prefetch` early), and checked for NCCL's limits."""
-    reports = {key: _validated_one(p, key, prefetch) for key, p in plans.items()}
-    if transport == "nccl":
-        for key, report in reports.items():
-            check_nccl_links(report, plans[key].placement)
-    return reports
-
-
-def _validated_one(plan: Plan, key: tuple[int, bool], prefetch: int) -> PlanReport:
-    """`plan` validated with its receives moved `prefetch` early.
+    """Each plan validated under the transport's rules, receives moved `prefetch` early.
 
     A plan refused so is validated once more as written, so that the error describes the
     steps the user wrote (or the generator made), not the moved receives.
     """
-    count, forward_only = key
-    try:
-        return validate(plan, num_microbatches=count, forward_only=forward_only, prefetch=prefetch)
-    except PlanError:
-        if prefetch == 0:
+    reports = {}
+    for (count, forward_only), plan in plans.items():
+        check = functools.partial(
+            validate, plan, num_microbatches=count, forward_only=forward_only,
+            transport=request.transport, exchanges_shapes=request.exchanges_shapes,
+        )  # fmt: skip
+        try:
+            reports[(count, forward_only)] = check(prefetch=request.prefetch)
+        except PlanError:
+            if request.prefetch == 0:
+                raise
+            check()
             raise
-        validate(plan, num_microbatches=count, forward_only=forward_only)
-        raise
+    return reports
 
 
 def resolve_schedule(
@@ -416,7 +396,8 @@ def resolve_schedule(
         include_forward_only: Resolve each count's forward-only plan too (evaluation).
         placement: "looped", "v" or a `Placement`; by default the schedule's own.
         microbatch_group_size_per_vp_stage: Interleaving group size (interleaved_1f1b).
-        transport: "gloo" or "nccl"; NCCL refuses placements it cannot run yet.
+        transport: "gloo" or "nccl": whose matching rules every plan is validated under
+            (`pp_schedules.nccl_rules`).
         prefetch: Post receives this many exchanges early; `default_prefetch` by default.
         exchanges_shapes: Whether transfers carry shape headers (no prefetch then).
         costs: For "auto": the costs to simulate with.
@@ -429,8 +410,8 @@ def resolve_schedule(
     Raises:
         ValueError: An unknown schedule or transport, a configuration a schedule refuses, no
             auto candidate for every count, a given plan of other sizes or count, a refused
-            prefetch, or (NCCL) a placement it cannot run.
-        PlanError: A plan is invalid (the message draws the grid).
+            prefetch.
+        PlanError: A plan is invalid or would not run on the transport (with the grid).
     """
     check_int("pp_size", pp_size, 1)
     check_int("vp_size", vp_size, 1)
@@ -439,11 +420,11 @@ def resolve_schedule(
     early = early if prefetch is None else check_prefetch(prefetch, exchanges_shapes)
     request = _Request(
         pp_size, vp_size, counts, microbatch_group_size_per_vp_stage, placement,
-        include_forward_only, transport,
+        include_forward_only, transport, early, exchanges_shapes,
     )  # fmt: skip
     name, choice, given, plans = _plans(schedule, request, _AutoOptions(costs, memory_limit, names))
     where = next(iter(plans.values())).placement
-    reports = _validated(plans, early, transport)
+    reports = _validated(plans, request)
     return ResolvedSchedule(
         name=name, placement=where, pp_size=pp_size, vp_size=vp_size, transport=transport,
         prefetch=early, microbatch_counts=counts, choice=choice, plan=given, reports=reports,
