@@ -19,7 +19,7 @@ tensors of a torch_dist checkpoint), `async_save`, `convert`, `keys` (global key
 from __future__ import annotations
 
 from pp_train.checkpoint.async_save import AsyncCheckpointSaver
-from pp_train.checkpoint.errors import CheckpointError
+from pp_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from pp_train.checkpoint.formats import (
     CKPT_FORMATS,
     CkptFormat,
@@ -48,6 +48,7 @@ __all__ = [
     "AsyncCheckpointSaver",
     "CheckpointError",
     "CkptFormat",
+    "DamagedCheckpointError",
     "LoadedCheckpoint",
     "ShardedStateKeys",
     "check_save_directory",

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pp_state.collectives import collective, collective_device
-from pp_train.checkpoint.errors import CheckpointError
+from pp_train.checkpoint.errors import CheckpointError, PeerCheckpointError
 
 __all__ = ["collective_device", "gather_ints", "raise_if_any_failed"]
 
@@ -51,7 +51,8 @@ def raise_if_any_failed(
         iteration: The iteration a lost peer's `CollectiveError` gives.
 
     Raises:
-        CheckpointError: This or another rank has an error.
+        CheckpointError: This or another rank has an error (`PeerCheckpointError` on the
+            ranks that had none: another's, relayed).
         CollectiveError: A peer was lost during the exchange.
     """
     own: str | None = None
@@ -70,7 +71,7 @@ def raise_if_any_failed(
             raise error
         raise CheckpointError(own) from error
     if failed:
-        raise CheckpointError(
+        raise PeerCheckpointError(
             f"rank {rank}: rank(s) {failed} failed; {consequence}. "
             f"First failure: {messages[failed[0]]}"
         )

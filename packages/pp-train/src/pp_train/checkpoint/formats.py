@@ -22,7 +22,8 @@ from pp_state import ParallelState
 from pp_train.checkpoint.agreement import raise_if_any_failed
 from pp_train.checkpoint.async_save import AsyncCheckpointSaver
 from pp_train.checkpoint.distrib_optim import gather_optimizer_files
-from pp_train.checkpoint.errors import CheckpointError
+from pp_train.checkpoint.errors import CheckpointError, first_line
+from pp_train.checkpoint.fallback import older_after_damage
 from pp_train.checkpoint.load_request import DEFAULT_STRICT_ARGS, LoadedCheckpoint, LoadRequest
 from pp_train.checkpoint.loading import load_torch_dist
 from pp_train.checkpoint.torch_dist import (
@@ -36,7 +37,7 @@ from pp_train.checkpoint.torch_dist import (
     write_torch_dist,
 )
 from pp_train.checkpoint.torch_format import (
-    load_latest_torch,
+    load_torch_iteration,
     torch_checkpoint_content,
     write_torch_checkpoint,
 )
@@ -277,10 +278,34 @@ def load_checkpoint(
         remove_stale_temporaries(request.root, report)
     if iteration is None:
         return None
-    found = _agreed_format(request.root, iteration, state, ckpt_format, auto_detect_ckpt_format)
-    if found == "torch":
-        return load_latest_torch(request)
-    return load_torch_dist(request, iteration)
+    return _load_or_older(request, iteration, ckpt_format, auto_detect_ckpt_format, report)
+
+
+def _load_or_older(
+    request: LoadRequest,
+    iteration: int,
+    asked: CkptFormat,
+    auto_detect: bool,
+    report: Callable[[str], None] | None,
+) -> LoadedCheckpoint:
+    """Load `iteration`, or, while it is damaged (`older_after_damage`), the one before it."""
+    rank = request.state.rank
+    while True:
+        try:
+            found = _agreed_format(request.root, iteration, request.state, asked, auto_detect)
+            if found == "torch":
+                return load_torch_iteration(request, iteration)
+            return load_torch_dist(request, iteration)
+        except CheckpointError as error:
+            older = older_after_damage(request.root, iteration, rank, error)
+            if older is None:
+                raise
+            if report is not None and rank == 0:
+                report(
+                    f"checkpoint iteration {iteration} is damaged ({first_line(error)}); "
+                    f"loading iteration {older}, the newest one before it"
+                )
+            iteration = older
 
 
 def _tidy_before_save(

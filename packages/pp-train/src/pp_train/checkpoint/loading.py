@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from pp_optim import DistributedOptimizer, Float16OptimizerWithFloat16Params
 from pp_train.checkpoint.agreement import raise_if_any_failed
-from pp_train.checkpoint.errors import CheckpointError, listed
+from pp_train.checkpoint.errors import CheckpointError, DamagedCheckpointError, listed
 from pp_train.checkpoint.keys import MODEL_PREFIX, chunk_global_keys, main_params, model_targets
 from pp_train.checkpoint.load_request import ABSENT, LoadedCheckpoint, LoadRequest
 from pp_train.checkpoint.optimizer_shards import (
@@ -123,6 +123,7 @@ def load_torch_dist(request: LoadRequest, iteration: int) -> LoadedCheckpoint:
             named.operation,
             iteration,
             f"rank {rank}: reading {directory} failed: {describe_dcp_error(caught)}; {unchanged}",
+            DamagedCheckpointError,
         ) from caught
     staged: tuple[dict[str, Any] | None, RngState | None] | None = None
     try:
@@ -222,13 +223,16 @@ def read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
     """
     path = directory / COMMON_FILENAME
     if not path.is_file():
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{where}: {path} is missing (the tracker names iteration {iteration})"
         )
     try:
         common = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
-        raise CheckpointError(f"{where}: {path} is corrupt or unsafe: {error}") from error
+        refused = "Unsupported global" in str(error)
+        raise (CheckpointError if refused else DamagedCheckpointError)(
+            f"{where}: {path} is corrupt or unsafe: {error}"
+        ) from error
     if not isinstance(common, dict) or common.get("checkpoint_version") != CHECKPOINT_VERSION:
         version = common.get("checkpoint_version") if isinstance(common, dict) else None
         raise CheckpointError(
@@ -263,16 +267,16 @@ def read_metadata(directory: Path, where: str) -> Metadata:
         CheckpointError: The metadata is missing or unreadable, or a shard file is missing.
     """
     if not (directory / ".metadata").is_file():
-        raise CheckpointError(f"{where} has no .metadata file: the save did not complete")
+        raise DamagedCheckpointError(f"{where} has no .metadata file: the save did not complete")
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except Exception as error:
-        raise CheckpointError(f"{where}/.metadata is unreadable: {error}") from error
+        raise DamagedCheckpointError(f"{where}/.metadata is unreadable: {error}") from error
     files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     missing = [name for name in files if not (directory / name).is_file()]
     if missing:
         shards = listed([str(directory / name) for name in missing], "; ")
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"{where} is missing shard file(s) {shards}: "
             f"expected {len(files)} files named in its .metadata, found {len(files) - len(missing)}"
             f"; {_lost_tensors(metadata, set(missing))}"

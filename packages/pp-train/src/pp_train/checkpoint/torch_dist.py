@@ -309,9 +309,13 @@ def write_torch_dist(
 
 
 def dcp_failure(
-    error: BaseException, operation: str, iteration: int, message: str
+    error: BaseException,
+    operation: str,
+    iteration: int,
+    message: str,
+    kind: type[CheckpointError] = CheckpointError,
 ) -> CollectiveError | CheckpointError:
-    """What a failed DCP save or load raises: a lost peer's `CollectiveError`, else `message`.
+    """What a failed DCP save or load raises: a lost peer's `CollectiveError`, else a `kind`.
 
     DCP reports a peer that died as the backend's bare error, or inside its
     ``CheckpointException`` among each rank's failures; either becomes one `CollectiveError`
@@ -322,7 +326,7 @@ def dcp_failure(
         return lost if lost.iteration is not None else lost.with_iteration(iteration)
     if lost is not None:
         return collective_error(lost, operation, iteration=iteration)
-    return CheckpointError(message)
+    return kind(message)
 
 
 def _lost_peer_in(error: BaseException) -> BaseException | None:

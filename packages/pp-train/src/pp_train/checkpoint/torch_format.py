@@ -44,7 +44,12 @@ from pp_train.checkpoint.distrib_optim import (
     gather_optimizer_files,
     optimizer_entry,
 )
-from pp_train.checkpoint.errors import CheckpointError, listed
+from pp_train.checkpoint.errors import (
+    CheckpointError,
+    DamagedCheckpointError,
+    first_line,
+    listed,
+)
 from pp_train.checkpoint.files import atomic_write, fsync_directory, move_in
 from pp_train.checkpoint.load_request import (
     ABSENT,
@@ -71,6 +76,7 @@ from pp_train.wrappers import finish_param_sync, unwrap_model
 __all__ = [
     "load_latest_torch",
     "load_torch_checkpoint",
+    "load_torch_iteration",
     "model_keys",
     "save_torch_checkpoint",
     "torch_checkpoint_content",
@@ -371,10 +377,18 @@ def load_latest_torch(request: LoadRequest) -> LoadedCheckpoint | None:
 
     None on every rank when there is no tracker (see `load_torch_checkpoint`).
     """
+    iteration = agree_on_iteration(request.root, request.state.rank)
+    return None if iteration is None else load_torch_iteration(request, iteration)
+
+
+def load_torch_iteration(request: LoadRequest, iteration: int) -> LoadedCheckpoint:
+    """Checks iteration `iteration` of `request.root` on every rank, then applies it.
+
+    Raises:
+        CheckpointError: On every rank when any rank cannot load it (`DamagedCheckpointError`
+            where this rank's file is missing, truncated or corrupt); nothing was changed.
+    """
     root, state = request.root, request.state
-    iteration = agree_on_iteration(root, state.rank)
-    if iteration is None:
-        return None
     path = _own_path(root, iteration, state)
     plan: _LoadPlan | None = None
     error: BaseException | None = None
@@ -436,22 +450,23 @@ def _check_tensor_parallel_size(root: Path, iteration: int, state: ParallelState
 
 def _read_checkpoint(path: Path, iteration: int, rank: int) -> dict[str, Any]:
     if not path.is_file():
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"rank {rank}: checkpoint file {path} of iteration {iteration} is missing "
             "(the tracker names that iteration)"
         )
     try:
         content = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise CheckpointError(
+        refused = "Unsupported global" in str(error)
+        raise (CheckpointError if refused else DamagedCheckpointError)(
             f"rank {rank}: refused to load {path}: it holds objects other than tensors and "
             f"plain values (unpickling them could run code) or is corrupt: "
             f"{_unpickling_reason(error)}"
         ) from error
     except Exception as error:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"rank {rank}: checkpoint file {path} is corrupt or truncated: "
-            f"{type(error).__name__}: {_first_line(error)}"
+            f"{type(error).__name__}: {first_line(error)}"
         ) from error
     if not isinstance(content, dict):
         raise CheckpointError(
@@ -637,9 +652,4 @@ def _unpickling_reason(error: BaseException) -> str:
     reason = " ".join(kept)
     if "WeightsUnpickler error:" in reason:
         reason = reason.split("WeightsUnpickler error:", 1)[1].strip()
-    return reason[:200] or _first_line(error)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    return reason[:200] or first_line(error)
