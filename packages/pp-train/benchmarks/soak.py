@@ -10,7 +10,7 @@ injects faults at seeded random steps on seeded random ranks, one after the othe
 - ``disk``: the checkpoint disk (a small tmpfs in a private user and mount namespace) filled
   just before a save, emptied once the save failed;
 - ``corrupt``: the last bytes of the newest checkpoint's file overwritten, then a rank killed
-  so the job restarts and loads it.
+  so the job restarts and loads it: pp-train finds it damaged and loads the one before it.
 
 This process is the injector: it reads the job's output for the step number, finds the worker
 pids as children of the torchrun agent (/proc) and signals them. For each fault it records
@@ -409,7 +409,7 @@ class Injector:
                 outcome.notes.append(f"filling the disk failed: {error.strerror}")
 
     def _corrupt_newest(self, outcome: Outcome) -> None:
-        """Overwrite the newest checkpoint file's last 64 bytes; the restart must refuse it."""
+        """Overwrite the newest checkpoint file's last 64 bytes; the restart must skip it."""
         newest = self.saved[-1]
         target = _newest_file(self.checkpoints / f"iter_{newest:07d}", self.config.ckpt_format)
         with target.open("r+b") as out:
@@ -428,8 +428,6 @@ class Injector:
         if self.filler is not None and re.search(_NO_SPACE, line):
             self.filler.unlink()
             self.filler = None
-        if self.corrupted is not None and "corrupt" in line:
-            self._drop_corrupt(outcome)
         if _SAVED.search(line) and outcome.fault.kind != "corrupt":
             outcome.expected = self.saved[-1]
             if outcome.fault.kind == "disk" and self.filler is not None:
@@ -438,18 +436,6 @@ class Injector:
         resumed = _LOADED.search(line)
         if resumed or _FRESH in line:
             self._resumed(outcome, int(resumed.group(1)) if resumed else 0)
-
-    def _drop_corrupt(self, outcome: Outcome) -> None:
-        """pp-train refuses a corrupt newest checkpoint: remove it, point the tracker back."""
-        assert self.corrupted is not None
-        shutil.rmtree(self.checkpoints / f"iter_{self.corrupted:07d}", ignore_errors=True)
-        previous = self.saved[-1] if self.saved else 0
-        (self.checkpoints / "latest_checkpointed_iteration.txt").write_text(str(previous))
-        outcome.notes.append(
-            f"refused at load; the driver removed iter_{self.corrupted:07d} and set the "
-            f"tracker to {previous}"
-        )
-        self.corrupted = None
 
     def _missed(self, outcome: Outcome, note: str) -> None:
         """The fault did not stop the job: note why, undo the disk fill, arm the next."""
@@ -484,12 +470,14 @@ def _names(fault: Fault, line: str, corrupted: int | None) -> bool:
     if fault.kind == "disk":
         return re.search(_NO_SPACE, line) is not None
     if fault.kind == "corrupt":
-        return corrupted is not None and "corrupt" in line and f"iter_{corrupted:07d}" in line
+        return corrupted is not None and f"checkpoint iteration {corrupted} is damaged" in line
     assert fault.rank is not None
     stage = fault.rank // DATA_PARALLEL  # Megatron's order: data parallel inside a stage
     cause = {"kill": "is gone", "stop": "is not answering", "term": ""}[fault.kind]
     pattern = rf"pipeline stopped .*: rank {stage} {cause}"
-    return re.search(pattern, line) is not None
+    # A collective outside the pipeline (data parallel) names the lost peer by global rank.
+    outside = rf"pipeline stopped .*Error: .*peer rank {fault.rank} "
+    return re.search(pattern, line) is not None or re.search(outside, line) is not None
 
 
 def _peer_error(fault: Fault, line: str) -> str:

@@ -21,6 +21,7 @@ from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import PipelineExecutor, ScheduleConfig, get_forward_backward_func
 from pp_schedules.stop_report import StopReport
 from pp_state import Placement
+from pp_state.collectives import CollectiveError
 from pp_state.store_channel import StoreChannel
 from pp_testing import (
     run_distributed,
@@ -38,6 +39,7 @@ from pp_train.stop_reports import (
     exit_line,
     keep_report,
     report_directory,
+    report_collective,
     report_non_finite,
     report_stem,
 )
@@ -204,6 +206,37 @@ def test_a_non_finite_stop_prints_every_rank_s_position_with_the_value_as_cause(
         assert result["inferred"] == [False, False]
     assert Path(results[0]["files"][0]).name == "pipeline-stop-iter3-rank0.txt"
     assert results[1]["files"] == []
+
+
+def _collective_lost(directory: str, both: bool) -> dict[str, Any]:
+    executor = _executor(report_wait=5.0 if both else 1.0)
+    rank = dist.get_rank()
+    error = CollectiveError(
+        rank=rank, operation="gradient all-reduce over data parallel", group_ranks=(rank, 7),
+        cause="Connection closed by peer", peer=7, iteration=3,
+    )  # fmt: skip
+    if rank == 1 and not both:
+        time.sleep(2.0)  # blocked elsewhere: it publishes nothing within report_wait
+        return {}
+    report = report_collective(error, executor, Path(directory), 3)
+    assert report is not None
+    return {"cause": report.cause, "answered": sorted(report.heads), "line": str(error)}
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("both", [True, False], ids=["both-stages", "one-silent"])
+def test_a_lost_data_parallel_peer_prints_the_pipeline_s_report_naming_it(
+    tmp_path: Path, both: bool
+) -> None:
+    results = run_distributed(_collective_lost, 2, str(tmp_path), both, timeout=90)
+    first_line = results[0]["line"].splitlines()[0]
+    assert "peer rank 7" in first_line
+    silent = "" if both else "; pipeline stage(s) [1] did not answer (placed by the plan)"
+    assert results[0]["cause"] == f"CollectiveError: {first_line}{silent}"
+    assert results[0]["answered"] == ([0, 1] if both else [0])
+    assert (tmp_path / "pipeline-stop-iter3-rank0.txt").read_text().startswith(
+        f"pipeline stopped (call 1): CollectiveError: {first_line}"
+    )
 
 
 # --- the command -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_schedules import PipelineExecutor, Simulation
 from pp_schedules.stop_report import StopReport
 from pp_state import ParallelState, Placement
+from pp_state.collectives import CollectiveError
 from pp_train.arguments import PretrainConfig
 from pp_train.evaluation import evaluate
 from pp_train.exits import SigtermFlag, exit_reason
@@ -40,7 +41,12 @@ from pp_train.run import (
 from pp_train.schedule_profile import ScheduleProfile
 from pp_train.step import ForwardBackwardFunc, ForwardStepFunc, NonFiniteError, StepResult
 from pp_train.step_log import log_step, timers_line, write_timers
-from pp_train.stop_reports import keep_report, report_directory, report_non_finite
+from pp_train.stop_reports import (
+    keep_report,
+    report_collective,
+    report_directory,
+    report_non_finite,
+)
 
 __all__ = ["TrainLoop", "train"]
 
@@ -213,11 +219,13 @@ class TrainLoop:
             raise
         except Exception as error:
             report = getattr(error, "stop_report", None)
-            if isinstance(report, StopReport) and self.executor is not None:
+            if self.executor is not None:
                 iteration = self.run.progress.iteration + 1
-                keep_report(
-                    error, report, self.executor, report_directory(self.run.config), iteration
-                )
+                directory = report_directory(self.run.config)
+                if isinstance(report, StopReport):
+                    keep_report(error, report, self.executor, directory, iteration)
+                elif isinstance(error, CollectiveError):
+                    report_collective(error, self.executor, directory, iteration)
             raise
 
     @contextlib.contextmanager

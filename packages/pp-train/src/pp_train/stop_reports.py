@@ -12,6 +12,9 @@ pp-schedules' executor builds a `StopReport` when a call fails on two or more pi
 - on a non-finite loss or gradient norm (`NonFiniteError`), a stop no transfer saw, publishes
   every rank's position and prints the report with the non-finite value as its cause
   (`report_non_finite`);
+- on a collective outside the pipeline that lost a peer (`CollectiveError`: the data-parallel
+  gradient sync, loss averaging, the embedding all-reduce), publishes this rank's position with
+  the error and prints the report with that error as its cause (`report_collective`);
 - on SIGTERM (torchrun's agent terminates the survivors soon after a rank dies, long before any
   p2p timeout), publishes the position at once and, when the pipeline is broken, prints the
   report (`report_on_sigterm`, run by `pp_train.live_dump.SignalWatcher`'s thread).
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from pp_schedules import PipelineExecutor
 from pp_schedules.stop_channel import read_position, report_stop
 from pp_schedules.stop_report import StopReport
+from pp_state.collectives import CollectiveError
 from pp_state.store_channel import StoreChannel
 from pp_train.arguments import PretrainConfig
 
@@ -37,6 +41,7 @@ __all__ = [
     "SigtermOutcome",
     "exit_line",
     "keep_report",
+    "report_collective",
     "report_directory",
     "report_non_finite",
     "report_on_sigterm",
@@ -142,6 +147,33 @@ def report_non_finite(
     lines = str(error).strip().splitlines()
     value = lines[0] if lines else type(error).__name__
     cause = f"a non-finite value stopped training, no rank is lost: {value}"
+    report = dataclasses.replace(report, cause=cause)
+    if _reports_here(report, executor):
+        print(report.render(), file=sys.stderr, flush=True)
+    keep_report(error, report, executor, directory, iteration)
+    return report
+
+
+def report_collective(
+    error: CollectiveError, executor: PipelineExecutor, directory: Path, iteration: int
+) -> StopReport | None:
+    """A collective outside the pipeline failed: print where every stage of the pipeline was.
+
+    The lost peer is named by the error (its global rank, in a group of two); the stages of
+    this pipeline that did not answer within ``report_wait`` (blocked in another collective
+    with this rank, or lost too) are placed by the plan and listed.
+
+    Returns:
+        The report (kept as `keep_report` does), or None with a single stage or no store.
+    """
+    report = report_stop(executor, error)
+    if report is None:
+        return None
+    lines = str(error).strip().splitlines()
+    cause = f"{type(error).__name__}: {lines[0] if lines else error.operation}"
+    silent = sorted(set(range(executor.pp_size)) - set(report.heads))
+    if silent:
+        cause += f"; pipeline stage(s) {silent} did not answer (placed by the plan)"
     report = dataclasses.replace(report, cause=cause)
     if _reports_here(report, executor):
         print(report.render(), file=sys.stderr, flush=True)
