@@ -656,7 +656,7 @@ def _on_stream_groups(pp: int, vp: int, name: str, headers: bool) -> dict[str, A
     ("pp", "vp", "name", "headers"),
     [(4, 2, "zbv", False), (4, 2, "interleaved_1f1b", True), (2, 2, "zbv", True)],
 )
-def test_schedules_nccl_refused_before_run_on_a_group_per_stream(
+def test_zbv_and_interleaving_run_on_a_group_per_stream_as_on_nccl(
     pp: int, vp: int, name: str, headers: bool
 ) -> None:
     """ZB-V beyond two ranks and interleaving were refused on NCCL; they validate under its

@@ -138,7 +138,9 @@ class P2PCommunicator:
                 "scatter_gather_tensors_in_pipeline needs the tensor-parallel group: pass tp_group"
             )
         self.device = torch.device(device if device is not None else _default_device(pp_group))
-        self._topology = Topology(pp_group, stream_groups=not matches_by_tag(self.device))
+        self._topology = Topology(
+            pp_group, stream_groups=not matches_by_tag(self.device), device=self.device
+        )
         self._engine = Exchanger(
             self._topology,
             self.config,

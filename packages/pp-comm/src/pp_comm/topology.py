@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
+import torch
 import torch.distributed as dist
 
 from pp_comm.message import SEND_SLOTS
@@ -42,7 +43,13 @@ class Topology:
             (sending rank, receiving rank, channel); empty where tags separate the streams.
     """
 
-    def __init__(self, pp_group: dist.ProcessGroup, *, stream_groups: bool) -> None:
+    def __init__(
+        self,
+        pp_group: dist.ProcessGroup,
+        *,
+        stream_groups: bool,
+        device: torch.device | None = None,
+    ) -> None:
         """Read the layout of `pp_group`.
 
         Args:
@@ -51,6 +58,7 @@ class Topology:
                 separate streams). Making them is collective over the default group: every
                 rank constructs its pipeline's topology at the same point, as with
                 ``torch.distributed.new_group``.
+            device: Where the stream groups' first collective runs (CPU by default).
 
         Raises:
             ValueError: This rank is not in `pp_group`.
@@ -65,18 +73,22 @@ class Topology:
         self.backend = str(dist.get_backend(pp_group))
         self.peer: dict[Slot, int] = {slot: self._neighbour(slot) for slot in SLOTS}
         self.stream_groups: dict[Stream, dist.ProcessGroup] = (
-            self._make_stream_groups() if stream_groups else {}
+            self._make_stream_groups(device or torch.device("cpu")) if stream_groups else {}
         )
 
     def _neighbour(self, slot: Slot) -> int:
         step = 1 if slot in ("send_next", "recv_next") else -1
         return self.ranks[(self.stage + step) % self.size]
 
-    def _make_stream_groups(self) -> dict[Stream, dist.ProcessGroup]:
+    def _make_stream_groups(self, device: torch.device) -> dict[Stream, dist.ProcessGroup]:
         """One two-rank group per stream of every pipeline, made by every rank in one order.
 
         ``new_group`` must be called by every rank of the default group for every group, in
-        the same order, so each rank first learns every pipeline's ranks.
+        the same order, so each rank first learns every pipeline's ranks. Each group then
+        runs one all-reduce, in that order: NCCL creates a group's communicator at its first
+        use, blocking until both ranks use it, and a rank blocked so at its first send on one
+        stream while its peer is blocked at its first send on another would never go on.
+        One global order lets the first pending group always complete.
         """
         pipelines: list[list[int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(pipelines, self.ranks)
@@ -87,6 +99,8 @@ class Topology:
                     group = dist.new_group([sender, receiver], backend=self.backend)
                     if self.rank in (sender, receiver):
                         mine[(sender, receiver, channel)] = group
+        for group in mine.values():
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
         return mine
 
     def stream(self, slot: Slot, channel: Channel) -> Stream:
