@@ -101,7 +101,7 @@ def test_the_plan_is_seeded_one_fault_per_slice_after_the_first_save(soak: Modul
         assert fault.rank is None or 0 <= fault.rank < 4
     disk = plan[soak.FAULT_KINDS.index("disk")]
     assert disk.save % 50 == 0
-    assert disk.step == disk.save - 2
+    assert disk.step == disk.save - soak.DISK_LEAD
 
 
 @pytest.mark.reliability

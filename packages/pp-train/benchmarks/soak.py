@@ -62,6 +62,9 @@ FAULT_KINDS = ("kill", "term", "stop", "disk", "corrupt")
 RANKS = 4  # pipeline 2 x data parallel 2
 PIPELINE = 2
 DATA_PARALLEL = RANKS // PIPELINE
+DISK_LEAD = 10
+"""Steps between filling the disk and the save it must fail: the job's step lines reach the
+injector late on a loaded machine, and a fill two steps ahead missed the save."""
 _INSIDE = "PP_SOAK_IN_NAMESPACE"  # set when this script re-ran itself under `unshare -rm`
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
@@ -252,7 +255,7 @@ def plan_faults(config: SoakConfig) -> list[Fault]:
         delay = rng.uniform(0.0, 0.03)
         if kind == "disk":
             save = (step // interval + 1) * interval
-            faults.append(Fault(kind, save - 2, None, 0.0, save))
+            faults.append(Fault(kind, save - min(DISK_LEAD, interval - 1), None, 0.0, save))
         else:
             faults.append(Fault(kind, step, rank, delay))
     return faults
@@ -635,19 +638,25 @@ def soak(config: SoakConfig, root: Path) -> dict[str, Any]:
     print(f"soak: reference run done in {time.monotonic() - started:.0f} s", flush=True)
     disk = root / "faulted" / "disk"  # the disk fault fills it: checkpoints and the filler
     disk.mkdir(parents=True, exist_ok=True)
-    if "disk" in config.faults:
+    mounted = "disk" in config.faults
+    if mounted:
         _mount_tmpfs(disk)
-    checkpoints = disk / "checkpoints"
-    faults = plan_faults(config)
-    injector = Injector(config, checkpoints, faults)
-    started = time.monotonic()
-    launches = run_job(config, checkpoints, root / "faulted" / "train.log", injector)
-    print(f"soak: faulted run done in {time.monotonic() - started:.0f} s, {launches} launch(es)")
-    stale = stale_files(checkpoints)
-    equal = equal_states(
-        final_state(reference, config.steps, config.ckpt_format),
-        final_state(checkpoints, config.steps, config.ckpt_format),
-    )
+    try:
+        checkpoints = disk / "checkpoints"
+        faults = plan_faults(config)
+        injector = Injector(config, checkpoints, faults)
+        started = time.monotonic()
+        launches = run_job(config, checkpoints, root / "faulted" / "train.log", injector)
+        elapsed = time.monotonic() - started
+        print(f"soak: faulted run done in {elapsed:.0f} s, {launches} launch(es)")
+        stale = stale_files(checkpoints)
+        equal = equal_states(
+            final_state(reference, config.steps, config.ckpt_format),
+            final_state(checkpoints, config.steps, config.ckpt_format),
+        )
+    finally:
+        if mounted:  # a mount point cannot be removed with the work folder
+            subprocess.run(["umount", str(disk)], check=False)
     summary = summarise(injector.outcomes, len(faults), stale, equal)
     print(table(config, injector.outcomes, summary))
     if stale:

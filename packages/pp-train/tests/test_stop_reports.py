@@ -38,8 +38,8 @@ from pp_train.live_dump import SignalWatcher, dump_line
 from pp_train.stop_reports import (
     exit_line,
     keep_report,
-    report_directory,
     report_collective,
+    report_directory,
     report_non_finite,
     report_stem,
 )
@@ -234,8 +234,10 @@ def test_a_lost_data_parallel_peer_prints_the_pipeline_s_report_naming_it(
     silent = "" if both else "; pipeline stage(s) [1] did not answer (placed by the plan)"
     assert results[0]["cause"] == f"CollectiveError: {first_line}{silent}"
     assert results[0]["answered"] == ([0, 1] if both else [0])
-    assert (tmp_path / "pipeline-stop-iter3-rank0.txt").read_text().startswith(
-        f"pipeline stopped (call 1): CollectiveError: {first_line}"
+    assert (
+        (tmp_path / "pipeline-stop-iter3-rank0.txt")
+        .read_text()
+        .startswith(f"pipeline stopped (call 1): CollectiveError: {first_line}")
     )
 
 
