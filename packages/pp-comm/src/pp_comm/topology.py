@@ -27,7 +27,7 @@ class Topology:
     every stream uses the pipeline group. NCCL ignores tags and pairs the sends and receives
     of two ranks of one communicator in posting order, running each rank's calls on one
     communicator one after another; there every stream gets a two-rank process group of its
-    own (`stream_group`), so streams never pair with each other (with two stages, an
+    own (`stream_groups`), so streams never pair with each other (with two stages, an
     activation with a gradient: the crossed tensors of Megatron-LM issue 750) and a receive
     posted early holds up only later messages of its own stream.
 
@@ -73,7 +73,9 @@ class Topology:
         self.backend = str(dist.get_backend(pp_group))
         self.peer: dict[Slot, int] = {slot: self._neighbour(slot) for slot in SLOTS}
         self.stream_groups: dict[Stream, dist.ProcessGroup] = (
-            self._make_stream_groups(device or torch.device("cpu")) if stream_groups else {}
+            self._make_stream_groups(device or torch.device("cpu"))
+            if stream_groups and self.size > 1
+            else {}
         )
 
     def _neighbour(self, slot: Slot) -> int:
