@@ -271,3 +271,90 @@ def test_buckets_are_padded_and_sharded_with_params_in_the_buffer() -> None:
     )
     assert [b.shard(0) for b in ddp.buckets] == [(0, b.data.numel()) for b in ddp.buckets]
     assert list(model.state_dict()) == list(_model("fp32").state_dict())
+
+
+class _TiedHead(torch.nn.Module):
+    """A body, and a head whose weight the forward hands straight to a matmul.
+
+    As a tied output layer on the last pipeline stage: the head's own forward, and so its
+    forward pre-hook, never runs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 6)
+        self.head = torch.nn.Linear(6, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.body(x), self.head.weight)
+
+
+class _LandsWhenWaited:
+    """An async all-gather whose result reaches its output only when waited for.
+
+    A valid async collective (its output is undefined until the wait), and the widest window
+    for a read that no wait covers; gloo's two worker threads open it for real, finishing a
+    later bucket's gather while an earlier one is still being written.
+    """
+
+    def __init__(self, output: torch.Tensor, result: torch.Tensor) -> None:
+        self.output, self.result = output, result
+
+    def wait(self) -> bool:
+        self.output.copy_(self.result)
+        return True
+
+
+def _late_gather(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Any = None,
+    async_op: Any = False,
+) -> Any:
+    """`dist.all_gather_single`, issued at once but landing when waited for when async."""
+    result = torch.empty_like(output_tensor)
+    _REAL_GATHER(result, input_tensor.clone(), group=group)  # every rank issues in one order
+    if not async_op:
+        output_tensor.copy_(result)
+        return None
+    return _LandsWhenWaited(output_tensor, result)
+
+
+_REAL_GATHER = dist.all_gather_single
+
+
+def _forward_after_an_overlapped_gather() -> tuple[torch.Tensor, torch.Tensor]:
+    ddp = DistributedDataParallel(
+        _TiedHead(),
+        DDPConfig(
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            bucket_size=10,
+        ),
+        data_parallel_group=dist.group.WORLD,
+    )
+    # Last parameter first: the head's weight fills bucket 0, the body bucket 1.
+    assert [len(b.params) for b in ddp.buckets] == [1, 2]
+    with torch.no_grad():  # as after a step: each rank has updated its own shards only
+        for bucket in ddp.buckets:
+            assert bucket.param_data is not None
+            start, end = bucket.shard(dist.get_rank())
+            bucket.param_data[start:end] += 1.0
+    dist.all_gather_single = _late_gather
+    try:
+        ddp.start_param_sync()
+        with torch.no_grad():
+            output = ddp(torch.ones(2, 4))
+            ddp.finish_param_sync()
+            whole = ddp(torch.ones(2, 4))
+    finally:
+        dist.all_gather_single = _REAL_GATHER
+    return output, whole
+
+
+def test_a_weight_read_outside_its_module_waits_for_its_overlapped_gather() -> None:
+    # The body's pre-hook waits for the gathers started before its own: the head's included.
+    for output, whole in run_distributed(_forward_after_an_overlapped_gather, 2):
+        assert torch.equal(output, whole)

@@ -88,8 +88,9 @@ class DDPConfig:
         default=False, metadata={"flag": "--overlap-param-gather"}
     )
     """Start the parameters' all-gather asynchronously after the optimizer step; each module
-    waits for its bucket's gather just before it runs in the next forward. Needs
-    `use_distributed_optimizer` and `overlap_grad_reduce` (as Megatron)."""
+    waits for its bucket's gather, and for the gathers started before it, just before it runs
+    in the next forward. Needs `use_distributed_optimizer` and `overlap_grad_reduce` (as
+    Megatron)."""
 
     def __post_init__(self) -> None:
         """Checks the bucket size and the overlap options.
@@ -460,8 +461,9 @@ class DistributedDataParallel(torch.nn.Module):
         """All-gathers every bucket's parameters from the shards their owners updated.
 
         Called by `DistributedOptimizer` after a step. With ``overlap_param_gather`` (and not
-        `force_sync`) the gathers only start: each module waits for its buckets just before
-        it runs (a forward pre-hook), or `finish_param_sync` waits for all.
+        `force_sync`) the gathers only start, in bucket order: each module waits for its
+        buckets, and for those started before them, just before it runs (a forward pre-hook),
+        or `finish_param_sync` waits for all.
 
         Raises:
             GradSyncError: A gather failed or timed out.
@@ -470,7 +472,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         self.finish_param_sync()  # a module that did not run may have left one waiting
         async_op = self.config.overlap_param_gather and not force_sync
-        for bucket in self.buckets:
+        for bucket in self.buckets:  # in index order: `_wait_gathers_through` relies on it
             self._start_gather(bucket, async_op=async_op)
 
     def _start_gather(self, bucket: GradBucket, *, async_op: bool) -> None:
@@ -513,23 +515,42 @@ class DistributedDataParallel(torch.nn.Module):
     def _register_gather_waits(self) -> list[torch.utils.hooks.RemovableHandle]:
         """Forward pre-hooks that wait for the gathers of a module's own parameters.
 
-        One on every module holding parameters directly, so a bucket's gather overlaps the
-        forward of every module before its first user (Megatron's overlap_param_gather).
+        One on every module holding parameters directly (Megatron's overlap_param_gather).
+        Each waits up to its last bucket in the order the gathers started (see
+        `_wait_gathers_through`).
         """
         handles = []
         for module in self.module.modules():
-            owned = [p for p in module.parameters(recurse=False) if id(p) in self._bucket_of]
-            buckets = list({id(b): b for b in (self._bucket_of[id(p)] for p in owned)}.values())
-            if buckets:
-                handles.append(module.register_forward_pre_hook(self._waiter(buckets)))
+            owned = [
+                self._bucket_of[id(p)]
+                for p in module.parameters(recurse=False)
+                if id(p) in self._bucket_of
+            ]
+            if owned:
+                latest = max(owned, key=lambda bucket: bucket.index)
+                handles.append(module.register_forward_pre_hook(self._waiter(latest)))
         return handles
 
-    def _waiter(self, buckets: list[GradBucket]) -> Callable[[torch.nn.Module, object], None]:
+    def _waiter(self, bucket: GradBucket) -> Callable[[torch.nn.Module, object], None]:
         def wait(module: torch.nn.Module, inputs: object) -> None:
-            for bucket in buckets:
-                self._wait_gather(bucket)
+            self._wait_gathers_through(bucket)
 
         return wait
+
+    def _wait_gathers_through(self, bucket: GradBucket) -> None:
+        """Waits for `bucket`'s gather and for every gather started before it.
+
+        NCCL finishes one group's collectives in the order they started (one stream); gloo
+        does not: its two worker threads run them side by side, and a later bucket's gather
+        can be done while an earlier one is still being written. Waiting in start order
+        makes one wait cover the earlier buckets on every backend. That matters for a
+        parameter read outside its own module's forward, whose hook then never runs (a tied
+        output layer's weight handed straight to a matmul): the first bucket, gathered
+        first, holds the chunk's last parameters, so once any module of the chunk has run
+        its hook they are whole.
+        """
+        for earlier in self.buckets[: bucket.index + 1]:
+            self._wait_gather(earlier)
 
     def scale_gradients(self, factor: float) -> None:
         """Multiplies every accumulated gradient by `factor`."""
