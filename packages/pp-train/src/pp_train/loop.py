@@ -175,15 +175,16 @@ class TrainLoop:
             self._measuring(),
         ):
             while progress.iteration < training.train_iters:
+                # The exit decision is a collective too: a peer lost there is reported alike.
                 with self._reporting_stops():
                     self.iteration(train_data_iterator, valid_data_iterator)
-                reason = exit_reason(
-                    training,
-                    progress.iteration,
-                    started=started,
-                    signals=signals,
-                    autoresume=autoresume,
-                )
+                    reason = exit_reason(
+                        training,
+                        progress.iteration,
+                        started=started,
+                        signals=signals,
+                        autoresume=autoresume,
+                    )
                 if reason is not None:
                     return run.stop(reason)
         if not run.saved and progress.iteration > 0:
@@ -208,19 +209,22 @@ class TrainLoop:
 
     @contextlib.contextmanager
     def _reporting_stops(self) -> Iterator[None]:
-        """An iteration; a stop report (the executor's, or a non-finite stop's) kept on failure."""
+        """An iteration and its exit decision; on failure, the stop report kept.
+
+        The executor's report, a non-finite stop's, or one for a collective that lost a peer;
+        named for the iteration the block began.
+        """
+        iteration = self.run.progress.iteration + 1
         try:
             yield
         except NonFiniteError as error:
             if self.executor is not None:
-                iteration = self.run.progress.iteration + 1
                 directory = report_directory(self.run.config)
                 report_non_finite(error, self.executor, directory, iteration)
             raise
         except Exception as error:
             report = getattr(error, "stop_report", None)
             if self.executor is not None:
-                iteration = self.run.progress.iteration + 1
                 directory = report_directory(self.run.config)
                 if isinstance(report, StopReport):
                     keep_report(error, report, self.executor, directory, iteration)
