@@ -593,7 +593,7 @@ def test_receives_posted_early_run_as_planned_and_change_nothing(
 class _FakeComm:
     """Enough of a communicator to build an executor (no transfers)."""
 
-    num_stages, stage, device, transport = 2, 0, torch.device("cpu"), "gloo"
+    num_stages, stage, device = 2, 0, torch.device("cpu")  # no transport: judged by device
 
     def __init__(self, config: CommConfig) -> None:
         self.config = config

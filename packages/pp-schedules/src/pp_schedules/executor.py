@@ -65,6 +65,7 @@ __all__ = [
     "custom_backward",
     "deallocate_output_tensor",
     "get_forward_backward_func",
+    "transport_of",
 ]
 
 
@@ -107,7 +108,7 @@ class PipelineExecutor:
         self.pp_size = communicator.num_stages if communicator is not None else 1
         self.rank = communicator.stage if communicator is not None else 0
         # gloo completes each transfer on its own; NCCL in posting order, a batch as one work.
-        self.transport = communicator.transport if communicator is not None else "gloo"
+        self.transport = transport_of(communicator)
         self.independent = self.transport == "gloo"
         given = plan if plan is not None else self.config.plan
         self.user_plan = None if given is None else as_plan(given)
@@ -526,3 +527,17 @@ def get_forward_backward_func(
     return PipelineExecutor(
         communicator, vp_size=vp_size, config=config, plan=plan, resolved=resolved
     )
+
+
+def transport_of(communicator: P2PCommunicator | None) -> str:
+    """Whose matching rules `communicator`'s transfers follow: its ``transport``.
+
+    An object standing in for a communicator without that attribute (a test double, a
+    loopback) is judged by its device: CUDA tensors travel over NCCL, others over gloo.
+    """
+    if communicator is None:
+        return "gloo"
+    transport = getattr(communicator, "transport", None)
+    if isinstance(transport, str):
+        return transport
+    return "nccl" if communicator.device.type == "cuda" else "gloo"
