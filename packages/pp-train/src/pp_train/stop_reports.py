@@ -147,11 +147,9 @@ def report_non_finite(
     lines = str(error).strip().splitlines()
     value = lines[0] if lines else type(error).__name__
     cause = f"a non-finite value stopped training, no rank is lost: {value}"
-    report = dataclasses.replace(report, cause=cause)
-    if _reports_here(report, executor):
-        print(report.render(), file=sys.stderr, flush=True)
-    keep_report(error, report, executor, directory, iteration)
-    return report
+    return _print_and_keep(
+        error, report, cause, executor=executor, directory=directory, iteration=iteration
+    )
 
 
 def report_collective(
@@ -174,6 +172,21 @@ def report_collective(
     silent = sorted(set(range(executor.pp_size)) - set(report.heads))
     if silent:
         cause += f"; pipeline stage(s) {silent} did not answer (placed by the plan)"
+    return _print_and_keep(
+        error, report, cause, executor=executor, directory=directory, iteration=iteration
+    )
+
+
+def _print_and_keep(
+    error: BaseException,
+    report: StopReport,
+    cause: str,
+    *,
+    executor: PipelineExecutor,
+    directory: Path,
+    iteration: int,
+) -> StopReport:
+    """`report` with `cause`, printed by the rank that reports and kept (`keep_report`)."""
     report = dataclasses.replace(report, cause=cause)
     if _reports_here(report, executor):
         print(report.render(), file=sys.stderr, flush=True)
