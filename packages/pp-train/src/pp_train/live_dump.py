@@ -206,7 +206,10 @@ class SignalWatcher:
     def _dump(self, request: int) -> None:
         self.dumps += 1
         line = dump_line(self.executor, self.rank, self.iteration(), request)
-        print(line, file=sys.stderr, flush=True)
+        # One write: under `python -u` print's text and newline are two, and the ranks'
+        # lines, sharing torchrun's stderr, ran into each other.
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
     def _on_sigterm(self) -> None:
         if self.sigterm_seen or self.executor is None:
