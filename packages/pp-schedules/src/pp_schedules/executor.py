@@ -278,8 +278,9 @@ class PipelineExecutor:
                 setattr(error, "stop_report", report)  # noqa: B010 - any exception type
             if sys.version_info >= (3, 11):
                 error.add_note(f"where every rank was: {report.cause} (error.stop_report)")
-        if min(report.heads) == self.rank:
-            print(report.render(), file=sys.stderr, flush=True)
+        if min(report.heads) == self.rank:  # one write: the ranks share stderr
+            sys.stderr.write(report.render() + "\n")
+            sys.stderr.flush()
         return report
 
     def record_memory(self, probe: MemoryProbe | None) -> None:

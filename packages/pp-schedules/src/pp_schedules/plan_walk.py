@@ -302,15 +302,12 @@ class PlanWalk:
         """A received tensor list, once its transfer has completed."""
         handle, number, tensors = self.arrived.pop(key)
         self.x.recorder.wait(("recv", key))
-        if self.recorder is None:
-            handle.wait_recv([number])
-            self.x.recorder.waited()
-            return tensors
-        start = self.recorder.now()
+        start = self.recorder.now() if self.recorder is not None else 0.0
         handle.wait_recv([number])
         self.x.recorder.waited()
-        self.recorder.add(f"wait {key[0]} {key[1]}.{key[2]}", "wait", key[1], key[2], start,
-                          self.recorder.now())  # fmt: skip
+        if self.recorder is not None:
+            self.recorder.add(f"wait {key[0]} {key[1]}.{key[2]}", "wait", key[1], key[2], start,
+                              self.recorder.now())  # fmt: skip
         return tensors
 
     def forward(self, action: Action) -> None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from pp_schedules import PipelineExecutor
 from pp_state.store_channel import StoreChannel
-from pp_train.stop_reports import report_on_sigterm, use_default_store
+from pp_train.stop_reports import report_on_sigterm, use_default_store, write_line
 
 __all__ = ["DUMP_POLL_S", "SignalWatcher", "dump_line"]
 
@@ -157,11 +157,9 @@ class SignalWatcher:
     def _note(self, what: str, error: BaseException) -> None:
         if not self._noted:  # once: a store that is gone would say so every poll
             self._noted = True
-            print(
+            write_line(
                 f"pp-train: rank {self.rank} could not {what} ({type(error).__name__}: "
-                f"{error}); live dumps may miss this rank",
-                file=sys.stderr,
-                flush=True,
+                f"{error}); live dumps may miss this rank"
             )
 
     def _requests(self, add: int = 0) -> int:
@@ -206,10 +204,7 @@ class SignalWatcher:
     def _dump(self, request: int) -> None:
         self.dumps += 1
         line = dump_line(self.executor, self.rank, self.iteration(), request)
-        # One write: under `python -u` print's text and newline are two, and the ranks'
-        # lines, sharing torchrun's stderr, ran into each other.
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        write_line(line)
 
     def _on_sigterm(self) -> None:
         if self.sigterm_seen or self.executor is None:
@@ -217,11 +212,9 @@ class SignalWatcher:
         self.sigterm_seen = True
         outcome = report_on_sigterm(self.executor, self.directory, self.iteration())
         if outcome.failed and outcome.report is not None:
-            print(
+            write_line(
                 f"pp-train: rank {self.rank} leaves on SIGTERM: its pipeline stopped: "
-                f"{outcome.report.cause}",
-                file=sys.stderr,
-                flush=True,
+                f"{outcome.report.cause}"
             )
             sys.stdout.flush()
             # The main thread waits for a rank that is gone; no save can follow.

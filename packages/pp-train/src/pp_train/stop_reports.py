@@ -47,10 +47,21 @@ __all__ = [
     "report_on_sigterm",
     "report_stem",
     "use_default_store",
+    "write_line",
 ]
 
 REPORT_STEM = "pipeline-stop"
 """The report files' name: ``pipeline-stop-iter<N>-rank<R>`` and a suffix."""
+
+
+def write_line(text: str) -> None:
+    """`text` and a newline on stderr in one write, flushed.
+
+    Every rank of a torchrun job shares one stderr, and under ``python -u`` `print` writes
+    the text and the newline separately: two ranks' lines could run into one.
+    """
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def report_directory(config: PretrainConfig) -> Path:
@@ -102,7 +113,7 @@ def keep_report(
         try:
             paths = report.write(directory, report_stem(iteration, _global_rank()))
         except OSError as failure:  # the report was printed already; the error stands
-            print(f"pp-train: the stop report was not written: {failure}", file=sys.stderr)
+            write_line(f"pp-train: the stop report was not written: {failure}")
     if error is not None:
         with contextlib.suppress(AttributeError, TypeError):
             setattr(error, "stop_report", report)  # noqa: B010 - any exception type
@@ -189,7 +200,7 @@ def _print_and_keep(
     """`report` with `cause`, printed by the rank that reports and kept (`keep_report`)."""
     report = dataclasses.replace(report, cause=cause)
     if _reports_here(report, executor):
-        print(report.render(), file=sys.stderr, flush=True)
+        write_line(report.render())
     keep_report(error, report, executor, directory, iteration)
     return report
 
@@ -256,6 +267,6 @@ def report_on_sigterm(
     if not failed and len(report.heads) == executor.pp_size:
         return SigtermOutcome(published=True)
     if _reports_here(report, executor):
-        print(report.render(), file=sys.stderr, flush=True)
+        write_line(report.render())
     keep_report(None, report, executor, directory, iteration)
     return SigtermOutcome(published=True, report=report, failed=failed)

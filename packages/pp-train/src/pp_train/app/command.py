@@ -45,7 +45,7 @@ from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test
 from pp_train.memory_plan import MemoryPlanError, ModelFigures
 from pp_train.pretrain import default_transport, pretrain, print_once
 from pp_train.recompute import RecomputeConfig
-from pp_train.stop_reports import exit_line
+from pp_train.stop_reports import exit_line, write_line
 from pp_train.training import NonFiniteError
 from pp_train.world import check_world
 from pp_train.wrappers import unwrap_model
@@ -80,7 +80,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _print_refusal(parser: argparse.ArgumentParser, message: str) -> None:
     parser.print_usage(sys.stderr)
-    print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+    write_line(f"{parser.prog}: error: {message}")
 
 
 def _error_channel(environ: Mapping[str, str]) -> StoreChannel | None:
@@ -327,14 +327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, NonFiniteError, MemoryPlanError) as error:
         # Every rank refuses together; one clear line instead of a traceback per rank.
         if os.environ.get("RANK", "0") == "0":
-            print(f"pp-train: error: {error}", file=sys.stderr, flush=True)
+            write_line(f"pp-train: error: {error}")
         return 1
     except Exception as error:
         # A stopped pipeline: its report is printed and written; one line names the cause.
         line = exit_line(error, int(os.environ.get("RANK", "0")))
         if line is None:
             raise
-        print(line, file=sys.stderr, flush=True)
+        write_line(line)
         return 1
     return 0
 
