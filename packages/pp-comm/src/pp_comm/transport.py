@@ -172,17 +172,20 @@ class Transport:
         )
         rank_of_slot = {slot: index for index, slot in enumerate(order)}
         self._slot_rank: Callable[[Transfer], int] = lambda t: rank_of_slot[t.slot]
-        # Per slot and channel: how to post on its group, to which group rank, what tag offset.
-        self._posts = {
-            (slot, channel): (
-                topology.group_for(slot, channel).send
-                if slot in SEND_SLOTS
-                else topology.group_for(slot, channel).recv,
-                topology.peer_in(slot, channel),
-                _BACKWARD_TAG if self.matches_by_tag and channel == "backward" else 0,
-            )
+        # Per slot and channel: its group, and how to post on it, to which group rank, with
+        # what tag offset.
+        self._groups = {
+            (slot, channel): topology.group_for(slot, channel)
             for slot in SLOTS
             for channel in CHANNELS
+        }
+        self._posts = {
+            key: (
+                group.send if key[0] in SEND_SLOTS else group.recv,
+                topology.peer_in(*key),
+                _BACKWARD_TAG if self.matches_by_tag and key[1] == "backward" else 0,
+            )
+            for key, group in self._groups.items()
         }
 
     def post(self, transfers: list[Transfer], *, tag: int, operation: str) -> list[Posted]:
@@ -241,7 +244,7 @@ class Transport:
         posted: list[Posted] = []
         by_group: dict[int, tuple[dist.ProcessGroup, list[Transfer]]] = {}
         for transfer in ordered:
-            group = self.topology.group_for(transfer.slot, transfer.channel)
+            group = self._groups[(transfer.slot, transfer.channel)]
             by_group.setdefault(id(group), (group, []))[1].append(transfer)
         for group, members in by_group.values():
             ops = [
