@@ -6,14 +6,27 @@ matching messages, inline or following their frame, arrive intact and in order."
 from __future__ import annotations
 
 import datetime
+import json
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
-from pp_comm import CommConfig, P2PCommunicator, P2PMessage, P2PMismatchError, framing
-from pp_comm.framing import INLINE_BYTES
+from pp_comm import (
+    CommConfig,
+    FrameBuffers,
+    P2PCommunicator,
+    P2PMessage,
+    P2PMismatchError,
+    frame_buffers,
+    framing,
+)
+from pp_comm.framing import FRAME_HEADER_BYTES, INLINE_BYTES
 from pp_testing import run_distributed
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -235,3 +248,55 @@ def test_a_frame_is_not_reused_while_its_send_is_pending() -> None:
     """Send frames are reused, but only once their send is complete."""
     _, received = run_distributed(_late_receiver, 2, timeout=60)
     assert received == [[float(i)] * 5 for i in range(3)]
+
+
+# ------------------------------------------------------------------ what frames cost
+def _allocated_sizes(step: Callable[[], object]) -> list[int]:
+    """The sizes of the storages `step` allocates (torch.profiler's allocator events)."""
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            step()
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    return [e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"
+            and e["args"]["Bytes"] > 0]  # fmt: skip
+
+
+def _framed_transfer() -> list[int]:
+    comm = _comm()
+    frames = comm.frames
+    payload = torch.randn(1000)  # 4,000 bytes: copied into its frame
+    if comm.stage == 0:
+        sizes = _allocated_sizes(lambda: comm.send_forward(payload))
+        expected = frames.send_header_bytes + payload.nbytes
+    else:
+        sizes = _allocated_sizes(lambda: comm.recv_forward(tensor_shapes=[(1000,)]))
+        expected = frames.receive_frame_bytes
+    comm.destroy()
+    return [expected, *sizes]
+
+
+def test_the_frames_a_communicator_describes_are_the_ones_it_allocates() -> None:
+    """pp-comm's `frames` are what a memory model takes: checked against torch.profiler."""
+    for stage, (expected, *sizes) in enumerate(run_distributed(_framed_transfer, 2, timeout=60)):
+        assert expected in sizes, (stage, expected, sizes)
+        if stage == 1:  # the receive's buffer as well, then the frame
+            assert 1000 * 4 in sizes
+
+
+def test_frame_buffers_follow_the_transport_and_the_contract_checks() -> None:
+    framed = frame_buffers(CommConfig())
+    assert framed == FrameBuffers(
+        receive_frame_bytes=FRAME_HEADER_BYTES + INLINE_BYTES,
+        send_header_bytes=FRAME_HEADER_BYTES,
+        inline_bytes=INLINE_BYTES,
+        spare_frames=8,
+    )
+    bare = FrameBuffers()
+    assert frame_buffers(CommConfig(), "nccl") == bare
+    assert frame_buffers(CommConfig(check_contracts=False)) == bare
+    assert frame_buffers(CommConfig(variable_seq_lengths=True)) == bare
+    assert frame_buffers(CommConfig(), scatter_gather=True) == bare
+    with pytest.raises(ValueError, match="transport 'mpi' is unknown; valid: gloo, nccl"):
+        frame_buffers(CommConfig(), "mpi")

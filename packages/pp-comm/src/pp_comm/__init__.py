@@ -17,6 +17,7 @@ from pp_comm.communicator import (
     Received,
 )
 from pp_comm.errors import P2PError, P2PMismatchError, P2PTimeoutError
+from pp_comm.framing import FrameBuffers, frame_buffers
 from pp_comm.ordering import SLOTS, Slot, batched_order, find_deadlock, unbatched_order
 from pp_comm.payload import ShapesArg, TensorSpec
 from pp_comm.timers import NullTimers, Timer, Timers
@@ -26,6 +27,7 @@ __version__ = _version("pp-comm")
 __all__ = [
     "SLOTS",
     "CommConfig",
+    "FrameBuffers",
     "NullTimers",
     "P2PCommunicator",
     "P2PError",
@@ -43,5 +45,6 @@ __all__ = [
     "__version__",
     "batched_order",
     "find_deadlock",
+    "frame_buffers",
     "unbatched_order",
 ]

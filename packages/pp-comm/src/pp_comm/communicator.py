@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from pp_comm.config import CommConfig
 from pp_comm.exchange import Exchanger
+from pp_comm.framing import FrameBuffers
 from pp_comm.handle import P2PHandle
 from pp_comm.message import DTypesArg, P2PMessage, Payload, Received
 from pp_comm.payload import ShapesArg, normalize_specs_cached
@@ -199,6 +200,11 @@ class P2PCommunicator:
     def transport(self) -> str:
         """Whose matching rules the transfers follow: "gloo" (tags) or "nccl" (order)."""
         return "gloo" if self._engine.transport.matches_by_tag else "nccl"
+
+    @property
+    def frames(self) -> FrameBuffers:
+        """What this communicator holds for transfers beyond the tensors (see `FrameBuffers`)."""
+        return self._engine.frames
 
     @property
     def is_first_stage(self) -> bool:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from pp_comm.agreement import shape_agreement
 from pp_comm.buffers import Buffers
 from pp_comm.config import CommConfig
+from pp_comm.framing import FrameBuffers, FramedShapes, frame_buffers
 from pp_comm.handle import P2PHandle
 from pp_comm.message import P2PMessage
 from pp_comm.ordering import Slot
@@ -56,6 +57,13 @@ class Exchanger:
         # Null timers are skipped outright rather than called: this is every call's path.
         self._timers: Timers | None = None if isinstance(timers, NullTimers) else timers
         self._timeout_s = config.timeout.total_seconds()
+
+    @property
+    def frames(self) -> FrameBuffers:
+        """The contract frames this exchanger keeps beyond the tensors (none without frames)."""
+        if not isinstance(self._agreement, FramedShapes):
+            return FrameBuffers()
+        return frame_buffers(self.config, "gloo")
 
     # ------------------------------------------------------------------ building transfers
     def send(self, slot: Slot, tensors: Sequence[torch.Tensor], microbatch: int | None) -> Transfer:

@@ -37,6 +37,7 @@ finished in posting order, so the tensors that follow a frame meet the right rec
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import itertools
 import struct
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from pp_comm.buffers import Buffers
+from pp_comm.config import CommConfig
 from pp_comm.errors import P2PError, P2PMismatchError
 from pp_comm.ordering import CHANNEL_OF_SLOT, Channel, Slot
 from pp_comm.payload import HEADER_LENGTH, TensorSpec, decode_header, describe, encode_specs
@@ -58,7 +60,9 @@ __all__ = [
     "FRAME_HEADER_BYTES",
     "INLINE_BYTES",
     "SIZED_TAG_BYTES",
+    "FrameBuffers",
     "FramedShapes",
+    "frame_buffers",
     "mismatch_error",
 ]
 
@@ -84,6 +88,56 @@ _BACK: dict[Slot, Slot] = {
 }
 _PACKED = struct.Struct("=4q")  # the fields ahead of the specs, native order as the specs
 _Record: typing.TypeAlias = tuple[int, str, "int | None", Sequence[TensorSpec]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameBuffers:
+    """What pp-comm holds for transfers beyond the tensors themselves: its contract frames.
+
+    A memory model of the pipeline (pp-schedules' ``TransferBuffers``) takes these figures.
+    All 0 where no frames are used (NCCL, contracts off, variable shapes, scatter-gather).
+
+    Attributes:
+        receive_frame_bytes: Each posted receive holds a frame this large (any frame fits
+            in it) until the receive is waited for.
+        send_header_bytes: A send of at most `inline_bytes` is copied into a frame of its
+            bytes plus these; a larger one travels as it is, behind a header kept in host
+            memory outside torch's allocator.
+        inline_bytes: The largest payload copied into a frame.
+        spare_frames: Frames kept for reuse: received ones (once read), and sent ones of each
+            size (a sent frame is reused once its send is complete).
+    """
+
+    receive_frame_bytes: int = 0
+    send_header_bytes: int = 0
+    inline_bytes: int = 0
+    spare_frames: int = 0
+
+
+def frame_buffers(
+    config: CommConfig, transport: str = "gloo", *, scatter_gather: bool = False
+) -> FrameBuffers:
+    """The frames a communicator with `config` over `transport` keeps (see `FrameBuffers`).
+
+    Args:
+        config: The communicator's configuration.
+        transport: "gloo" (frames carry the contracts) or "nccl" (no frames).
+        scatter_gather: Tensors travel in 1/tp shares (scatter-gather at tp > 1: no frames).
+
+    Raises:
+        ValueError: An unknown transport.
+    """
+    if transport not in ("gloo", "nccl"):
+        raise ValueError(f"transport {transport!r} is unknown; valid: gloo, nccl")
+    framed = config.check_contracts and not config.exchanges_shapes
+    if transport != "gloo" or not framed or scatter_gather:
+        return FrameBuffers()
+    return FrameBuffers(
+        receive_frame_bytes=FRAME_HEADER_BYTES + INLINE_BYTES,
+        send_header_bytes=FRAME_HEADER_BYTES,
+        inline_bytes=INLINE_BYTES,
+        spare_frames=_SPARE_FRAMES,
+    )
 
 
 def _sized_tag(nbytes: int) -> int:
