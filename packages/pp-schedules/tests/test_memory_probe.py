@@ -50,8 +50,10 @@ def test_saved_bytes_are_the_input_and_the_tanh_output_counted_once() -> None:
     assert probe.saved_bytes == (4 * 8 + 4 * 16) * FLOAT
     assert probe.static_bytes() == sum(p.numel() for p in model.parameters()) * FLOAT
     sample = probe.sample("F0")
-    assert sample == MemorySample("F0", probe.static_bytes(), 384, 384, None)
-    assert sample.total_bytes == probe.static_bytes() + 384
+    static = probe.static_bytes()
+    # Sampled outside counting: nothing allocated was counted, so everything live is static.
+    assert sample == MemorySample("F0", static, 384, 384, None, static, static)
+    assert sample.total_bytes == static + 384
     loss.backward()
     assert probe.saved_bytes == 0, "backward frees the graph and its saved tensors"
     assert probe.peak_saved_bytes == 384
@@ -205,7 +207,7 @@ def _profiled_step(path: str, predicted: list[list[int]] | None) -> str:
         return str(error)
     finally:
         comm.destroy()
-    return json.dumps([s.total_bytes for s in executor.memory_samples])
+    return json.dumps([s.live_bytes for s in executor.memory_samples])
 
 
 def test_the_trace_draws_measured_and_predicted_memory_per_rank(tmp_path: Path) -> None:
@@ -248,3 +250,24 @@ def test_on_cuda_each_sample_also_carries_the_allocators_count() -> None:
     assert sample.allocated_bytes >= sample.total_bytes  # blocks are rounded up
     del out
     assert probe.saved_bytes == 0
+
+
+@requires_gpus(1)
+def test_on_cuda_the_live_bytes_are_the_allocators_with_its_peak_reset_per_sample() -> None:
+    model, x = _linear_tanh()
+    model, x = model.cuda(), x.cuda()
+    probe = MemoryProbe(static=model.parameters)
+    assert probe.device == "cuda"
+    probe.clear()
+    with probe.counting():
+        big = torch.empty(1 << 20, device="cuda")  # 4 MiB, freed before the sample
+        del big
+        out = model(x)
+        first = probe.sample("F0")
+        second = probe.sample("again")
+    assert first.live_bytes == torch.cuda.memory_allocated()
+    assert first.peak_live_bytes is not None
+    assert first.peak_live_bytes >= first.live_bytes + (1 << 22)  # the freed 4 MiB counted
+    # The peak restarts at each sample: nothing was made in between.
+    assert second.peak_live_bytes == second.live_bytes == first.live_bytes
+    del out

@@ -20,9 +20,10 @@
   schedule planned and validated once for every microbatch count it steps with.
 - `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm; it walks
   the validated plan's steps (a `ResolvedSchedule`'s, when given one).
-- `MemoryProbe`, `MemorySample`: measured memory (static storage and tensors saved for
-  backward), sampled after each compute step by `PipelineExecutor.record_memory`, to compare
-  with the simulator's byte model step by step.
+- `MemoryProbe`, `MemorySample`: measured memory (every storage a rank holds, counted by an
+  `AllocationCounter` on CPU or read from the CUDA allocator, and the tensors saved for
+  backward as a breakdown), sampled after each compute step by
+  `PipelineExecutor.record_memory`, to compare with the simulator's byte model step by step.
 
 The planning modules import no torch; the executor's names load it on first use.
 """
@@ -68,7 +69,15 @@ from pp_schedules.lowering import (
     lowered_actions,
     post_receives_early,
 )
-from pp_schedules.memory import MemoryModel, StageMemory, StaticBytes, format_bytes
+from pp_schedules.memory import (
+    MemoryModel,
+    StageMemory,
+    StaticBytes,
+    TransferBuffers,
+    chain,
+    format_bytes,
+    format_bytes_apart,
+)
 from pp_schedules.plans import Plan, as_plan, format_schedule, parse_schedule
 from pp_schedules.registry import (
     SCHEDULE_REGISTRY,
@@ -114,7 +123,12 @@ if TYPE_CHECKING:
         deallocate_output_tensor,
         get_forward_backward_func,
     )
-    from pp_schedules.memory_probe import MemoryProbe, MemorySample
+    from pp_schedules.memory_probe import (
+        AllocationCounter,
+        MemoryProbe,
+        MemorySample,
+        measure_stage,
+    )
     from pp_schedules.profiling import (
         check_trace_path,
         gather_memory,
@@ -145,7 +159,7 @@ _PROFILING = {
     "measured_costs",
     "write_schedule_trace",
 }
-_MEMORY_PROBE = {"MemoryProbe", "MemorySample"}
+_MEMORY_PROBE = {"AllocationCounter", "MemoryProbe", "MemorySample", "measure_stage"}
 
 
 def __getattr__(name: str) -> Any:
@@ -165,6 +179,7 @@ __all__ = [
     "SCHEDULE_REGISTRY",
     "Action",
     "ActionKind",
+    "AllocationCounter",
     "Candidate",
     "Choice",
     "ChunkIteratorError",
@@ -198,12 +213,14 @@ __all__ = [
     "StaticBytes",
     "Step",
     "TimelineRecorder",
+    "TransferBuffers",
     "__version__",
     "as_plan",
     "balance_layers",
     "balanced_counts",
     "bubble_formula",
     "candidates_for",
+    "chain",
     "check_trace_path",
     "choose_fitting",
     "choose_schedule",
@@ -214,6 +231,7 @@ __all__ = [
     "default_schedule",
     "even_counts",
     "format_bytes",
+    "format_bytes_apart",
     "format_plan",
     "format_schedule",
     "gather_memory",
@@ -226,6 +244,7 @@ __all__ = [
     "list_schedule",
     "lower",
     "lowered_actions",
+    "measure_stage",
     "measured_costs",
     "measured_makespan",
     "memory_counters",

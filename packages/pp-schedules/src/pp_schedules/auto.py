@@ -21,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pp_schedules.memory import MemoryModel, format_bytes
+from pp_schedules.memory import MemoryModel, format_bytes, format_bytes_apart
 from pp_schedules.plans import Plan
 from pp_schedules.registry import schedule_spec, schedules_for
 from pp_schedules.simulation import Costs, Simulation, StageCosts, simulate
-from pp_schedules.validation import validate
+from pp_schedules.validation import PlanError, validate
 
 __all__ = [
     "Candidate",
@@ -115,6 +115,8 @@ class Choice:
     """The costs simulated with, when given per virtual stage."""
     option: PlanOption | None = None
     """The chosen option (`choose_fitting`)."""
+    memory_limit_bytes: float | None = None
+    """The byte limit the candidates were held to, if any."""
 
     @property
     def plan(self) -> Plan:
@@ -125,7 +127,8 @@ class Choice:
     def table(self) -> str:
         """The candidates as a small table, the choice marked with '*'.
 
-        With bytes: the option, each rank's peak and whether it fits (or why not).
+        With bytes: the option, each rank's peak and whether it fits (or why not), every
+        figure in one unit, with the digits that keep each peak apart from the limit.
         """
         with_bytes = any(c.peak_bytes for c in self.candidates)
         option = max((len(c.option) for c in self.candidates), default=0)
@@ -143,13 +146,17 @@ class Choice:
                 lines.append(f"{row}{'-':>9} {'-':>7} {'-':>7}  {c.note}")
                 continue
             memory = (
-                ", ".join(format_bytes(b) for b in c.peak_bytes)
-                if with_bytes
-                else f"{c.peak_memory:>6.1f}"
+                ", ".join(self._bytes(c.peak_bytes)) if with_bytes else f"{c.peak_memory:>6.1f}"
             )
             fits = ("fits" if not c.note else c.note) if with_bytes else c.note
             lines.append(f"{row}{c.makespan:>9.1f} {c.bubble:>7.1%} {memory}  {fits}".rstrip())
         return "\n".join(lines)
+
+    def _bytes(self, peaks: Sequence[int]) -> list[str]:
+        """Peaks as the table writes them: apart from the limit, or as `format_bytes`."""
+        if self.memory_limit_bytes is None:
+            return [format_bytes(b) for b in peaks]
+        return format_bytes_apart(peaks, self.memory_limit_bytes)[1]
 
 
 def candidates_for(vp_size: int) -> list[tuple[str, str]]:
@@ -174,8 +181,17 @@ class _Limits:
         peaks = simulation.peak_memory
         if self.bytes is not None and peaks and max(peaks) > self.bytes:
             rank = peaks.index(max(peaks))
-            return f"over {format_bytes(self.bytes)}: rank {rank} needs {format_bytes(peaks[rank])}"
+            limit, (need,) = format_bytes_apart([peaks[rank]], self.bytes)
+            return f"over {limit}: rank {rank} needs {need}"
         return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lowering:
+    """How the run posts its exchanges: the simulated plan is the one that runs."""
+
+    prefetch: int = 0
+    transport: str = "gloo"
 
 
 def _candidate(
@@ -184,6 +200,8 @@ def _candidate(
     costs: Costs | StageCosts,
     limits: _Limits,
     option: PlanOption | None = None,
+    *,
+    lowering: _Lowering,
 ) -> Candidate:
     name, placement, vp_size = spec
     pp_size, num_microbatches = sizes
@@ -197,7 +215,12 @@ def _candidate(
         )
     except ValueError as error:
         return Candidate(name, placement, note=f"cannot run: {error}", option=label)
-    report = validate(chosen)
+    try:
+        report = validate(chosen, prefetch=lowering.prefetch, transport=lowering.transport)
+    except PlanError as error:
+        reason = str(error).splitlines()[0]
+        return Candidate(name, placement, note=f"cannot run on {lowering.transport}: {reason}",
+                         option=label)  # fmt: skip
     simulation = simulate(report, costs, memory=None if option is None else option.memory)
     units = max(report.peak_in_flight) / vp_size
     return Candidate(
@@ -224,6 +247,8 @@ def choose_schedule(
     names: Sequence[str] | None = None,
     memory: MemoryModel | None = None,
     memory_limit_bytes: float | None = None,
+    prefetch: int = 0,
+    transport: str = "gloo",
 ) -> Choice:
     """The schedule with the smallest simulated makespan that fits the memory limits.
 
@@ -241,6 +266,10 @@ def choose_schedule(
         memory: The model's bytes per virtual stage: every candidate's peak bytes per rank
             are simulated (and drawn by `Choice.table`).
         memory_limit_bytes: Most bytes any rank may hold (needs `memory`).
+        prefetch: Receives are posted this many exchanges early, as the run posts them
+            (`resolve_schedule`'s default is 1 on gloo): the simulated step, its peak bytes
+            included, is the one that runs.
+        transport: Whose rules the plans run under (a plan NCCL's rules refuse cannot run).
 
     Returns:
         The choice and every candidate (`Choice.table` draws them).
@@ -262,13 +291,15 @@ def choose_schedule(
         raise ValueError("memory_limit_bytes needs a memory model (memory=MemoryModel(...))")
     option = None if memory is None else PlanOption("", vp_size, unit, memory, placement)
     limits = _Limits(memory_limit, memory_limit_bytes)
+    lowering = _Lowering(prefetch, transport)
+    sizes = (pp_size, num_microbatches)
     considered = [
-        _candidate((name, where, vp_size), (pp_size, num_microbatches), unit, limits, option)
+        _candidate((name, where, vp_size), sizes, unit, limits, option, lowering=lowering)
         for name, where in candidates_for(vp_size)
         if (placement is None or where == placement) and (names is None or name in names)
     ]
     best = _best(considered, limits, f"{pp_size} ranks x {vp_size} chunks", num_microbatches)
-    return _choice(best, considered, unit, option)
+    return _choice(best, considered, unit, option, memory_limit_bytes)
 
 
 def choose_fitting(
@@ -278,6 +309,8 @@ def choose_fitting(
     num_microbatches: int,
     memory_limit_bytes: float | None,
     names: Sequence[str] | None = None,
+    prefetch: int = 0,
+    transport: str = "gloo",
 ) -> Choice:
     """The shortest simulated (option, schedule) whose peak bytes fit on every rank.
 
@@ -290,6 +323,9 @@ def choose_fitting(
         num_microbatches: Microbatches per step.
         memory_limit_bytes: Most bytes any rank may hold; None: the shortest wins.
         names: Consider only these schedules.
+        prefetch: Receives are posted this many exchanges early, as the run posts them (see
+            `choose_schedule`).
+        transport: Whose rules the plans run under.
 
     Returns:
         The choice (`Choice.option` is the chosen option) and every candidate.
@@ -305,16 +341,19 @@ def choose_fitting(
     considered: list[Candidate] = []
     by_label = {option.label: option for option in options}
     sizes = (pp_size, num_microbatches)
+    lowering = _Lowering(prefetch, transport)
     for option in options:
-        considered += [
-            _candidate((name, where, option.vp_size), sizes, option.costs, limits, option)
-            for name, where in candidates_for(option.vp_size)
-            if (option.placement is None or where == option.placement)
-            and (names is None or name in names)
-        ]
+        for name, where in candidates_for(option.vp_size):
+            if (option.placement is None or where == option.placement) and (
+                names is None or name in names
+            ):
+                spec = (name, where, option.vp_size)
+                considered.append(
+                    _candidate(spec, sizes, option.costs, limits, option, lowering=lowering)
+                )
     best = _best(considered, limits, f"{pp_size} ranks", num_microbatches, by_label)
     chosen = by_label[best.option]
-    return _choice(best, considered, chosen.costs, chosen)
+    return _choice(best, considered, chosen.costs, chosen, memory_limit_bytes)
 
 
 def _choice(
@@ -322,11 +361,12 @@ def _choice(
     considered: list[Candidate],
     costs: Costs | StageCosts,
     option: PlanOption | None,
+    limit: float | None,
 ) -> Choice:
     """The `Choice`, its costs in the field their kind goes to."""
     if isinstance(costs, StageCosts):
-        return Choice(best, considered, stage_costs=costs, option=option)
-    return Choice(best, considered, costs, option=option)
+        return Choice(best, considered, stage_costs=costs, option=option, memory_limit_bytes=limit)
+    return Choice(best, considered, costs, option=option, memory_limit_bytes=limit)
 
 
 def _best(
@@ -367,9 +407,10 @@ def _nothing_fits(
     peak = max(least.peak_bytes)
     rank = least.peak_bytes.index(peak)
     where = f"{least.name}" + (f" ({least.option})" if least.option else "")
+    limit_text, (peak_text,) = format_bytes_apart([peak], limit)
     message = (
-        f"no schedule fits the memory limit {format_bytes(limit)}: the smallest peak is "
-        f"{format_bytes(peak)} on rank {rank}, with {where}"
+        f"no schedule fits the memory limit {limit_text}: the smallest peak is "
+        f"{peak_text} on rank {rank}, with {where}"
     )
     option = options.get(least.option)
     if option is None:

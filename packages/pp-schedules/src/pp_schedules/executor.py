@@ -286,10 +286,11 @@ class PipelineExecutor:
     def record_memory(self, probe: MemoryProbe | None) -> None:
         """Measure memory in the following calls with `probe`; None stops measuring.
 
-        Each call then runs inside ``probe.saved_tensors()`` and takes ``probe.sample(str(
+        Each call then runs inside ``probe.counting()`` and takes ``probe.sample(str(
         action))`` right after each compute step (F, B, I, W), so ``probe.samples`` gain one
         sample per compute step of this rank, in plan order: the order of the simulator's
-        predicted bytes for the same plan.
+        predicted bytes for the same plan (a sample's ``live_bytes`` against the track's
+        ``after``, its ``peak_live_bytes`` against ``during``).
         """
         self.memory_probe = probe
 
@@ -487,7 +488,7 @@ class PipelineExecutor:
         probe = self.memory_probe
         taken = len(probe.samples) if probe is not None else 0
         try:
-            with probe.saved_tensors() if probe is not None else contextlib.nullcontext():
+            with probe.counting() if probe is not None else contextlib.nullcontext():
                 run.walk()
         except BaseException as error:
             # Sends of this step may still be pending; a later step would receive them.

@@ -30,7 +30,10 @@ __all__ = [
     "MemoryModel",
     "StageMemory",
     "StaticBytes",
+    "TransferBuffers",
+    "chain",
     "format_bytes",
+    "format_bytes_apart",
     "stage_ends",
 ]
 
@@ -44,12 +47,40 @@ _GB = 1024**3
 _T = TypeVar("_T")
 
 
+_UNITS = (("GB", _GB), ("MB", 2**20), ("KB", 2**10))
+
+
 def format_bytes(count: float) -> str:
     """`count` bytes in binary units as torch's allocator reports: ``"1.25 GB"``, ``"3.4 MB"``."""
-    for unit, size in (("GB", _GB), ("MB", 2**20), ("KB", 2**10)):
+    for unit, size in _UNITS:
         if count >= size:
             return f"{count / size:.2f} {unit}" if unit == "GB" else f"{count / size:.1f} {unit}"
     return f"{int(count)} B"
+
+
+def format_bytes_apart(counts: Sequence[float], reference: float) -> tuple[str, list[str]]:
+    """`reference` and `counts` in one unit, with digits enough to keep each count apart from it.
+
+    The unit is the one `format_bytes` takes for the largest count; the digits are the fewest (at
+    least one) with which every count other than `reference` reads other than it, on the
+    same side ("over 7.62 MB: rank 0 needs 7.65 MB", never "over 7.6 MB: ... needs 7.6 MB").
+
+    Returns:
+        The reference's text, and each count's, in order.
+    """
+    largest = max(counts) if counts else reference
+    unit, size = next(((u, s) for u, s in _UNITS if largest >= s), ("B", 1))
+    if unit == "B":
+        return f"{int(reference)} B", [f"{int(c)} B" for c in counts]
+    for digits in range(1, 10):
+        scaled = [round(c / size, digits) for c in counts]
+        mark = round(reference / size, digits)
+        if all((v > mark) == (c > reference) and (v < mark) == (c < reference)
+               for v, c in zip(scaled, counts, strict=True)):  # fmt: skip
+            break
+    return f"{reference / size:.{digits}f} {unit}", [
+        f"{c / size:.{digits}f} {unit}" for c in counts
+    ]
 
 
 def stage_ends(counts: Sequence[int], first: _T | None, last: _T | None) -> list[list[_T]]:
@@ -74,36 +105,242 @@ def stage_ends(counts: Sequence[int], first: _T | None, last: _T | None) -> list
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageMemory:
-    """The memory figures of one virtual stage (one model chunk).
+    """The memory figures of one virtual stage (one model chunk), or of one part of one.
+
+    Per microbatch. A step's figures are bytes on top of what the rank held when the step
+    started; what crosses the stage's edges (its received input, its output, the gradients
+    that come back and go out) is followed by the simulator, which knows when each arrives,
+    is sent and is freed.
 
     Attributes:
         parameters: Parameters the chunk holds (a tied copy of the word embedding on the last
             stage counts: it is a parameter of its own there).
-        activation_bytes: Bytes one microbatch's forward saves for backward (parameters
-            excluded), held until that microbatch's last backward step on the chunk. With
-            recomputation these are the checkpointed inputs and whatever is not recomputed.
-        recompute_bytes: The most bytes a backward step holds on top while it recomputes a
-            checkpointed segment (that segment's saved tensors); 0 without recomputation.
-            Transient: it counts toward the peak during the step only.
+        activation_bytes: Bytes its forward keeps until the microbatch's last backward step
+            on the chunk (``B``, or ``W`` after a split backward): autograd's saved tensors
+            (parameters excluded), dropout masks and every other storage its graph holds,
+            but not its input (received, or handed over on the rank) nor its output. With
+            recomputation: the checkpointed inputs and whatever is not recomputed.
+        recompute_bytes: Held on top during each backward step (``B``, ``I``, ``W``) while a
+            checkpointed segment is recomputed (that segment's saved tensors); 0 without
+            recomputation, or when the backward transients below include it (measured).
+        output_bytes: Its output: the activations the next stage receives, whose gradient
+            comes back in the same size. Held from ``F`` until its send completes (the
+            executor frees a sent output), or until the backward when it is not freed.
+        forward_transient_bytes: The most its forward holds at once on top of what it keeps
+            at its end (``activation_bytes + output_bytes``): temporaries inside the forward.
+        backward_transient_bytes: The most a whole backward (``B``) holds on top of what was
+            held when it started: gradients of activations, weight gradients on their way to
+            the gradient buffer, its input's gradient as it is made, recomputed activations.
+            It ends holding ``input_grad_bytes`` more and ``activation_bytes`` less.
+        input_grad_bytes: The gradient of its input, made by ``B`` or ``I`` and held until
+            sent (0 when its input takes no gradient: the first stage's token ids).
+        input_transient_bytes: The most the input-gradient step ``I`` of a split backward
+            holds on top of what was held when it started. It ends holding
+            ``deferred_bytes + input_grad_bytes`` more.
+        deferred_bytes: What ``I`` keeps until ``W``: the gradients arriving where the
+            weights' branches leave the path to the input. (The graph's saved tensors stay
+            too: they are ``activation_bytes``.)
+        weight_transient_bytes: The most ``W`` holds on top of what was held when it
+            started. It ends holding ``activation_bytes + deferred_bytes`` less.
+        weight_kept_bytes: What its part of a ``W`` keeps until the whole ``W`` ends: the
+            activations it recomputed, which a ``W``'s calls share (only `chain` reads it;
+            ``W`` runs a chunk's parts in forward order).
+        holds_input: Its graph keeps its input until its backward (only `chain` reads it: a
+            received input is kept by the executor anyway).
+        keeps_output_grad: Its ``I`` keeps the gradient of its output until ``W`` (only
+            `chain` reads it).
+
+    A chunk whose input takes no gradient (``input_grad_bytes`` 0 on its first part: the
+    first stage) computes nothing in ``I``; its ``W`` is a whole backward (`chain` gives it
+    ``backward_transient_bytes`` there).
     """
 
     parameters: int
     activation_bytes: int
     recompute_bytes: int = 0
+    output_bytes: int = 0
+    forward_transient_bytes: int = 0
+    backward_transient_bytes: int = 0
+    input_grad_bytes: int = 0
+    input_transient_bytes: int = 0
+    deferred_bytes: int = 0
+    weight_transient_bytes: int = 0
+    weight_kept_bytes: int = 0
+    holds_input: bool = True
+    keeps_output_grad: bool = False
 
     def __post_init__(self) -> None:
         """Counts are whole numbers, none negative.
 
         Raises:
-            ValueError: A negative or non-integral figure.
+            ValueError: A negative or non-integral figure, named with its value.
         """
-        figures = (self.parameters, self.activation_bytes, self.recompute_bytes)
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in figures):
-            raise ValueError(
-                "stage memory figures must be whole numbers 0 or more, got "
-                f"parameters={self.parameters!r}, activation_bytes={self.activation_bytes!r}, "
-                f"recompute_bytes={self.recompute_bytes!r}"
-            )
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{field.name} must be True or False, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"stage memory figures must be whole numbers 0 or more, got "
+                    f"{field.name}={value!r} (parameters={self.parameters!r}, "
+                    f"activation_bytes={self.activation_bytes!r})"
+                )
+
+    @property
+    def forward_peak_bytes(self) -> int:
+        """The most its forward holds at once on top of what was held before it."""
+        return self.activation_bytes + self.output_bytes + self.forward_transient_bytes
+
+    @property
+    def first_stage(self) -> bool:
+        """Its input takes no gradient, so a split backward's ``I`` computes nothing."""
+        return self.input_grad_bytes == 0
+
+
+def chain(parts: Sequence[StageMemory]) -> StageMemory:
+    """The figures of `parts` run one after another in one chunk, as if measured whole.
+
+    Each part takes the previous part's output as its input. The forward holds each part's
+    activations and output; an output stays once the next part is done with it only if that
+    part holds its input. A backward goes through the parts in reverse and frees each part's
+    activations (and its input, when held) as it passes, and each gradient between two parts
+    once the earlier part has used it; an ``I`` frees nothing of the graph and keeps each
+    part's deferred gradients; a ``W`` runs one part's weights at a time, in forward order,
+    keeping what each recomputed until it ends. Parameters add up; the recompute transient is
+    the largest part's.
+
+    Args:
+        parts: The parts in forward order (an embedding, layers, an output layer and loss);
+            none: an empty chunk, all figures 0.
+
+    Returns:
+        The chunk's figures.
+    """
+    if not parts:
+        return StageMemory(parameters=0, activation_bytes=0)
+    kept, forward_peak = 0, 0
+    for index, part in enumerate(parts):
+        forward_peak = max(forward_peak, kept + part.forward_peak_bytes)
+        kept += part.activation_bytes + part.output_bytes
+        if index and not part.holds_input:
+            kept -= parts[index - 1].output_bytes  # freed once this part has used it
+    last, first = parts[-1], parts[0]
+    activation = kept - last.output_bytes
+    backward_peak = _backward_peak(parts, frees_graph=True)
+    if first.first_stage:  # a whole backward in W, which frees the graph as it goes
+        deferred, input_peak, weight_peak, weight_kept = 0, 0, backward_peak, 0
+    else:
+        weight_kept = sum(part.weight_kept_bytes for part in parts)
+        deferred, input_peak = _input_step(parts)
+        weight_peak = _weight_peak(parts)
+    return StageMemory(
+        parameters=sum(part.parameters for part in parts),
+        activation_bytes=activation,
+        recompute_bytes=max(part.recompute_bytes for part in parts),
+        output_bytes=last.output_bytes,
+        forward_transient_bytes=forward_peak - kept,
+        backward_transient_bytes=backward_peak,
+        input_grad_bytes=first.input_grad_bytes,
+        input_transient_bytes=input_peak,
+        deferred_bytes=deferred,
+        weight_transient_bytes=weight_peak,
+        weight_kept_bytes=weight_kept,
+        holds_input=first.holds_input,
+        keeps_output_grad=last.keeps_output_grad,
+    )
+
+
+def _backward_peak(parts: Sequence[StageMemory], *, frees_graph: bool) -> int:
+    """The most a backward through `parts` (last first) holds on top of its start."""
+    held, peak = 0, 0
+    for index in reversed(range(len(parts))):
+        part = parts[index]
+        peak = max(peak, held + part.backward_transient_bytes)
+        held += part.input_grad_bytes
+        if frees_graph:
+            held -= part.activation_bytes
+            if index and part.holds_input:
+                held -= parts[index - 1].output_bytes
+        if index < len(parts) - 1:
+            held -= parts[index + 1].input_grad_bytes  # the gradient this part used up
+    return peak
+
+
+def _weight_peak(parts: Sequence[StageMemory]) -> int:
+    """The most a ``W`` through `parts` (in forward order) holds on top of its start."""
+    held, peak = 0, 0
+    for part in parts:
+        peak = max(peak, held + part.weight_transient_bytes)
+        held += part.weight_kept_bytes
+    return peak
+
+
+def _input_step(parts: Sequence[StageMemory]) -> tuple[int, int]:
+    """What an ``I`` through `parts` keeps until ``W``, and the most it holds on top."""
+    held, peak = 0, 0
+    for index in reversed(range(len(parts))):
+        part = parts[index]
+        peak = max(peak, held + part.input_transient_bytes)
+        held += part.deferred_bytes + part.input_grad_bytes
+        if index < len(parts) - 1 and not part.keeps_output_grad:
+            held -= parts[index + 1].input_grad_bytes
+    return held - parts[0].input_grad_bytes, peak
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransferBuffers:
+    """What the transport holds for transfers beyond the tensors themselves.
+
+    pp-comm's contract frames on gloo (`pp_comm.frame_buffers` says its figures): every
+    posted receive holds a frame that any message fits in until the receive is used, and
+    a send of at most `inline_bytes` is copied into a frame of its size plus a header. Used
+    frames are kept for reuse, up to `spare_frames` received ones and as many sent ones of
+    each size (a sent frame is reused once its send is complete). All 0: no frames (NCCL,
+    or contracts off).
+
+    Attributes:
+        receive_frame_bytes: Bytes of the frame each receive posts.
+        send_header_bytes: Header bytes a sent frame adds to its payload.
+        inline_bytes: The largest payload copied into a sent frame (larger ones travel as
+            they are, with a header from host memory).
+        spare_frames: Frames kept for reuse, of each kind and size.
+    """
+
+    receive_frame_bytes: int = 0
+    send_header_bytes: int = 0
+    inline_bytes: int = 0
+    spare_frames: int = 0
+
+    def __post_init__(self) -> None:
+        """Whole numbers, none negative.
+
+        Raises:
+            ValueError: A negative or non-integral figure, named.
+        """
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{field.name} must be a whole number 0 or more, got {value!r}")
+
+    def send_frame_bytes(self, payload: int) -> int:
+        """The frame a send of `payload` bytes is copied into; 0 when it travels as it is."""
+        if not self.receive_frame_bytes or payload > self.inline_bytes:
+            return 0
+        return self.send_header_bytes + payload
+
+
+def _ends(
+    counts: Sequence[int], embedding: StageMemory | None, loss: StageMemory | None
+) -> list[tuple[list[StageMemory], list[StageMemory]]]:
+    """What each stage holds before its layers (the embedding) and after them (the loss).
+
+    Raises:
+        ValueError: No stages, or a negative count (`stage_ends`).
+    """
+    firsts = stage_ends(counts, embedding, None)
+    lasts = stage_ends(counts, None, loss)
+    return list(zip(firsts, lasts, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +381,10 @@ class MemoryModel:
         sgd_momentum: SGD keeps a momentum buffer (momentum above 0).
         data_parallel_size: Data-parallel replicas (the distributed optimizer's split).
         distributed_optimizer: Optimizer state sharded over the data-parallel ranks.
+        transfers: What the transport holds per transfer (pp-comm's frames on gloo); None:
+            nothing beyond the tensors.
+        deallocates_outputs: A sent output is freed once its send completes (the executor's
+            ``deallocate_pipeline_outputs``, on by default); False: kept until its backward.
     """
 
     stages: tuple[StageMemory, ...]
@@ -153,6 +394,8 @@ class MemoryModel:
     sgd_momentum: bool = True
     data_parallel_size: int = 1
     distributed_optimizer: bool = False
+    transfers: TransferBuffers | None = None
+    deallocates_outputs: bool = True
 
     def __post_init__(self) -> None:
         """Known dtypes and optimizer, at least one stage.
@@ -234,9 +477,9 @@ class MemoryModel:
         """The model of a layout: `counts[s]` transformer layers on virtual stage ``s``.
 
         As `StageCosts.from_layers`: stage 0 also holds the embedding, the last stage the
-        output layer and loss; each stage's figures are the sums of what it holds (a chunk's
-        saved tensors are the union of its parts', which do not share storage). The largest
-        recompute transient of a stage's parts is its `recompute_bytes`.
+        output layer and loss; each stage's figures are the `chain` of what it holds (its
+        parameters and activations add up; the largest recompute transient of its parts is
+        its `recompute_bytes`).
 
         Args:
             counts: Transformer layers of each virtual stage, in pipeline order.
@@ -248,14 +491,8 @@ class MemoryModel:
         Raises:
             ValueError: No stages, or a negative count.
         """
-        stages = []
-        for n, ends in zip(counts, stage_ends(counts, embedding, loss), strict=True):
-            parts = [(layer, n)] + [(part, 1) for part in ends]
-            stages.append(
-                StageMemory(
-                    parameters=sum(p.parameters * k for p, k in parts),
-                    activation_bytes=sum(p.activation_bytes * k for p, k in parts),
-                    recompute_bytes=max((p.recompute_bytes for p, k in parts if k), default=0),
-                )
-            )
+        stages = [
+            chain([*head, *[layer] * n, *tail])
+            for n, (head, tail) in zip(counts, _ends(counts, embedding, loss), strict=True)
+        ]
         return cls(stages=tuple(stages), **options)  # type: ignore[arg-type]

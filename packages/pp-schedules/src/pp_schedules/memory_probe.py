@@ -1,7 +1,24 @@
-"""Measured memory: the bytes a rank holds, counted the way the simulator's byte model predicts.
+"""Measured memory: every byte a rank holds, and the part of it saved for backward.
 
-A `MemoryProbe` counts two things, both as distinct storages (``untyped_storage()``, deduped by
-``data_ptr()``, ``nbytes()`` each):
+A `MemoryProbe` measures what a step really holds, two ways:
+
+- **live** (the figure to compare with the byte model's prediction): every storage the rank
+  holds. On CPU, where torch keeps no allocator statistics, an `AllocationCounter` sees each
+  operator's new storages (a ``TorchDispatchMode``) and their frees (a ``weakref.finalize``
+  on each): the live bytes are the static storages below plus every storage allocated since
+  counting started and not freed yet; the peak is kept as storages appear. It sees what
+  torch.profiler's allocator events (``profile_memory=True``) see, less the workspace an
+  operator allocates and frees inside itself (a fused attention kernel's, a few KB). On CUDA
+  the caching allocator says it: ``torch.cuda.memory_allocated()``, and
+  ``torch.cuda.max_memory_allocated()`` with the peak reset at every sample.
+- **saved**, a breakdown: tensors autograd saved for backward and still alive.
+
+Storages alive before counting started and not listed as static (a dataset's token arrays,
+its sample indices) are host memory to pp, and not counted. Counting costs a Python call per
+operator while it is on (pp-train counts only until its first memory line).
+
+Both are counted as distinct storages (``untyped_storage()``, deduped by ``data_ptr()``,
+``nbytes()`` each):
 
 - **static**: what its ``static`` callable lists: parameter storage, gradient storage
   (pp-optim's contiguous ``main_grad`` buffers, or ``.grad`` where there is no buffer) and
@@ -12,15 +29,15 @@ A `MemoryProbe` counts two things, both as distinct storages (``untyped_storage(
   Parameters, views of parameters (a matmul saves ``weight.t()``) and storages of static
   tensors pass through uncounted, so nothing counts twice.
 
-Left out, as the byte model leaves them out: p2p buffers, the outputs a stage keeps for its
-backward (unless an op saved them), and temporaries inside one op. torch's non-reentrant
-checkpoint saves its inputs where these hooks see them, but keeps the tensors it recomputes
-during backward under hooks of its own: on CPU the probe does not see recomputed tensors (on
-CUDA ``torch.cuda.memory_allocated``, in each sample's ``allocated_bytes``, sees everything).
+The saved figure leaves out p2p buffers, outputs waiting for their sends, gradients and
+temporaries: the live figure has them. torch's non-reentrant checkpoint keeps the tensors it
+recomputes during backward under saved-tensor hooks of its own, which the saved figure does
+not see either.
 
-`PipelineExecutor.record_memory` runs every call inside `MemoryProbe.saved_tensors` and takes
-one `MemorySample` after each compute step, in the order of the rank's steps: the order of the
-simulator's predicted bytes (`pp_schedules.simulate(..., memory=...)`).
+`PipelineExecutor.record_memory` runs every call inside `MemoryProbe.counting` and takes one
+`MemorySample` after each compute step, in the order of the rank's steps: the order of the
+simulator's predicted bytes (`pp_schedules.simulate(..., memory=...)`, whose ``during``
+matches each sample's ``peak_live_bytes`` and ``after`` its ``live_bytes``).
 """
 
 from __future__ import annotations
@@ -29,11 +46,26 @@ import collections
 import contextlib
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["MemoryProbe", "MemorySample", "StaticTensors", "storage_bytes"]
+from pp_schedules.autograd import custom_backward, deallocate_output_tensor
+from pp_schedules.memory import StageMemory
+from pp_schedules.split_backward import backward_input
+
+__all__ = [
+    "AllocationCounter",
+    "MemoryProbe",
+    "MemorySample",
+    "StaticTensors",
+    "measure_stage",
+    "storage_bytes",
+]
 
 StaticTensors = Callable[[], Iterable[torch.Tensor]]
 """Lists the tensors a rank holds for the whole step (parameters, gradients, optimizer state)."""
@@ -58,6 +90,11 @@ class MemorySample:
             updated as tensors are saved).
         allocated_bytes: ``torch.cuda.memory_allocated()`` once CUDA is initialised; None on
             CPU (torch keeps no CPU allocator statistics).
+        live_bytes: Everything held now: static storage and every storage allocated since
+            counting started and not yet freed (on CUDA the allocator's allocated bytes);
+            None when the probe does not count allocations.
+        peak_live_bytes: The most `live_bytes` since the previous sample (at least what was
+            held then); None when the probe does not count allocations.
     """
 
     label: str
@@ -65,6 +102,8 @@ class MemorySample:
     saved_bytes: int
     peak_saved_bytes: int
     allocated_bytes: int | None
+    live_bytes: int | None = None
+    peak_live_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -75,6 +114,163 @@ class MemorySample:
     def peak_total_bytes(self) -> int:
         """Static and the most saved bytes since the previous sample."""
         return self.static_bytes + self.peak_saved_bytes
+
+
+class _Entry:
+    """One counted storage: its bytes, its finalizer, and whether it counts (not static)."""
+
+    __slots__ = ("counted", "finalizer", "nbytes")
+
+    def __init__(self, nbytes: int, counted: bool) -> None:
+        self.nbytes = nbytes
+        self.counted = counted
+        self.finalizer: weakref.finalize[Any, Any] | None = None
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        """Whether this entry counts `storage` (and not a freed one at the same address)."""
+        finalizer = self.finalizer
+        found = finalizer.peek() if finalizer is not None else None
+        return found is not None and found[0] is storage
+
+
+class AllocationCounter:
+    """Counts the bytes of every storage allocated while counting, until it is freed.
+
+    While `counting` is active on a thread (and in the autograd engine's work for it), each
+    operator's outputs are looked at: a storage that none of the operator's inputs share and
+    that is not counted yet is new (views and in-place results share an input's). It counts
+    from then on, and stops when the storage is freed, whenever and on whichever thread that
+    happens. Storages allocated before counting started are never counted (nor their frees);
+    `exclude` leaves out storages counted elsewhere (a probe's static tensors).
+
+    Meta tensors have no storage and are not counted. (On CUDA `MemoryProbe` reads the
+    allocator's statistics instead, which see every allocation.)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, _Entry] = {}
+        self._excluded: frozenset[int] = frozenset()
+        self._live = 0
+        self._peak = 0
+        self._depth = 0
+        self._mode = _CountingMode(self)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count new storages on this thread while active (nested use is fine)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._depth = 1
+        try:
+            with self._mode:
+                yield
+        finally:
+            self._depth = 0
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the counted storages alive now (excluded ones left out)."""
+        return self._live
+
+    def take_peak(self) -> int:
+        """The most `live_bytes` since the previous call (or creation); restarts from now."""
+        with self._lock:
+            peak, self._peak = max(self._peak, self._live), self._live
+        return peak
+
+    def exclude(self, keys: Iterable[int]) -> None:
+        """Leave the storages at these ``data_ptr()`` keys out of `live_bytes` from now on."""
+        with self._lock:
+            self._excluded = frozenset(keys)
+            self._live = 0
+            for key, entry in self._held.items():
+                entry.counted = key not in self._excluded
+                self._live += entry.nbytes if entry.counted else 0
+            self._peak = max(self._peak, self._live)
+
+    def saw(self, outputs: object, inputs: object) -> None:
+        """Count the new storages among an operator's `outputs` (called by the mode)."""
+        shared: set[int] | None = None
+        for tensor in tree_leaves(outputs):
+            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                continue
+            if tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if not nbytes:
+                continue
+            entry = self._held.get(key)
+            if entry is not None and entry.holds(storage):
+                if entry.nbytes != nbytes:  # resized in place
+                    self._resize(entry, nbytes)
+                continue
+            if shared is None:
+                shared = _storage_keys(inputs)
+            if key in shared:
+                continue  # a view of, or the very storage of, an input
+            self._add(key, storage, nbytes)
+
+    def _add(self, key: int, storage: torch.UntypedStorage, nbytes: int) -> None:
+        entry = _Entry(nbytes, key not in self._excluded)
+        with self._lock:
+            stale = self._held.pop(key, None)
+            if stale is not None:  # freed on another thread, its finalizer not run yet
+                self._live -= stale.nbytes if stale.counted else 0
+            self._held[key] = entry
+            if entry.counted:
+                self._live += nbytes
+                self._peak = max(self._peak, self._live)
+        entry.finalizer = weakref.finalize(storage, self._freed, key, entry)
+        entry.finalizer.atexit = False
+
+    def _resize(self, entry: _Entry, nbytes: int) -> None:
+        with self._lock:
+            if entry.counted:
+                self._live += nbytes - entry.nbytes
+                self._peak = max(self._peak, self._live)
+            entry.nbytes = nbytes
+
+    def _freed(self, key: int, entry: _Entry) -> None:
+        with self._lock:
+            if self._held.get(key) is not entry:
+                return  # a newer storage at the same address is counted now
+            del self._held[key]
+            self._live -= entry.nbytes if entry.counted else 0
+
+
+class _CountingMode(TorchDispatchMode):
+    """Hands every operator's inputs and outputs to its counter."""
+
+    def __init__(self, counter: AllocationCounter) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counter = counter
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self.counter.saw(result, (args, kwargs))
+        return result
+
+
+def _storage_keys(tensors: object) -> set[int]:
+    """The ``data_ptr()`` of the storage behind every strided tensor in `tensors`."""
+    return {
+        t.untyped_storage().data_ptr()
+        for t in tree_leaves(tensors)
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided
+    }
 
 
 class _Held:
@@ -97,14 +293,26 @@ class _Held:
 
 
 class MemoryProbe:
-    """Counts the bytes a rank holds: static storage and tensors saved for backward.
+    """Counts the bytes a rank holds: everything live, and what is saved for backward.
 
     Args:
         static: Lists the static tensors (see the module docstring); None: no static bytes,
             and only parameters (and their views) are left out of the saved bytes.
+        count_allocations: Measure the live bytes (`AllocationCounter` on CPU, the allocator
+            on CUDA); False: the saved bytes only, at no cost per operator.
+        device: "cpu" or "cuda": where the live bytes are read; None: CUDA when the static
+            tensors live there, else CPU.
     """
 
-    def __init__(self, static: StaticTensors | None = None) -> None:
+    def __init__(
+        self,
+        static: StaticTensors | None = None,
+        *,
+        count_allocations: bool = True,
+        device: str | None = None,
+    ) -> None:
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device {device!r} is unknown; valid: 'cpu', 'cuda' or None")
         self._static = static
         self.samples: list[MemorySample] = []
         """One sample per `sample` call since creation or `clear`."""
@@ -119,6 +327,57 @@ class MemoryProbe:
         self._depth = 0
         # The storages saved during each `saved_by` call in progress.
         self._calls: list[set[int]] = []
+        self.counts_allocations = count_allocations
+        """Whether samples carry live bytes."""
+        self.counter = AllocationCounter()
+        """What counts the live bytes on CPU."""
+        self._device = device
+        self._counting = False
+        self._static_before = 0  # the static bytes the counter's exclusions go with
+        self._pending_peak = 0  # the most live bytes since the previous sample, so far
+
+    @property
+    def device(self) -> str:
+        """Where the live bytes are read: "cuda" (the allocator) or "cpu" (the counter)."""
+        if self._device is None:
+            first = next(iter(self._static()), None) if self._static is not None else None
+            self._device = "cuda" if first is not None and first.is_cuda else "cpu"
+        return self._device
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count saved tensors and (on CPU, with `count_allocations`) every new storage.
+
+        What a step holds is measured while this is active; nested use is fine.
+        """
+        counts = self.counts_allocations and self.device == "cpu"
+        if counts and not self._counting:
+            self._restate_static()
+        outer = counts and not self._counting
+        self._counting = self._counting or counts
+        try:
+            with self.saved_tensors(), self.counter.counting() if counts else _nothing():
+                yield
+        finally:
+            if outer:
+                self._counting = False
+
+    def _restate_static(self) -> int:
+        """Leave the static storages out of the counter (their bytes count apart).
+
+        The counter's peak so far is kept with the static bytes it went with, since the
+        static list may have taken in storages the counter counted (an optimizer's state
+        made in its first step). Returns the static bytes now.
+        """
+        self._pending_peak = max(self._pending_peak, self._static_before + self.counter.take_peak())
+        storages = {}
+        for tensor in self._static() if self._static is not None else ():
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        self.counter.exclude(storages)
+        self.counter.take_peak()
+        self._static_before = sum(storages.values())
+        return self._static_before
 
     # ------------------------------------------------------------------ counting saves
     @contextlib.contextmanager
@@ -207,14 +466,49 @@ class MemoryProbe:
         return storage_bytes(self._static())
 
     def sample(self, label: str) -> MemorySample:
-        """Record what is held now as `label`; appended to `samples` and returned."""
+        """Record what is held now as `label`; appended to `samples` and returned.
+
+        On CUDA (counting allocations) the allocator's peak statistic is reset here, so each
+        sample's ``peak_live_bytes`` covers the interval since the one before.
+        """
         saved = self.saved_bytes
         allocated = torch.cuda.memory_allocated() if _cuda_started() else None
         with self._lock:
             peak, self._interval_peak = self._interval_peak, self._saved
-        taken = MemorySample(label, self.static_bytes(), saved, max(peak, saved), allocated)
+        live, peak_live = self._live()
+        taken = MemorySample(
+            label, self.static_bytes(), saved, max(peak, saved), allocated, live, peak_live
+        )
         self.samples.append(taken)
         return taken
+
+    def _live(self) -> tuple[int | None, int | None]:
+        """Everything held now, and the most since the previous sample (None: not counted)."""
+        if not self.counts_allocations:
+            return None, None
+        if self.device == "cuda":
+            live, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            return live, max(live, peak)
+        static = self._restate_static()
+        live = static + self.counter.live_bytes
+        peak, self._pending_peak = max(live, self._pending_peak), 0
+        return live, peak
+
+    @property
+    def live_bytes(self) -> int | None:
+        """Everything held now (None without `count_allocations`); on CPU, as counted."""
+        if not self.counts_allocations:
+            return None
+        if self.device == "cuda":
+            return torch.cuda.memory_allocated()
+        return self.static_bytes() + self.counter.live_bytes
+
+    @property
+    def peak_live_bytes(self) -> int | None:
+        """The most live bytes over the samples taken (None without samples or counting)."""
+        peaks = [s.peak_live_bytes for s in self.samples if s.peak_live_bytes is not None]
+        return max(peaks) if peaks else None
 
     def clear(self) -> None:
         """Forget the samples and the peaks; what is held now stays counted."""
@@ -222,6 +516,10 @@ class MemoryProbe:
         with self._lock:
             self._apply_releases()
             self._peak = self._interval_peak = self._saved
+        self._restate_static()
+        self._pending_peak = 0
+        if self.counts_allocations and self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
 
     def saved_by(self, fn: Callable[[], object]) -> int:
         """Bytes one call of `fn` saved for backward that are still held when it returns.
@@ -247,6 +545,142 @@ class MemoryProbe:
         return held
 
 
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
 def _cuda_started() -> bool:
     """Whether this process uses CUDA (a CPU run is not made to create a context)."""
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+def measure_stage(
+    forward: Callable[[torch.Tensor | None], torch.Tensor],
+    given: torch.Tensor | None,
+    params: Iterable[torch.Tensor],
+    *,
+    loss: bool = False,
+) -> StageMemory:
+    """Every byte one microbatch through a chunk (or part of one) holds, step by step.
+
+    Counted by an `AllocationCounter` over a forward and a plain backward, then a forward
+    and a split backward (``I``, then ``W``, as the zero-bubble schedules run it), as
+    `pp_schedules.StageMemory` defines the figures. The chunk runs as the executor runs it:
+    its input a fresh tensor (a receive's), its output's storage freed once sent, and the
+    parameters' gradients added into existing tensors (as into pp-optim's gradient buffers,
+    so only the transient gradient counts; existing ``.grad`` tensors are restored after).
+
+    Args:
+        forward: Runs the chunk's forward on its input (None for a first stage, which reads
+            its own data) and returns its output, or with `loss` its scalar loss.
+        given: An input as the previous stage would send it (its values do not matter; a
+            copy that requires grad is used); None for a first stage.
+        params: The chunk's parameters.
+        loss: `forward` ends in the loss (the last stage): backward starts from it and
+            nothing is sent.
+
+    Returns:
+        The figures; `parameters` is the number of elements of `params`.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    kept_grads = [p.grad for p in trainable]
+    for param in trainable:
+        param.grad = torch.zeros_like(param)
+    try:
+        plain = _counted_steps(forward, given, trainable, loss=loss, split=False)
+        split = _counted_steps(forward, given, trainable, loss=loss, split=True)
+    finally:
+        for param, grad in zip(trainable, kept_grads, strict=True):
+            param.grad = grad
+    return dataclasses.replace(
+        plain,
+        input_transient_bytes=split.input_transient_bytes,
+        deferred_bytes=split.deferred_bytes,
+        weight_transient_bytes=split.weight_transient_bytes,
+        weight_kept_bytes=split.weight_kept_bytes,
+        keeps_output_grad=split.keeps_output_grad,
+    )
+
+
+def _counted_steps(
+    forward: Callable[[torch.Tensor | None], torch.Tensor],
+    given: torch.Tensor | None,
+    params: list[torch.Tensor],
+    *,
+    loss: bool,
+    split: bool,
+) -> StageMemory:
+    """One forward and backward (split into I and W with `split`), counted."""
+    base = None if given is None else given.detach().clone().requires_grad_()
+    counter = AllocationCounter()
+    with counter.counting():
+        received = None if base is None else base.clone()  # what a receive allocates
+        received_bytes = 0 if received is None else received.untyped_storage().nbytes()
+        output = forward(received)
+        forward_peak = counter.take_peak() - received_bytes
+        before = counter.live_bytes
+        del received
+        holds_input = base is not None and counter.live_bytes == before
+        held_input = received_bytes if holds_input else 0
+        output_bytes = 0 if loss else output.untyped_storage().nbytes()
+        kept = counter.live_bytes - held_input
+        grad = None if loss else torch.randn_like(output)  # what the next stage sends back
+        if grad is not None:  # sent: the executor frees the output's storage
+            deallocate_output_tensor(output, deallocate_pipeline_outputs=True)
+        sent = 0 if grad is None else grad.nbytes + output.untyped_storage().nbytes()
+        activation = counter.live_bytes - held_input - sent
+        start = counter.live_bytes
+        counter.take_peak()
+        figures: dict[str, Any] = {}
+        if split:
+            figures = _split_steps(counter, (output, grad), base, params, start)
+        else:
+            custom_backward(output, grad)
+            figures["backward_transient_bytes"] = max(counter.take_peak() - start, 0)
+            made = base.grad if base is not None else None
+            figures["input_grad_bytes"] = 0 if made is None else made.untyped_storage().nbytes()
+    return StageMemory(
+        parameters=sum(p.numel() for p in params),
+        activation_bytes=max(activation, 0),
+        output_bytes=output_bytes,
+        forward_transient_bytes=max(forward_peak - kept, 0),
+        holds_input=holds_input or base is None,
+        **figures,
+    )
+
+
+def _split_steps(
+    counter: AllocationCounter,
+    root: tuple[torch.Tensor, torch.Tensor | None],
+    base: torch.Tensor | None,
+    params: list[torch.Tensor],
+    start: int,
+) -> dict[str, Any]:
+    """Count an ``I`` and then a ``W`` (pp-schedules' split backward) from `start`.
+
+    `root` is the output and the gradient it gets (None for a loss).
+    """
+    output, grad = root
+    inputs = [] if base is None else [base]
+    grads = None if grad is None else [grad]
+    input_grads, weights = backward_input([output], grads, inputs, params)
+    input_peak = counter.take_peak() - start
+    made = sum(g.untyped_storage().nbytes() for g in input_grads if g is not None)
+    deferred = counter.live_bytes - start - made
+    captured = {t.untyped_storage().data_ptr() for ts in weights.captured.values()
+                for t in ts if t is not None}  # fmt: skip
+    keeps = grad is not None and grad.untyped_storage().data_ptr() in captured
+    del input_grads
+    weight_start = counter.live_bytes
+    counter.take_peak()
+    kept: list[int] = []
+    weights.run(before_exit=lambda: kept.append(counter.live_bytes - weight_start))
+    return {
+        "input_grad_bytes": made,
+        "input_transient_bytes": max(input_peak, 0),
+        "deferred_bytes": max(deferred, 0),
+        "weight_transient_bytes": max(counter.take_peak() - weight_start, 0),
+        "weight_kept_bytes": max(kept[0] if kept else 0, 0),
+        "keeps_output_grad": keeps,
+    }

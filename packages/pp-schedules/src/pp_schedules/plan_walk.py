@@ -318,9 +318,8 @@ class PlanWalk:
             self._enable_sync(chunk)
         inputs = self._inputs(action)
         # Megatron hands set_input_tensor a list: [None] on the first stage.
-        wrapped_attr(call.chunks[chunk], "set_input_tensor")(
-            inputs if inputs is not None else [None]
-        )
+        set_input = wrapped_attr(call.chunks[chunk], "set_input_tensor")
+        set_input(inputs if inputs is not None else [None])
         timer = self.x.timers("forward-compute")
         start = self.recorder.now() if self.recorder is not None else 0.0
         timer.start()
@@ -330,6 +329,10 @@ class PlanWalk:
             if self._last(chunk):
                 outputs = [self._loss(output, loss_func)]
         timer.stop()
+        if inputs is not None:
+            # The chunk would keep the input (and, after backward, its gradient) until its
+            # next forward, beyond the step; the executor holds it as long as it is needed.
+            set_input([None])
         self._record(action, start)
         self.stats.steps += 1
         if self._decoder(self.x.rank) and not self._last(chunk):
@@ -409,6 +412,10 @@ class PlanWalk:
             input_grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs or []
             ]
+            for tensor in inputs or []:
+                # The received input may outlive this step (its exchange's handle keeps it
+                # until that exchange's sends complete); its gradient need not.
+                tensor.grad = None
             if grads is not None and self._decoder(self.x.rank) and len(grads) > 1:
                 # The encoder's output was passed along: its gradient comes back too.
                 input_grads[-1] = input_grads[-1] + grads[1]

@@ -4,8 +4,10 @@ After a call of an executor with `PipelineExecutor.record_timeline` on, `write_s
 gathers the spans of every rank of the pipeline group, simulates the same plan with the costs
 measured in that step, writes one Chrome-trace JSON file (Perfetto opens it) from the first
 stage, and returns a one-line summary (measured vs simulated makespan and bubble). When the
-step also ran with a memory probe, each rank's measured bytes after every compute step (and the
-byte model's predicted bytes, when given) are drawn as counter tracks beside its spans.
+step also ran with a memory probe, each rank's measured bytes after every compute step (every
+storage it holds, `MemorySample.live_bytes`; the saved-tensor figure where the probe did not
+count allocations), and the byte model's predicted bytes when given, are drawn as counter
+tracks beside its spans.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ def gather_memory(
     return [samples for _, samples in sorted(ranks, key=lambda pair: pair[0])]
 
 
+def _held(sample: MemorySample) -> int:
+    """What a rank held after a step: everything live, where the probe counted it."""
+    return sample.live_bytes if sample.live_bytes is not None else sample.total_bytes
+
+
 def measured_costs(spans: Sequence[Sequence[MeasuredSpan]]) -> Costs:
     """Median forward, backward (or its halves) and exchange-posting times, in ms."""
 
@@ -132,7 +139,7 @@ def write_schedule_trace(
     """
     spans = gather_timeline(executor, group)
     samples = gather_memory(executor, group)
-    memory = [[s.total_bytes for s in rank] for rank in samples] if all(samples) else None
+    memory = [[_held(s) for s in rank] for rank in samples] if all(samples) else None
     _, report = executor.plan_for(num_microbatches, forward_only=False)
     simulation: Simulation = simulate(report, costs or measured_costs(spans))
     if dist.get_rank(group) == 0:

@@ -7,9 +7,12 @@ costs the rank its posting time. It is exact for the
 executor's model, so measured step times of synthetic stages can be compared with it.
 
 Given a `MemoryModel`, it also follows each rank's bytes: the static bytes (parameters,
-gradients, optimizer state) plus the activations of every forward not yet released by its
-last backward step (``B``, or ``W`` after a split backward), and a recomputing backward's
-transient; `Simulation.memory` holds one `MemoryTrack` per rank.
+gradients, optimizer state) plus, step by step, everything the executor holds: the
+activations of every forward not yet released by its last backward step (``B``, or ``W``
+after a split backward), outputs until their sends complete, received tensors, gradients
+made and not yet sent, what an ``I`` keeps for its ``W``, each step's transient and the
+transport's frames (see `pp_schedules.memory_walk`); `Simulation.memory` holds one
+`MemoryTrack` per rank.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from collections.abc import Sequence
 
 from pp_schedules.actions import CATEGORIES, Action
 from pp_schedules.memory import MemoryModel, StaticBytes, format_bytes, stage_ends
-from pp_schedules.validation import Links, PlanReport
+from pp_schedules.memory_walk import walk_rank
+from pp_schedules.validation import Links, PlanReport, sends_delivered
 
 __all__ = [
     "Costs",
@@ -226,15 +230,19 @@ class MemoryTrack:
 
     Attributes:
         static: Parameters, gradients and optimizer state.
-        after: Live bytes (static and held activations) after each compute step, in the order
-            of the rank's spans: what `MemoryProbe` samples after the same steps.
-        during: The most live bytes during each step (a recomputing backward holds its
-            segment's saved tensors on top of what it releases afterwards).
+        after: Live bytes right after each compute step, in the order of the rank's spans:
+            what `MemoryProbe` samples after the same steps (``MemorySample.live_bytes``).
+        during: The most live bytes from the end of the compute step before (or the start)
+            to the end of each step, its transient and the exchanges before it included:
+            what the probe's ``peak_live_bytes`` measures over the same interval.
         peak: The most bytes the rank holds at any time.
         peak_step: The index (into the rank's spans) of the step where the peak occurs; None
             when the rank runs no step.
         peak_time: When the peak occurs (the end of that step; 0 without steps).
-        peak_activations: The most activation bytes held at once (the peak less static).
+        peak_activations: The most bytes held at once above the static bytes: activations,
+            gradients, tensors in transit and transfer frames.
+        transfer_bytes: Transfer frames held when the step starts (kept for reuse from the
+            step before).
     """
 
     static: StaticBytes
@@ -244,6 +252,7 @@ class MemoryTrack:
     peak_step: int | None
     peak_time: float
     peak_activations: int
+    transfer_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +310,7 @@ class Simulation:
         low = min(track.static.total for track in self.memory)
         span_of_scale = max(max(self.peak_memory) - low, 1)
         track = self.memory[rank]
-        level = [track.static.total] * width
+        level = [track.static.total + track.transfer_bytes] * width
         for span, after in zip(self.spans[rank], track.after, strict=True):
             for cell in range(min(int(span.end * scale), width), width):
                 level[cell] = after
@@ -343,14 +352,15 @@ class Simulation:
     ) -> list[dict[str, object]]:
         """Chrome-trace counter events of each rank's bytes (MB), one track per rank.
 
-        Each track is named ``memory rank R (MB)`` and holds one series, `series`: the static
-        bytes at time 0, then the live bytes at the end of every compute step. Empty without
+        Each track is named ``memory rank R (MB)`` and holds one series, `series`: the bytes
+        held at time 0 (static and kept transfer frames), then the live bytes at the end of
+        every compute step. Empty without
         a memory model.
         """
         events: list[dict[str, object]] = []
         for rank, track in enumerate(self.memory or []):
             name = f"memory rank {rank} (MB)"
-            points = [(0.0, track.static.total)] + [
+            points = [(0.0, track.static.total + track.transfer_bytes)] + [
                 (span.end, after) for span, after in zip(self.spans[rank], track.after, strict=True)
             ]
             events += [
@@ -380,11 +390,8 @@ _Link = tuple[int, int, str]
 class _Simulator:
     """The clocks of every rank while the lowered plan is run with `costs`."""
 
-    def __init__(
-        self, report: PlanReport, costs: Costs | StageCosts, memory: MemoryModel | None = None
-    ) -> None:
+    def __init__(self, report: PlanReport, costs: Costs | StageCosts) -> None:
         self.steps = report.steps
-        self.memory = None if memory is None else _MemoryFollower(report, memory)
         self.links = Links(report.steps)
         self.costs = costs
         self.placement = report.placement
@@ -440,8 +447,6 @@ class _Simulator:
         start = max([self.clock[rank], *arrivals])
         cost = self._cost(rank, step.compute)
         self.spans[rank].append(Span(rank, step.compute, start, start + cost))
-        if self.memory is not None:
-            self.memory.step(rank, step.compute)
         self.clock[rank] = start + cost
         self.busy[rank] += cost
         return True
@@ -454,59 +459,37 @@ class _Simulator:
         return self.costs.of(action.kind, self.placement.stage(rank, action.chunk))
 
 
-class _MemoryFollower:
-    """Each rank's held activations while the simulator runs its compute steps."""
-
-    def __init__(self, report: PlanReport, model: MemoryModel) -> None:
-        assert report.placement is not None
-        model.check_placement(report.placement)
-        self.model, self.placement = model, report.placement
-        pp_size = len(report.steps)
-        self.static = [model.rank_static(self.placement, rank) for rank in range(pp_size)]
-        self.held = [0] * pp_size
-        self.after: list[list[int]] = [[] for _ in range(pp_size)]
-        self.during: list[list[int]] = [[] for _ in range(pp_size)]
-        # The step that releases each (rank, microbatch, chunk): its last backward step.
-        self.release = {
-            (rank, step.compute.microbatch, step.compute.chunk): step.compute.kind
-            for rank, steps in enumerate(report.steps)
-            for step in steps
-            if step.compute is not None and step.compute.kind in "BW"
-        }
-
-    def step(self, rank: int, action: Action) -> None:
-        """Account one compute step of `rank`."""
-        stage = self.model.stages[self.placement.stage(rank, action.chunk)]
-        base = self.static[rank].total
-        if action.kind == "F":
-            self.held[rank] += stage.activation_bytes
-            during = self.held[rank]
-        else:
-            during = self.held[rank] + stage.recompute_bytes
-            if self.release.get((rank, action.microbatch, action.chunk)) == action.kind:
-                self.held[rank] -= stage.activation_bytes
-        self.during[rank].append(base + during)
-        self.after[rank].append(base + self.held[rank])
-
-    def tracks(self, spans: list[list[Span]]) -> list[MemoryTrack]:
-        """One track per rank, with its peak and when it occurs."""
-        tracks = []
-        for rank, static in enumerate(self.static):
-            during = self.during[rank]
-            peak = max([static.total, *during])
-            at = next((i for i, v in enumerate(during) if v == peak), None)
-            tracks.append(
-                MemoryTrack(
-                    static=static,
-                    after=tuple(self.after[rank]),
-                    during=tuple(during),
-                    peak=peak,
-                    peak_step=at,
-                    peak_time=0.0 if at is None else spans[rank][at].end,
-                    peak_activations=peak - static.total,
-                )
+def _memory_tracks(
+    report: PlanReport, model: MemoryModel, spans: list[list[Span]]
+) -> list[MemoryTrack]:
+    """Each rank's `MemoryTrack`: its static bytes and its steps' bytes (`walk_rank`)."""
+    placement = report.placement
+    assert placement is not None
+    model.check_placement(placement)
+    delivered = sends_delivered(report.steps)
+    tracks = []
+    for rank, steps in enumerate(report.steps):
+        static = model.rank_static(placement, rank)
+        walked = walk_rank(model, placement, rank, steps, delivered[rank])
+        base = static.total
+        during = [base + value for value in walked.during]
+        peak = max([base + walked.start, *during, base + walked.closing])
+        at = next((i for i, v in enumerate(during) if v == peak), None)
+        if at is None and during:
+            at = len(during) - 1  # in the exchanges after the last compute step
+        tracks.append(
+            MemoryTrack(
+                static=static,
+                after=tuple(base + value for value in walked.after),
+                during=tuple(during),
+                peak=peak,
+                peak_step=at,
+                peak_time=0.0 if at is None else spans[rank][at].end,
+                peak_activations=peak - base,
+                transfer_bytes=walked.start,
             )
-        return tracks
+        )
+    return tracks
 
 
 def simulate(
@@ -537,7 +520,7 @@ def simulate(
         _check_stages(report, costs.num_stages, "stage costs", "cover")
     if memory is not None:
         _check_stages(report, memory.num_stages, "the memory model", "covers")
-    simulator = _Simulator(report, costs or Costs(), memory)
+    simulator = _Simulator(report, costs or Costs())
     simulator.run()
     makespan = max(simulator.clock) if simulator.clock else 0.0
     bubbles = [1.0 - busy / makespan if makespan else 0.0 for busy in simulator.busy]
@@ -546,7 +529,7 @@ def simulate(
         makespan=makespan,
         bubble_fraction=bubbles,
         peak_activations=list(report.peak_in_flight),
-        memory=None if simulator.memory is None else simulator.memory.tracks(simulator.spans),
+        memory=None if memory is None else _memory_tracks(report, memory, simulator.spans),
     )
 
 

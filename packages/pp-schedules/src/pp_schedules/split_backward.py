@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -131,19 +131,29 @@ class WeightGradients:
     captured: dict[Node, tuple[torch.Tensor | None, ...]]
     rest: list[torch.Tensor]
 
-    def run(self) -> None:
+    def run(self, before_exit: Callable[[], object] | None = None) -> None:
         """Accumulate every parameter's gradient, then let go of the graph.
+
+        `before_exit`, when given, is called once every gradient is accumulated, still
+        inside the group (a measurement sees what the group holds until it ends).
 
         The engine calls (one per group, one for the rest) run in one
         `torch.utils.checkpoint.GraphExecGroup`: a checkpointed forward is recomputed once for
         the whole step, not once per call. The calls never share a saved tensor (groups that
         meet at a node are merged; the rest's branches meet no group's), as the group requires.
+        The rest's call comes last and frees the graph as it goes (a stage whose inputs take
+        no gradient, the first, runs its whole backward there, as a plain backward would).
         """
         with GraphExecGroup():
             for group in self.groups:
                 self._run_group(group)
             if self.rest and self.roots:
-                _engine(self.roots, self.root_grads, tuple(self.rest), accumulate=True)
+                _engine(
+                    self.roots, self.root_grads, tuple(self.rest), accumulate=True,
+                    keep_graph=False,
+                )  # fmt: skip
+            if before_exit is not None:
+                before_exit()
         self.groups, self.captured, self.rest = [], {}, []
         self.roots, self.root_grads = (), ()
 
@@ -181,13 +191,14 @@ def _engine(
     inputs: tuple[Any, ...],
     *,
     accumulate: bool,
+    keep_graph: bool = True,
 ) -> tuple[torch.Tensor | None, ...]:
     # The engine directly: a deallocated output (storage freed after its send) would fail
     # the shape check of torch.autograd.backward/grad, and the graph must be kept for W.
     result: tuple[torch.Tensor | None, ...] = Variable._execution_engine.run_backward(
         tensors=tensors,
         grad_tensors=grads,
-        keep_graph=True,
+        keep_graph=keep_graph,
         create_graph=False,
         inputs=inputs,
         allow_unreachable=True,
