@@ -106,9 +106,19 @@ def test_pretrain_example_is_short() -> None:
 def test_memory_picture_example_draws_what_the_docs_show(
     torchrun: Torchrun, tmp_path: Path
 ) -> None:
-    """The pictures in docs/memory.md are this script's output, and still agree with it."""
+    """The pictures in docs/memory.md are this script's output, and still agree with it.
+
+    Word for word, and number for number within 0.5%: how many frames pp-comm keeps for reuse
+    depends on when gloo completes a send (earlier than it is waited for, at times), a few
+    tens of KB either way.
+    """
     done = torchrun(EXAMPLES / "memory_picture.py", 2, "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("within 5% after every step: True") == 4, done.stdout
+    number = re.compile(r"\d+\.\d+")
     for name in ("memory-1f1b-pp2.svg", "memory-zb-h1-pp2.svg"):
-        assert (tmp_path / name).read_text() == (ROOT / "docs" / "images" / name).read_text()
+        drawn = (tmp_path / name).read_text()
+        shown = (ROOT / "docs" / "images" / name).read_text()
+        assert number.sub("#", drawn) == number.sub("#", shown)
+        pairs = zip(number.findall(drawn), number.findall(shown), strict=True)
+        assert all(float(a) == pytest.approx(float(b), rel=5e-3, abs=0.5) for a, b in pairs)

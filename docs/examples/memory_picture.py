@@ -5,10 +5,11 @@
 The bundled GPT (8 layers, hidden 64, sequence 64, dropout 0.1, Adam in fp32) on two pipeline
 stages, 8 microbatches of 2 sequences, under each schedule asked for (one chunk per rank:
 1F1B and ZB-H1 by default, or GPipe). Measured: pp-train's own training step (`train_step`
-with pp-schedules' executor); one step first, so that Adam's moments exist, then one step with
-a `MemoryProbe` on the executor, which samples the rank's bytes after every compute step.
-Predicted: each part of the model measured alone on one microbatch (`model_figures`), composed
-into the run's byte model (`memory_model`) and followed over the executor's own plan by the
+with pp-schedules' executor) under a `MemoryProbe`, which counts every storage the step
+allocates and samples the rank's bytes after every compute step; the second step is drawn
+(Adam's moments and pp-comm's frames are made in the first). Predicted: each part of the model
+measured alone on one microbatch (`model_figures`), composed into the run's byte model
+(`memory_model`, with pp-comm's frames) and followed over the executor's own plan by the
 simulator. Rank 0 prints each rank's peaks and writes ``memory-<schedule>-pp2.svg`` (docs/images
 holds the ones in docs/memory.md); the bytes do not depend on timing, so the pictures come out
 the same each run. Exits with an error when the two differ by more than 5% after any step.
@@ -26,8 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pp_comm import CommConfig, frame_buffers
 from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
-from pp_schedules import MemoryProbe, MemoryTrack, PlanReport, simulate
+from pp_schedules import MemoryProbe, MemoryTrack, PlanReport, TransferBuffers, simulate
 from pp_state import ParallelConfig, ParallelState
 from pp_train import (
     PretrainConfig,
@@ -89,15 +91,16 @@ def measure(state: ParallelState, schedule: str) -> Series:
         forward_backward_func=executor, state=state, num_microbatches=MICROBATCHES,
         micro_batch_size=MICRO_BATCH_SIZE, seq_length=GPT.seq_length,
     )  # fmt: skip
-    step()  # Adam's moments are made by the first optimizer step
-    executor.record_memory(MemoryProbe(lambda: training_state_tensors(model, optimizer)))
+    probe = MemoryProbe(lambda: training_state_tensors(model, optimizer))
+    executor.record_memory(probe)
+    step()  # Adam's moments and pp-comm's frames are made in the first step
     step()
     executor.record_memory(None)
     samples = executor.memory_samples
     track = predicted(executor.plan_for(MICROBATCHES, False)[1], rank)
     return Series(
         labels=[s.label for s in samples],
-        measured=[s.total_bytes for s in samples],
+        measured=[s.live_bytes or 0 for s in samples],
         predicted=list(track.after),
         static=track.static.total,
     )
@@ -112,7 +115,9 @@ def figures() -> ModelFigures:
 def predicted(report: PlanReport, rank: int) -> MemoryTrack:
     """The simulator's bytes of `rank` over the plan `report`, with the run's byte model."""
     counts = (GPT.num_layers // PP,) * PP
-    model = memory_model(CONFIG, counts, figures(), data_parallel_size=1, recompute=None)
+    frames = TransferBuffers(**dataclasses.asdict(frame_buffers(CommConfig(), "gloo")))
+    model = memory_model(CONFIG, counts, figures(), data_parallel_size=1, recompute=None,
+                         transfers=frames)  # fmt: skip
     simulation = simulate(report, memory=model)
     assert simulation.memory is not None
     return simulation.memory[rank]
@@ -206,11 +211,11 @@ def svg(schedule: str, series: list[Series]) -> str:
         f"{GPT.hidden_size}, sequence {GPT.seq_length}, {MICRO_BATCH_SIZE} sequences per "
         "microbatch, dropout 0.1, Adam in fp32</text>",
         f'  <line class="measured" x1="{LEFT}" y1="54" x2="{LEFT + 30}" y2="54"/>',
-        f'  <text class="note" x="{LEFT + 38}" y="58">measured (MemoryProbe)</text>',
-        f'  <line class="predicted" x1="{LEFT + 200}" y1="54" x2="{LEFT + 230}" y2="54"/>',
-        f'  <text class="note" x="{LEFT + 238}" y="58">predicted (byte model, simulated)</text>',
-        f'  <line class="static" x1="{LEFT + 470}" y1="54" x2="{LEFT + 500}" y2="54"/>',
-        f'  <text class="note" x="{LEFT + 508}" y="58">parameters, gradients, Adam state</text>',
+        f'  <text class="note" x="{LEFT + 38}" y="58">measured (every storage allocated)</text>',
+        f'  <line class="predicted" x1="{LEFT + 250}" y1="54" x2="{LEFT + 280}" y2="54"/>',
+        f'  <text class="note" x="{LEFT + 288}" y="58">predicted (byte model, simulated)</text>',
+        f'  <line class="static" x1="{LEFT + 510}" y1="54" x2="{LEFT + 540}" y2="54"/>',
+        f'  <text class="note" x="{LEFT + 548}" y="58">parameters, gradients, Adam state</text>',
     ]
     body = []
     scale = y_scale(series)

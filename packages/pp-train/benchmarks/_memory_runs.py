@@ -35,6 +35,7 @@ from pp_optim import (
 )
 from pp_schedules import MemoryProbe, PipelineExecutor, ScheduleConfig, get_forward_backward_func
 from pp_state import ParallelConfig, ParallelState, Placement
+from pp_tensor import MODEL_PARALLEL_RNG, RNGStatesTracker
 from pp_train import (
     PretrainConfig,
     build_forward_backward_func,
@@ -166,11 +167,14 @@ class Training:
     def _build(self) -> tuple[list[torch.nn.Module], MegatronOptimizer, OptimizerParamScheduler]:
         gpt, setup, rank = self.gpt, self.setup, self.state.pipeline_model_parallel_rank
 
+        tracker = RNGStatesTracker("cpu")  # dropout draws under it, as in the command's runs
+        tracker.add(MODEL_PARALLEL_RNG, SEED + 1)
+
         def provider(*, pre_process: bool, post_process: bool, vp_stage: int) -> torch.nn.Module:
             layers = chunk_layers(gpt.num_layers, setup.pp, setup.vp, rank, vp_stage,
                                   placement=self.placement)  # fmt: skip
             return GPTChunk(gpt, layers=layers, pre_process=pre_process,
-                            post_process=post_process, seed=SEED)  # fmt: skip
+                            post_process=post_process, seed=SEED, rng_tracker=tracker)  # fmt: skip
 
         model, optimizer, scheduler, _ = setup_model_and_optimizer(
             provider, self.state, optimizer_config=OPTIMIZER,
@@ -196,20 +200,46 @@ class Training:
             placement=self.placement,
         )  # fmt: skip
 
-    def probed_steps(self, steps: int) -> MemoryProbe:
-        """`steps` iterations with a probe on the executor (a sample after each compute step).
+    def probed_steps(self, steps: int, warm: int = 0) -> MemoryProbe:
+        """`steps` iterations measured, after `warm` ones counted but not kept.
 
-        The probe's static bytes are the training state (`training_state_tensors`:
-        parameters, gradient buffers, optimizer state), which it leaves out of the saved bytes.
+        A probe on the executor counts every storage each whole iteration allocates (its
+        optimizer step too), with a sample after each compute step and one at the end. The
+        probe's static bytes are the training state (`training_state_tensors`: parameters,
+        gradient buffers, optimizer state). Counting from the first warm step on sees what a
+        step keeps for the next (pp-comm's frames).
         """
         probe = MemoryProbe(functools.partial(training_state_tensors, self.model, self.optimizer))
         self.executor.record_memory(probe)
         try:
-            for _ in range(steps):
-                self.step()
+            for number in range(warm + steps):
+                if number == warm:
+                    probe.clear()
+                with probe.counting():
+                    self.step()
+                    probe.sample("step end")
         finally:
             self.executor.record_memory(None)
         return probe
+
+    def timed_step(self, counting: bool) -> Callable[[], None]:
+        """One iteration, with the probe counting every storage (`counting`) or without."""
+        probe = MemoryProbe(functools.partial(training_state_tensors, self.model, self.optimizer))
+
+        def step() -> None:
+            if not counting:
+                self.step()
+                return
+            self.executor.record_memory(probe)
+            try:
+                with probe.counting():
+                    self.step()
+                    probe.sample("step end")
+            finally:
+                self.executor.record_memory(None)
+                probe.clear()
+
+        return step
 
 
 def timed(step: Callable[[], None]) -> float:

@@ -38,8 +38,10 @@ WIDTH, LAYERS = 8, 4
 MB = 1024 * 1024
 LINE = re.compile(
     r"^\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: (\S+) \| "
-    r"max allocated: (\S+) \| reserved: (\S+) \| max reserved: (\S+)$"
+    r"max allocated: (\S+) \| reserved: (\S+) \| max reserved: (\S+) \| "
+    r"max saved for backward: (\S+)$"
 )
+HOST = re.compile(r"^\[Rank (\d+)\] host memory \(MB\) \| data: (\S+) \| apart from allocated")
 
 # --- the line ----------------------------------------------------------------------------
 
@@ -49,8 +51,9 @@ def test_the_line_is_megatrons_with_the_probes_numbers_on_cpu() -> None:
         "B3", static_bytes=MB, saved_bytes=0, peak_saved_bytes=MB, allocated_bytes=None
     )
     line = memory_report(sample, iteration=5, rank=3)
-    (rank, after, allocated, peak, reserved, max_reserved) = LINE.match(line).groups()  # type: ignore[union-attr]
-    assert (rank, after, allocated, peak) == ("3", "5", "1.0", "2.0")
+    (rank, after, allocated, peak, reserved, max_reserved, saved) = LINE.match(line).groups()  # type: ignore[union-attr]
+    # Without live figures (a probe that did not count allocations): static and saved bytes.
+    assert (rank, after, allocated, peak, saved) == ("3", "5", "1.0", "2.0", "1.0")
     assert 0 < float(reserved) <= float(max_reserved), "the resident set size, now and at most"
     assert memory_report(None, "predicted peak 3 MB", rank=0).startswith(
         "[Rank 0] memory (MB) | allocated: n/a | max allocated: n/a | reserved: "
@@ -63,19 +66,27 @@ def test_a_probe_reports_its_live_bytes_and_its_largest_sample() -> None:
     layer = torch.nn.Linear(256, 256)
     params = list(layer.parameters())
     probe = MemoryProbe(static=lambda: [*params, *(p.grad for p in params if p.grad is not None)])
-    with probe.saved_tensors():
-        out = torch.tanh(layer(torch.randn(512, 256)))
-    probe.sample("F0")
-    out.sum().backward()
-    probe.sample("B0")
-    static = (256 * 256 + 256) * 4 * 2  # weights and biases, and now their grads
-    assert probe.static_bytes() == static
+    x = torch.randn(512, 256)  # made before counting: not counted
+    hidden = 512 * 256 * 4
+    with probe.counting():
+        out = torch.tanh(layer(x))
+        forward = probe.sample("F0")
+        out.sum().backward()
+        del out
+        backward = probe.sample("B0")
+    static = (256 * 256 + 256) * 4
+    # The linear's output and tanh's both exist for a moment; tanh's stays (it saved it).
+    assert (forward.live_bytes, forward.peak_live_bytes) == (static + hidden, static + 2 * hidden)
+    # The saved figure has x too (saved, but made before the step) and tanh's output.
+    assert forward.saved_bytes == 2 * hidden
+    # Backward made the gradients (static from then on) and freed tanh's output.
+    assert probe.static_bytes() == backward.live_bytes == 2 * static
     line = LINE.match(memory_report(probe, iteration=1, rank=0))
     assert line is not None
-    saved = 2 * 512 * 256 * 4  # the input and tanh's output
-    assert float(line.group(3)) == static / MB
-    # B0 began holding what F0 saved, and ended with the gradients made.
-    assert float(line.group(4)) == (static + saved) / MB
+    assert float(line.group(3)) == 2 * static / MB
+    most = max(sample.peak_live_bytes or 0 for sample in (forward, backward))
+    assert float(line.group(4)) == most / MB
+    assert float(line.group(7)) == 2 * hidden / MB
 
 
 def test_training_state_is_parameters_gradients_and_optimizer_state() -> None:
@@ -113,8 +124,11 @@ def test_the_report_prints_once_on_replica_zero_and_takes_the_probe_off() -> Non
         assert executor.memory_probe is report.probe is not None
         report.after_log(2)
         report.after_log(4)
-        assert len(printed) == expected
-        assert all(line.startswith("[Rank 0] (after 2 iterations) memory (MB)") for line in printed)
+        assert len(printed) == expected  # both lines in one print: the ranks share stdout
+        for text in printed:
+            memory, host = text.splitlines()
+            assert memory.startswith("[Rank 0] (after 2 iterations) memory (MB)")
+            assert HOST.match(host)
         assert executor.memory_probe is None
 
 

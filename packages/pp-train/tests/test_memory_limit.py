@@ -4,6 +4,8 @@ nothing fits."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import io
 import os
 import re
@@ -12,7 +14,10 @@ import pytest
 import torch.distributed as dist
 
 from pp_testing import run_distributed
-from pp_train.app import main
+from pp_train.app import build_parser, main, validate_args
+from pp_train.app.auto_schedule import model_figures
+from pp_train.app.command import _gpt_config
+from pp_train.memory_plan import fit_memory_limit
 
 FLAGS = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -90,3 +95,62 @@ def test_nothing_fitting_is_one_error_before_training() -> None:
     assert "alone need" in error  # the static bytes alone exceed 0.1 MB
     assert "iteration" not in "".join(out for _, out, _ in ranks)
     assert ranks[1][2] == ""  # rank 0 says it for the job
+
+
+GIB = 2**30
+BIGGER = [
+    "--num-layers", "8", "--hidden-size", "64", "--seq-length", "64",
+    "--global-batch-size", "16", "--pipeline-schedule", "auto",
+]  # fmt: skip
+
+
+@functools.cache
+def _candidate_peaks() -> dict[str, int]:
+    """Every candidate's predicted peak (its fullest rank, bytes), as the command plans them.
+
+    The planner in this process, with the command's warm-up figures: bytes do not depend on
+    timing, so the ranks of a run predict the same ones.
+    """
+    parser = build_parser()
+    args = validate_args(parser, parser.parse_args([*FLAGS, *BIGGER, "--memory-limit-gb", "1"]), 2)
+    config = args.config
+    gpt = _gpt_config(config)
+    figures = model_figures(dataclasses.replace(gpt, recompute=None), micro_batch_size=2,
+                            seed=config.training.seed, rounds=1)  # fmt: skip
+    _, choice = fit_memory_limit(args.layout, config, figures)
+    assert choice is not None
+    return {f"{c.name} ({c.option})": max(c.peak_bytes) for c in choice.candidates if c.peak_bytes}
+
+
+def _limits() -> list[tuple[str, float]]:
+    """Limits 0.3% above and below the peaks of a few candidates far apart."""
+    peaks = sorted(_candidate_peaks().items(), key=lambda item: item[1])
+    picked = [peaks[0], peaks[len(peaks) // 3], peaks[2 * len(peaks) // 3]]
+    return [
+        (f"{side} {name}", peak * factor)
+        for name, peak in picked
+        for side, factor in (("above", 1.003), ("below", 0.997))
+    ]
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_the_plan_chosen_under_a_limit_allocates_no_more_than_the_limit(which: int) -> None:
+    """A limit just above or just below a candidate's predicted peak: whatever the planner
+    picks, every rank's measured max allocated (every byte the run allocates) stays under it;
+    below the smallest peak nothing fits and the run stops before training."""
+    name, limit = _limits()[which]
+    argv = [*FLAGS, *BIGGER, "--memory-limit-gb", repr(limit / GIB)]
+    ranks = run_distributed(_launch, 2, argv, timeout=180)
+    statuses = [status for status, _, _ in ranks]
+    if limit < min(_candidate_peaks().values()):
+        assert statuses == [1, 1], (name, ranks)
+        assert "no schedule fits" in ranks[0][2]
+        return
+    assert statuses == [0, 0], (name, ranks)
+    printed = "".join(out for _, out, _ in ranks)
+    chosen = next(line for line in printed.splitlines() if line.startswith("* "))
+    peaks = {int(m[1]): (float(m[2]), float(m[3])) for m in PEAK.finditer(printed)}
+    assert sorted(peaks) == [0, 1]
+    for measured, predicted in peaks.values():
+        assert predicted * 2**20 <= limit, (name, chosen)
+        assert measured * 2**20 <= limit, (name, chosen, measured, limit / 2**20)

@@ -66,6 +66,25 @@ def _check_positive_real(config: object, names: tuple[str, ...]) -> None:
             raise ValueError(f"{_flag(name)} must be a positive finite number, got {value!r}")
 
 
+def _check_margin(margin: float | None, limit: float | None) -> None:
+    """A margin is a share of the memory limit, from 0 up to (not including) 1.
+
+    Raises:
+        ValueError: Outside that range, not a number, or without --memory-limit-gb.
+    """
+    if margin is None:
+        return
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(
+            f"--memory-limit-margin must be a share of --memory-limit-gb from 0 up to (not "
+            f"including) 1, such as 0.1 to keep a tenth free; got {margin!r}"
+        )
+    if limit is None:
+        raise ValueError(
+            f"--memory-limit-margin {margin:g} needs --memory-limit-gb: it is a share of that limit"
+        )
+
+
 def _check_costs(config: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(config, name)
@@ -157,10 +176,17 @@ class ParallelArgs:
     """How long any collective or transfer may wait before it fails."""
 
     memory_limit_gb: float | None = None
-    """The most memory (GiB) any rank may use, as the byte model predicts it (parameters,
-    gradients, optimizer state and saved activations; measured on one microbatch in a warm-up).
+    """The most memory (GiB) any rank may allocate, as the byte model predicts its peak
+    (parameters, gradients, optimizer state, activations, gradients and tensors in flight,
+    transfer buffers; each part measured on one microbatch in a warm-up; host data apart).
     With --pipeline-schedule auto: the schedule, virtual stages, layer split and recomputation
     with the shortest simulated step that fits; with a named schedule: checked before training."""
+
+    memory_limit_margin: float | None = None
+    """The share of --memory-limit-gb kept free for what the byte model cannot see (on CUDA
+    the caching allocator's fragmentation and rounding): a plan fits when its predicted peak
+    is at most (1 - margin) x the limit. Default: 0.1 on CUDA (NCCL), 0 on CPU (gloo), where
+    there is no caching allocator."""
 
     def __post_init__(self) -> None:
         """Checks sizes and the timeout; a schedule name and a plan file exclude each other."""
@@ -173,6 +199,7 @@ class ParallelArgs:
             ),
         )
         _check_positive_real(self, ("distributed_timeout_minutes", "memory_limit_gb"))
+        _check_margin(self.memory_limit_margin, self.memory_limit_gb)
         _check_at_least(
             self, ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"), 0
         )

@@ -72,6 +72,7 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     placement: Placement | None = None,
     memory_print_fn: Callable[[str], None] | None = None,
     predicted_memory: Simulation | None = None,
+    host_data_bytes: int | None = None,
 ) -> ExitReason:
     """Trains until ``train_iters`` or an early exit, as Megatron's ``train``.
 
@@ -87,7 +88,8 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     resolved schedule runs (None: `schedule_placement` asks `forward_backward_func`). With a
     `memory_print_fn`, every rank of data-parallel replica 0 gives it Megatron's memory line
     after the first logged iteration (`pp_train.memory.MemoryReport`), with the prediction
-    of `predicted_memory` (a simulated step with a `MemoryModel`; also drawn in the profile).
+    of `predicted_memory` (a simulated step with a `MemoryModel`; also drawn in the profile),
+    and a line of the training data's `host_data_bytes`.
 
     Returns:
         Why training stopped.
@@ -105,6 +107,7 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     profile, memory = _profile_and_memory(
         run, forward_backward_func, memory_print_fn, predicted_memory
     )
+    memory.host_data_bytes = host_data_bytes
     for chunk in model:
         chunk.train()
     loop = TrainLoop(
@@ -246,13 +249,14 @@ class TrainLoop:
         config, progress = run.config, run.progress
         calculator.update(progress.consumed_train_samples, True)
         profiling = self.profile.starts(progress.iteration + 1)
-        step = run.step(
-            self.forward_step_func,
-            train_data_iterator,
-            self.forward_backward_func,
-            num_microbatches=calculator.get(),
-            timers=self.timers,
-        )
+        with self.memory.measuring():
+            step = run.step(
+                self.forward_step_func,
+                train_data_iterator,
+                self.forward_backward_func,
+                num_microbatches=calculator.get(),
+                timers=self.timers,
+            )
         if profiling:
             run.print_fn(self.profile.finish(calculator.get()))
         progress.iteration += 1

@@ -15,9 +15,9 @@ with a named schedule it checks that the run fits.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
+from pp_comm import CommConfig, frame_buffers
 from pp_schedules import (
     Choice,
     Costs,
@@ -27,8 +27,10 @@ from pp_schedules import (
     Simulation,
     StageCosts,
     StageMemory,
+    TransferBuffers,
+    chain,
     choose_fitting,
-    format_bytes,
+    format_bytes_apart,
     schedule_spec,
     schedules_for,
     simulate,
@@ -40,16 +42,20 @@ from pp_train.recompute import RecomputeConfig
 from pp_train.world import RunLayout
 
 __all__ = [
+    "DEFAULT_MARGIN",
+    "MemoryLimit",
     "MemoryPlanError",
     "ModelFigures",
     "PartFigures",
     "fit_memory_limit",
+    "memory_limit",
     "memory_model",
     "plan_memory",
     "predict_memory",
     "recompute_label",
     "stage_costs",
     "stage_memory",
+    "transfer_buffers",
     "with_memory_model",
 ]
 
@@ -70,15 +76,30 @@ class PartFigures:
     Attributes:
         parameters: The part's parameters on one rank (a weight split over tensor
             parallelism counts its rank's share).
-        activation_bytes: Bytes its forward saves for backward (parameters excluded).
+        activation_bytes: Bytes its forward saves for backward (parameters excluded): the
+            saved-tensor figure.
         forward_ms: Its forward's time.
         backward_ms: Its backward's time (recomputation included, for a recomputed layer).
+        memory: Every byte it holds step by step, counted at the allocator level
+            (`pp_train.app.auto_schedule.part_memory`); None: only the saved bytes are
+            known, and the part is modelled by them (see `part_memory`).
     """
 
     parameters: int
     activation_bytes: int
     forward_ms: float = 1.0
     backward_ms: float = 2.0
+    memory: StageMemory | None = None
+
+    def bytes_figures(self, recompute_bytes: int = 0) -> StageMemory:
+        """Its `memory`, or (not measured) its saved bytes with `recompute_bytes` on top."""
+        if self.memory is not None:
+            return dataclasses.replace(self.memory, parameters=self.parameters)
+        return StageMemory(
+            parameters=self.parameters,
+            activation_bytes=self.activation_bytes,
+            recompute_bytes=recompute_bytes,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,23 +125,55 @@ class ModelFigures:
     shared_parameters: int = 0
 
 
-def _layers_bytes(
+def _layer_parts(
     figures: ModelFigures, layers: int, recompute: RecomputeConfig | None
-) -> tuple[int, int]:
-    """Bytes `layers` layers keep for backward, and the most a backward recomputes at once."""
-    full, kept = figures.layer.activation_bytes, figures.layer_full.activation_bytes
+) -> list[StageMemory]:
+    """The figures of `layers` layers in a row, with `recompute` applied to them.
+
+    Measured parts (`PartFigures.memory`) carry their recomputation in their backward
+    transients. Parts known by their saved bytes only take the recomputed segment's saved
+    bytes as `recompute_bytes`: one layer's for a checkpointed layer, the attention's for
+    selective recomputation.
+    """
+    plain, full = figures.layer, figures.layer_full
     if recompute is None or layers == 0:
-        return layers * full, 0
+        return [plain.bytes_figures()] * layers
     if recompute.granularity == "selective":
-        assert figures.layer_selective is not None
-        selective = figures.layer_selective.activation_bytes
-        return layers * selective, max(full - selective, 0)
+        selective = figures.layer_selective
+        assert selective is not None
+        transient = max(plain.activation_bytes - selective.activation_bytes, 0)
+        return [selective.bytes_figures(transient)] * layers
     assert recompute.num_layers is not None
-    if recompute.method == "uniform":
-        group = min(recompute.num_layers, layers)
-        return math.ceil(layers / group) * kept, group * full
-    checkpointed = min(recompute.num_layers, layers)
-    return checkpointed * kept + (layers - checkpointed) * full, full if checkpointed else 0
+    one = full.bytes_figures(plain.activation_bytes)
+    if recompute.method == "block":
+        checkpointed = min(recompute.num_layers, layers)
+        return [one] * checkpointed + [plain.bytes_figures()] * (layers - checkpointed)
+    group = min(recompute.num_layers, layers)
+    sizes = [group] * (layers // group) + ([layers % group] if layers % group else [])
+    return [_checkpointed_group(figures, size) for size in sizes]
+
+
+def _checkpointed_group(figures: ModelFigures, size: int) -> StageMemory:
+    """`size` consecutive layers checkpointed as one (full granularity, uniform method).
+
+    The group keeps its input, as one checkpointed layer does; its backward recomputes all
+    `size` layers before going back through them, so it holds ``size - 1`` more layers'
+    activations than one checkpointed layer's backward (measured parts), or `size` layers'
+    saved bytes on top (parts known by their saved bytes).
+    """
+    plain, full = figures.layer, figures.layer_full
+    one = full.bytes_figures(size * plain.activation_bytes)
+    if full.memory is None or size == 1:
+        return dataclasses.replace(one, parameters=size * plain.parameters)
+    extra = (size - 1) * (plain.bytes_figures().activation_bytes + one.output_bytes)
+    return dataclasses.replace(
+        one,
+        parameters=size * plain.parameters,
+        backward_transient_bytes=one.backward_transient_bytes + extra,
+        input_transient_bytes=one.input_transient_bytes + extra,
+        deferred_bytes=size * one.deferred_bytes,
+        weight_transient_bytes=one.weight_transient_bytes + extra,
+    )
 
 
 def stage_memory(
@@ -131,18 +184,18 @@ def stage_memory(
     last: bool,
     recompute: RecomputeConfig | None,
 ) -> StageMemory:
-    """The bytes of a virtual stage of `layers` layers, with `recompute` applied to them.
+    """The figures of a virtual stage of `layers` layers, with `recompute` applied to them.
 
-    The first stage also holds the embedding (`first`), the last the loss (`last`).
+    The first stage also holds the embedding (`first`), the last the loss (`last`); the
+    stage is the `pp_schedules.chain` of its parts. A stage holding both keeps the tied
+    output weight once.
     """
-    ends = [part for part, here in ((figures.embedding, first), (figures.loss, last)) if here]
-    kept, transient = _layers_bytes(figures, layers, recompute)
+    parts = [figures.embedding.bytes_figures()] if first else []
+    parts += _layer_parts(figures, layers, recompute)
+    parts += [figures.loss.bytes_figures()] if last else []
+    stage = chain(parts)
     shared = figures.shared_parameters if first and last else 0
-    return StageMemory(
-        parameters=layers * figures.layer.parameters + sum(p.parameters for p in ends) - shared,
-        activation_bytes=kept + sum(p.activation_bytes for p in ends),
-        recompute_bytes=transient,
-    )
+    return dataclasses.replace(stage, parameters=stage.parameters - shared)
 
 
 def _layer_backward(figures: ModelFigures, layers: int, recompute: RecomputeConfig | None) -> float:
@@ -191,11 +244,13 @@ def memory_model(
     *,
     data_parallel_size: int,
     recompute: RecomputeConfig | None,
+    transfers: TransferBuffers | None = None,
 ) -> MemoryModel:
     """The run's `MemoryModel`: one stage per layer count, its precision and optimizer.
 
     With ``--use-distributed-optimizer`` the optimizer state (moments and fp32 main copies)
-    is counted over the data-parallel size, as each rank keeps only its shard.
+    is counted over the data-parallel size, as each rank keeps only its shard. `transfers`
+    are the pipeline transport's frames (`transfer_buffers`).
     """
     optimizer, last = config.optimizer, len(counts) - 1
     half = "bf16" if optimizer.bf16 else "fp16" if optimizer.fp16 else "fp32"
@@ -211,6 +266,7 @@ def memory_model(
         sgd_momentum=optimizer.sgd_momentum > 0,
         data_parallel_size=data_parallel_size,
         distributed_optimizer=config.ddp.use_distributed_optimizer,
+        transfers=transfers,
     )
 
 
@@ -284,8 +340,8 @@ def _options(
         for recompute in _recompute_choices(config, figures, max(split.counts)):
             label = f"vp {vp}, {recompute_label(recompute)}"
             model = memory_model(
-                config, split.counts, figures,
-                data_parallel_size=layout.data_parallel_size, recompute=recompute,
+                config, split.counts, figures, data_parallel_size=layout.data_parallel_size,
+                recompute=recompute, transfers=transfer_buffers(layout),
             )  # fmt: skip
             placement = None if named is None else schedule_spec(named).placement
             option = PlanOption(label, vp, _stage_costs(figures, split.counts, recompute), model,
@@ -313,23 +369,24 @@ def fit_memory_limit(
         MemoryPlanError: Nothing fits; the message names the limit, the smallest peak, its
             rank and what would fit.
     """
-    limit_gb = config.parallel.memory_limit_gb
-    assert limit_gb is not None
+    limit = memory_limit(config, layout.resolved.transport)
+    assert limit is not None
     resolved = layout.resolved
     auto = config.parallel.pipeline_schedule == "auto"
     runnable = {name for name, _ in schedules_for(resolved.vp_size)}
     if not auto and resolved.name not in runnable:
-        return _check_limit(with_memory_model(layout, config, figures), limit_gb), None
+        return _check_limit(with_memory_model(layout, config, figures), limit), None
     options = _options(config, layout, figures)
     try:
         choice = choose_fitting(
             [option for option, _, _ in options.values()],
             pp_size=resolved.pp_size, num_microbatches=max(layout.microbatch_counts),
-            memory_limit_bytes=limit_gb * _GIB, names=None if auto else [resolved.name or ""],
+            memory_limit_bytes=limit.bytes, names=None if auto else [resolved.name or ""],
+            prefetch=resolved.prefetch, transport=resolved.transport,
         )  # fmt: skip
     except MemoryLimitError as error:
         raise MemoryPlanError(
-            f"--memory-limit-gb {limit_gb:g}: {error}; flags to try: "
+            f"{limit.flags}: {error}; flags to try: "
             f"{_flag_hints(config, static_too_large=error.static_too_large)}"
         ) from error
     assert choice.option is not None
@@ -364,7 +421,7 @@ def _flag_hints(config: PretrainConfig, *, static_too_large: bool) -> str:
     return ", ".join([*hints, more_stages])
 
 
-def _check_limit(layout: RunLayout, limit_gb: float) -> RunLayout:
+def _check_limit(layout: RunLayout, limit: MemoryLimit) -> RunLayout:
     """`layout` when its predicted peak fits on every rank.
 
     Raises:
@@ -374,13 +431,67 @@ def _check_limit(layout: RunLayout, limit_gb: float) -> RunLayout:
     assert simulation is not None
     peaks = simulation.peak_memory
     worst = peaks.index(max(peaks))
-    if peaks[worst] > limit_gb * _GIB:
+    if peaks[worst] > limit.bytes:
+        allowed, (need,) = format_bytes_apart([peaks[worst]], limit.bytes)
         raise MemoryPlanError(
-            f"--memory-limit-gb {limit_gb:g}: rank {worst} is predicted to need "
-            f"{format_bytes(peaks[worst])}; recompute activations (--recompute-granularity "
-            "full), use a smaller --micro-batch-size or more pipeline stages"
+            f"{limit.flags}: rank {worst} is predicted to need {need}, over {allowed}; "
+            "recompute activations (--recompute-granularity full), use a smaller "
+            "--micro-batch-size or more pipeline stages"
         )
     return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLimit:
+    """What ``--memory-limit-gb`` allows the byte model's predicted peak, after the margin.
+
+    Attributes:
+        gb: The flag's value (GiB).
+        margin: The share kept free (``--memory-limit-margin``, or its default).
+        bytes: What a predicted peak may reach: ``gb`` GiB less the margin.
+    """
+
+    gb: float
+    margin: float
+
+    @property
+    def bytes(self) -> float:
+        """The bytes a plan's predicted peak may reach."""
+        return self.gb * _GIB * (1 - self.margin)
+
+    @property
+    def flags(self) -> str:
+        """How messages name the limit: the flag, and the margin when there is one."""
+        text = f"--memory-limit-gb {self.gb:g}"
+        return f"{text} less a {self.margin:.0%} margin" if self.margin else text
+
+
+DEFAULT_MARGIN = {"nccl": 0.1, "gloo": 0.0}
+"""``--memory-limit-margin``'s default per transport: CUDA's caching allocator fragments and
+rounds what it allocates; CPU runs have no caching allocator."""
+
+
+def memory_limit(config: PretrainConfig, transport: str) -> MemoryLimit | None:
+    """``--memory-limit-gb`` with its margin (the flag's, or the transport's default)."""
+    parallel = config.parallel
+    if parallel.memory_limit_gb is None:
+        return None
+    margin = parallel.memory_limit_margin
+    return MemoryLimit(
+        parallel.memory_limit_gb, DEFAULT_MARGIN.get(transport, 0.1) if margin is None else margin
+    )
+
+
+def transfer_buffers(layout: RunLayout, comm: CommConfig | None = None) -> TransferBuffers | None:
+    """What the run's pipeline transport holds beyond the tensors (pp-comm's frames).
+
+    None with one stage (nothing travels). pp-train's communicator checks contracts in
+    frames on gloo (`pp_comm.frame_buffers`).
+    """
+    if layout.resolved.pp_size == 1:
+        return None
+    frames = frame_buffers(comm or CommConfig(), layout.resolved.transport)
+    return TransferBuffers(**dataclasses.asdict(frames))
 
 
 def plan_memory(
@@ -418,8 +529,8 @@ def with_memory_model(
 ) -> RunLayout:
     """`layout` with its byte model (for the memory report's prediction), as configured."""
     model = memory_model(
-        config, layout.layer_counts, figures,
-        data_parallel_size=layout.data_parallel_size, recompute=layout.recompute,
+        config, layout.layer_counts, figures, data_parallel_size=layout.data_parallel_size,
+        recompute=layout.recompute, transfers=transfer_buffers(layout),
     )  # fmt: skip
     return dataclasses.replace(layout, memory=model)
 

@@ -18,6 +18,7 @@ import datetime
 import inspect
 import os
 import random
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,7 +44,8 @@ from pp_train.checkpoint import (
 from pp_train.checkpoint.tracker import iteration_directory
 from pp_train.data import SampleDataset, microbatches
 from pp_train.layer_split import rebalanced
-from pp_train.memory_plan import ModelFigures, plan_memory, predict_memory
+from pp_train.memory import host_bytes
+from pp_train.memory_plan import ModelFigures, memory_limit, plan_memory, predict_memory
 from pp_train.reporting import Timers, TrainingLogger
 from pp_train.training import (
     EncoderDecoderModelProvider,
@@ -205,6 +207,12 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _host_data_bytes(*datasets: object) -> int | None:
+    """The host bytes of the datasets that say theirs (None when none does)."""
+    counts = [count for count in map(host_bytes, datasets) if count is not None]
+    return sum(counts) if counts else None
+
+
 def default_transport() -> str:
     """The transport the run's plans are validated for: gloo or NCCL.
 
@@ -223,8 +231,13 @@ def _local_gpus() -> bool:
 
 
 def _print_now(text: str) -> None:
-    """Prints on this rank at once (the memory line: every rank of the first replica)."""
-    print(text, flush=True)
+    """Prints on this rank at once (the memory lines: every rank of the first replica).
+
+    One write with its newline: the ranks share stdout, and under ``python -u`` `print`
+    writes the text and the newline apart, so two ranks' lines could run into one.
+    """
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def print_once(text: str) -> None:
@@ -535,6 +548,7 @@ class _Run:
                 checkpoint_args=saved_args, print_fn=self.say, placement=layout.placement,
                 memory_print_fn=_print_now,
                 predicted_memory=predict_memory(layout, calculator.get()),
+                host_data_bytes=_host_data_bytes(train_ds, valid_ds),
             )  # fmt: skip
             if reason == "train_iters" and config.training.eval_iters > 0 and valid_ds is not None:
                 valid = self._streams(valid_ds, progress.consumed_valid_samples)
@@ -714,9 +728,10 @@ class _Run:
         split = layout.layer_split.summary(layout.layer_layout)
         lines = [line] if split is None else [line, split]
         if self.fitted is not None:
-            limit = self.config.parallel.memory_limit_gb
+            limit = memory_limit(self.config, layout.resolved.transport)
+            assert limit is not None
             return [*lines, f"schedule, chunks and recomputation chosen by simulation within "
-                    f"--memory-limit-gb {limit:g} (warm-up costs and bytes):\n"
+                    f"{limit.flags} (warm-up costs and bytes; peaks of every byte allocated):\n"
                     + self.fitted.table()]  # fmt: skip
         choice = layout.schedule_choice
         if choice is None:

@@ -23,14 +23,23 @@ import time
 import torch
 import torch.distributed as dist
 
-from pp_schedules import Choice, Costs, MemoryProbe, choose_schedule
+from pp_schedules import Choice, Costs, MemoryProbe, StageMemory, choose_schedule
+from pp_schedules.memory_probe import measure_stage
 from pp_schedules.split_backward import backward_input
 from pp_state.collectives import collective
+from pp_tensor import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seeds
 from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.memory_plan import MemoryPlanError, ModelFigures, PartFigures
 from pp_train.recompute import RecomputeConfig
 
-__all__ = ["choose_measured", "layout_costs", "layout_times", "model_figures", "warmup_costs"]
+__all__ = [
+    "choose_measured",
+    "layout_costs",
+    "layout_times",
+    "model_figures",
+    "part_memory",
+    "warmup_costs",
+]
 
 
 def warmup_costs(
@@ -193,23 +202,28 @@ def model_figures(
         "embedding": (dataclasses.replace(config, recompute=None), True, False, 0),
         "loss": (dataclasses.replace(config, recompute=None), False, True, 0),
     }
+    # Dropout draws under a model-parallel RNG tracker, as in the run (recomputation then
+    # keeps copies of its states).
+    tracker = RNGStatesTracker("cpu")
+    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seeds(seed, 0)[1])
     built, figures = {}, {}
     for name, (shape, pre, post, layers) in parts.items():
         try:
             part = GPTChunk(shape, layers=range(layers), pre_process=pre, post_process=post,
-                            seed=seed).to(dtype)  # fmt: skip
-            built[name] = (part, _saved_bytes(part, tokens))
+                            seed=seed, rng_tracker=tracker).to(dtype)  # fmt: skip
+            built[name] = (part, _saved_bytes(part, tokens), part_memory(part, tokens))
         except (RuntimeError, ValueError) as error:
             raise MemoryPlanError(
                 f"the warm-up that measures the model's memory failed on its "
                 f"{name.replace('_', ' ')} (one microbatch of {micro_batch_size} x "
                 f"{config.seq_length} tokens): {error}"
             ) from error
-    slowest = _timed([part for part, _ in built.values()], tokens, rounds)
+    slowest = _timed([part for part, _, _ in built.values()], tokens, rounds)
     tp = tensor_model_parallel_size
-    for i, (name, (part, saved)) in enumerate(built.items()):
+    for i, (name, (part, saved, measured)) in enumerate(built.items()):
         count = sum(_rank_elements(p, tp) for p in part.parameters())
-        figures[name] = PartFigures(count, saved, slowest[2 * i], slowest[2 * i + 1])
+        memory = dataclasses.replace(measured, parameters=count)
+        figures[name] = PartFigures(count, saved, slowest[2 * i], slowest[2 * i + 1], memory)
     # The last stage's output layer is a copy of the word embedding (tied weights), split by
     # vocabulary rows over tensor parallelism.
     shared = config.vocab_size * config.hidden_size // tp
@@ -240,6 +254,37 @@ def _rank_elements(param: torch.Tensor, tp: int) -> int:
     """
     split = bool(getattr(param, "tensor_model_parallel", False))
     return param.numel() // tp if split else param.numel()
+
+
+def part_memory(part: GPTChunk, tokens: torch.Tensor) -> StageMemory:
+    """Every byte one microbatch through `part` holds, step by step, as the executor runs it.
+
+    pp-schedules' `measure_stage` on the part: its ``pre_process`` part takes `tokens`, its
+    ``post_process`` part ends in the loss against the next tokens (a scalar, as the
+    executor backwards from), any other takes activations of the run's shape and dtype.
+    The token ids and labels are copied inside the step, as the data iterator makes them.
+    """
+    pre, post = part.pre_process, part.post_process
+    config = part.config
+    dtype = next(part.parameters()).dtype
+    labels = tokens.roll(-1, dims=1) if post else None
+    given = (
+        None
+        if pre
+        else torch.zeros(config.seq_length, tokens.shape[0], config.hidden_size, dtype=dtype)
+    )
+
+    def forward(received: torch.Tensor | None) -> torch.Tensor:
+        # The microbatch's data is read during the step (it counts as device memory, and
+        # the graph keeps what it saves of it): fresh copies, as the data iterator gives.
+        part.set_input_tensor([received])
+        output: torch.Tensor = part(
+            tokens.clone() if pre else None, None if labels is None else labels.clone()
+        )
+        part.set_input_tensor([None])  # as the executor: the chunk keeps no input
+        return output.float().mean() if post else output
+
+    return measure_stage(forward, given, part.parameters(), loss=post)
 
 
 def _saved_bytes(part: GPTChunk, tokens: torch.Tensor) -> int:

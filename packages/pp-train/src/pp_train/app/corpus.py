@@ -138,6 +138,14 @@ class CorpusDataset:
         self.seed = seed
         self._epoch = -1
         self._permutation = torch.empty(0, dtype=torch.int64)
+        self._order(0)  # made now, before training, as host data
+
+    def host_bytes(self) -> int:
+        """Host memory it holds: its tokens and the current epoch's sample order.
+
+        Its tokens' own bytes: a split of a corpus shares the corpus's storage.
+        """
+        return self.tokens.nbytes + self._permutation.nbytes
 
     @property
     def samples_per_epoch(self) -> int:

@@ -124,6 +124,11 @@ class BlendedDataset:
         """The number of samples."""
         return self.size
 
+    def host_bytes(self) -> int:
+        """Host memory its blending indices and its datasets' indices hold."""
+        own = int(self.dataset_index.nbytes) + int(self.dataset_sample_index.nbytes)
+        return own + sum(dataset.host_bytes() for dataset in self.datasets)
+
     def __getitem__(self, index: int) -> Microbatch:
         """Blended sample `index` as ``tokens`` and ``labels``."""
         return sample_of_window(self.window(index))

@@ -234,6 +234,12 @@ class GPTDataset:
         """The number of samples."""
         return int(self.sample_index.shape[0]) - 1
 
+    def host_bytes(self) -> int:
+        """Host memory its indices hold (the tokens are read from a memory-mapped file)."""
+        return sum(
+            int(a.nbytes) for a in (self.document_index, self.sample_index, self.shuffle_index)
+        )
+
     def window(self, index: int) -> npt.NDArray[numpy.int64]:
         """Sample `index`'s ``seq_length + 1`` tokens."""
         if not 0 <= index < len(self):
