@@ -127,8 +127,8 @@ class Choice:
     def table(self) -> str:
         """The candidates as a small table, the choice marked with '*'.
 
-        With bytes: the option, each rank's peak and whether it fits (or why not), every
-        figure in one unit, with the digits that keep each peak apart from the limit.
+        With bytes: the option, each rank's peak and whether it fits (or why not), every peak
+        in one unit and to one number of digits, enough to keep each apart from the limit.
         """
         with_bytes = any(c.peak_bytes for c in self.candidates)
         option = max((len(c.option) for c in self.candidates), default=0)
@@ -137,6 +137,7 @@ class Choice:
         )
         head += f"{'makespan':>9} {'bubble':>7} " + ("peak per rank" if with_bytes else "memory")
         lines = [head.rstrip()]
+        peaks = iter(self._bytes([b for c in self.candidates for b in c.peak_bytes]))
         for c in self.candidates:
             mark = "*" if c is self.chosen else " "
             row = f"{mark} {c.name:<18} {c.placement:<9} " + (
@@ -146,7 +147,9 @@ class Choice:
                 lines.append(f"{row}{'-':>9} {'-':>7} {'-':>7}  {c.note}")
                 continue
             memory = (
-                ", ".join(self._bytes(c.peak_bytes)) if with_bytes else f"{c.peak_memory:>6.1f}"
+                ", ".join(next(peaks) for _ in c.peak_bytes)
+                if with_bytes
+                else f"{c.peak_memory:>6.1f}"
             )
             fits = ("fits" if not c.note else c.note) if with_bytes else c.note
             lines.append(f"{row}{c.makespan:>9.1f} {c.bubble:>7.1%} {memory}  {fits}".rstrip())
