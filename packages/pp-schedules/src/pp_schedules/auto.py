@@ -285,13 +285,7 @@ def choose_schedule(
         MemoryLimitError: Schedules run, but none within `memory_limit_bytes`.
     """
     unit = costs or Costs(forward=1.0, backward=2.0)
-    if isinstance(unit, StageCosts) and unit.num_stages != pp_size * vp_size:
-        raise ValueError(
-            f"stage costs cover {unit.num_stages} virtual stages, but {pp_size} ranks x "
-            f"{vp_size} chunks make {pp_size * vp_size}"
-        )
-    if memory_limit_bytes is not None and memory is None:
-        raise ValueError("memory_limit_bytes needs a memory model (memory=MemoryModel(...))")
+    _check_choice(unit, (pp_size, vp_size), memory, memory_limit_bytes)
     option = None if memory is None else PlanOption("", vp_size, unit, memory, placement)
     limits = _Limits(memory_limit, memory_limit_bytes)
     lowering = _Lowering(prefetch, transport)
@@ -303,6 +297,27 @@ def choose_schedule(
     ]
     best = _best(considered, limits, f"{pp_size} ranks x {vp_size} chunks", num_microbatches)
     return _choice(best, considered, unit, option, memory_limit_bytes)
+
+
+def _check_choice(
+    costs: Costs | StageCosts,
+    sizes: tuple[int, int],
+    memory: MemoryModel | None,
+    memory_limit_bytes: float | None,
+) -> None:
+    """Refuse stage costs for another number of stages, or a byte limit without bytes.
+
+    Raises:
+        ValueError: Naming both counts, or the missing memory model.
+    """
+    pp_size, vp_size = sizes
+    if isinstance(costs, StageCosts) and costs.num_stages != pp_size * vp_size:
+        raise ValueError(
+            f"stage costs cover {costs.num_stages} virtual stages, but {pp_size} ranks x "
+            f"{vp_size} chunks make {pp_size * vp_size}"
+        )
+    if memory_limit_bytes is not None and memory is None:
+        raise ValueError("memory_limit_bytes needs a memory model (memory=MemoryModel(...))")
 
 
 def choose_fitting(

@@ -502,7 +502,8 @@ class MemoryProbe:
             return None
         if self.device == "cuda":
             return torch.cuda.memory_allocated()
-        return self.static_bytes() + self.counter.live_bytes
+        # The static list may have taken in storages counted before (an optimizer's state).
+        return self._restate_static() + self.counter.live_bytes
 
     @property
     def peak_live_bytes(self) -> int | None:

@@ -82,14 +82,13 @@ def train(  # noqa: PLR0917 - Megatron's positional order
     `exit_interval`; every rank takes each of these decisions together. With a profile
     path, one iteration's schedule is recorded as a Chrome trace, its summary line going to
     `print_fn`. With ``config.logging.tensorboard_dir`` each log line's timers also go to
-    TensorBoard (`write_timers`). `config` is a `TrainingConfig` (Megatron's shape, handed
-    on as `as_pretrain_config`'s sections) or the run's `PretrainConfig`, whose
-    sections the loop reads as they are. `placement` is the one the run's
-    resolved schedule runs (None: `schedule_placement` asks `forward_backward_func`). With a
+    TensorBoard (`write_timers`). `config` is a `TrainingConfig` (Megatron's shape, handed on
+    as `as_pretrain_config`'s sections) or the run's `PretrainConfig`, read as it is.
+    `placement` is the one the run's resolved schedule runs (None: `schedule_placement` asks
+    `forward_backward_func`). With a
     `memory_print_fn`, every rank of data-parallel replica 0 gives it Megatron's memory line
-    after the first logged iteration (`pp_train.memory.MemoryReport`), with the prediction
-    of `predicted_memory` (a simulated step with a `MemoryModel`; also drawn in the profile),
-    and a line of the training data's `host_data_bytes`.
+    after the first logged iteration (`pp_train.memory.MemoryReport`) with the prediction of
+    `predicted_memory` (also drawn in the profile), and the data's `host_data_bytes`.
 
     Returns:
         Why training stopped.
@@ -104,10 +103,8 @@ def train(  # noqa: PLR0917 - Megatron's positional order
         state, model, optimizer, scheduler, sections, progress, checkpoint_args or {}, print_fn,
         placement,
     )  # fmt: skip
-    profile, memory = _profile_and_memory(
-        run, forward_backward_func, memory_print_fn, predicted_memory
-    )
-    memory.host_data_bytes = host_data_bytes
+    known = (predicted_memory, host_data_bytes)
+    profile, memory = _profile_and_memory(run, forward_backward_func, memory_print_fn, known)
     for chunk in model:
         chunk.train()
     loop = TrainLoop(
@@ -120,9 +117,13 @@ def _profile_and_memory(
     run: TrainingRun,
     forward_backward_func: ForwardBackwardFunc,
     memory_print_fn: Callable[[str], None] | None,
-    predicted: Simulation | None,
+    known: tuple[Simulation | None, int | None],
 ) -> tuple[ScheduleProfile, MemoryReport]:
-    """The schedule profile (its path checked first) and the memory report of a run."""
+    """The schedule profile (its path checked first) and the memory report of a run.
+
+    `known`: the predicted step (a simulation with a byte model) and the data's host bytes.
+    """
+    predicted, host_data_bytes = known
     config = run.config
     tracks = None if predicted is None else predicted.memory
     # While the batch ramps up, the profiled step may run another plan than the predicted one.
@@ -140,6 +141,7 @@ def _profile_and_memory(
         prediction=None if not tracks else prediction_line(
             tracks[run.state.pipeline_model_parallel_rank]
         ),
+        host_data_bytes=host_data_bytes,
     )  # fmt: skip
     return profile, memory
 
