@@ -120,5 +120,10 @@ def test_memory_picture_example_draws_what_the_docs_show(
         drawn = (tmp_path / name).read_text()
         shown = (ROOT / "docs" / "images" / name).read_text()
         assert number.sub("#", drawn) == number.sub("#", shown)
+        # Coordinates within 0.5% or half a pixel; the written figures (MB) within 0.5%.
         pairs = zip(number.findall(drawn), number.findall(shown), strict=True)
         assert all(float(a) == pytest.approx(float(b), rel=5e-3, abs=0.5) for a, b in pairs)
+        texts = [number.findall(" ".join(re.findall(">([^<]*)<", svg))) for svg in (drawn, shown)]
+        assert all(
+            float(a) == pytest.approx(float(b), rel=5e-3) for a, b in zip(*texts, strict=True)
+        ), texts

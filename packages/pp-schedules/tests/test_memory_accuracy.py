@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ def _model(placement: Placement, frames: TransferBuffers) -> MemoryModel:
                        transfers=frames)  # fmt: skip
 
 
-def _run(schedule: str, vp: int, placement_name: str) -> dict[str, Any]:
+def _run(schedule: str, vp: int, placement_name: str, variant: str = "") -> dict[str, Any]:
     config = CommConfig(timeout=datetime.timedelta(seconds=60))
     comm = P2PCommunicator(None, config=config)
     placement = Placement.named(placement_name, comm.num_stages, vp)
@@ -144,9 +145,12 @@ def _run(schedule: str, vp: int, placement_name: str) -> dict[str, Any]:
         comm, vp_size=vp,
         config=ScheduleConfig(hidden_size=WIDTH, schedule=schedule, placement=placement),
     )  # fmt: skip
-    executor.record_memory(probe)
+    if variant == "batched":  # a batch's sends complete with its receives, as on NCCL
+        executor.independent = False
     batches = _batches(MICROBATCHES)
-    for _ in range(3):  # the third step finds what the first two left (grads, frames)
+    for step in range(3):  # the third step finds what the first two left (grads, frames)
+        if variant != "late" or step == 2:  # late: the frames were made before it counts
+            executor.record_memory(probe)
         probe.clear()
         executor(
             forward_step_func=_forward_step,
@@ -172,14 +176,25 @@ def _run(schedule: str, vp: int, placement_name: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "vp", "placement"),
-    [("1f1b", 1, "looped"), ("interleaved_1f1b", 2, "looped"), ("zb_h1", 1, "looped"),
-     ("zbv", 2, "v")],
+    ("schedule", "vp", "placement", "variant"),
+    [("1f1b", 1, "looped", ""), ("interleaved_1f1b", 2, "looped", ""),
+     ("zb_h1", 1, "looped", ""), ("zbv", 2, "v", ""), ("interleaved_1f1b", 2, "looped", "batched"),
+     ("1f1b", 1, "looped", "late")],
+    ids=["1f1b", "interleaved", "zb_h1", "zbv", "interleaved-sends-complete-with-receives",
+         "1f1b-probe-attached-late"],
 )  # fmt: skip
 def test_the_predicted_bytes_are_what_the_step_allocates(
-    schedule: str, vp: int, placement: str
+    schedule: str, vp: int, placement: str, variant: str
 ) -> None:
-    for rank, result in enumerate(run_distributed(_run, 2, schedule, vp, placement, timeout=240)):
+    """Measured against predicted, step by step.
+
+    "batched" completes a batch's sends with its receives, as NCCL does (the plan's
+    delivered sends of a batch whose receive is not used yet complete when it is used, and
+    the model holds them until then). "late" attaches the probe at the third step only: the
+    frames pp-comm keeps for reuse were made before it counts, and are held all the same.
+    """
+    results = run_distributed(_run, 2, schedule, vp, placement, variant, timeout=240)
+    for rank, result in enumerate(results):
         assert result["labels"] == result["actions"]
         measured = max(result["peaks"])
         assert result["peak"] == pytest.approx(measured, rel=0.02), rank
@@ -254,6 +269,63 @@ def test_the_counter_sees_what_torch_profilers_allocator_events_see() -> None:
     counted, profiled = _counted_and_profiled(step)
     assert counted == profiled
     assert counted[0] > 4 * SEQ * BATCH * WIDTH * 4  # a block's hidden layer at least
+
+
+@pytest.mark.parametrize("case", ["out into an empty tensor", "resize_ growing a storage"])
+def test_the_counter_sees_operators_that_reallocate_their_inputs(case: str) -> None:
+    a, b = torch.randn(1000), torch.randn(1000)
+    held: list[torch.Tensor] = []
+
+    def step() -> None:
+        held.clear()
+        if case == "out into an empty tensor":
+            out = torch.empty(0)
+            torch.add(a, b, out=out)  # resized to 4,000 bytes inside the operator
+        else:
+            out = torch.zeros(10)
+            out.resize_(2000)  # reallocated at 8,000 bytes
+        held.append(out)
+
+    counted, profiled = _counted_and_profiled(step)
+    assert counted == profiled
+    assert counted[1] == held[0].untyped_storage().nbytes()
+
+
+def test_frees_are_counted_from_any_thread_and_never_wait_for_the_counters_lock() -> None:
+    counter = AllocationCounter()
+    with counter.counting():
+        kept = torch.randn(250) * 2  # 1,000 bytes, counted
+    assert counter.live_bytes == 1000
+    freed = threading.Event()
+
+    def free() -> None:  # garbage collection can run a finalizer while the lock is held
+        kept_here.pop()
+        freed.set()
+
+    kept_here = [kept]
+    del kept
+    with counter._lock:
+        worker = threading.Thread(target=free)
+        worker.start()
+        worker.join(timeout=30)
+        assert freed.is_set(), "a free waited for the counter's lock"
+    assert counter.live_bytes == 0
+    assert counter.take_peak() == 2000  # randn and its product, alive at once
+
+
+def test_an_excluded_storage_leaves_the_count_and_its_address_is_counted_again() -> None:
+    counter = AllocationCounter()
+    with counter.counting():
+        static = torch.randn(100) + 1
+        other = torch.randn(50) + 1
+    counter.exclude([static.untyped_storage().data_ptr()])
+    assert counter.live_bytes == 200
+    key = static.untyped_storage().data_ptr()
+    del static
+    assert counter.live_bytes == 200
+    assert key not in counter._excluded
+    del other
+    assert counter.live_bytes == 0
 
 
 def _profiled_step() -> tuple[int, int]:

@@ -270,4 +270,7 @@ def test_on_cuda_the_live_bytes_are_the_allocators_with_its_peak_reset_per_sampl
     assert first.peak_live_bytes >= first.live_bytes + (1 << 22)  # the freed 4 MiB counted
     # The peak restarts at each sample: nothing was made in between.
     assert second.peak_live_bytes == second.live_bytes == first.live_bytes
+    # The reserved peak outlives the resets: the freed 4 MiB were reserved once.
+    assert probe.peak_reserved_bytes is not None
+    assert probe.peak_reserved_bytes >= first.peak_live_bytes
     del out

@@ -161,3 +161,16 @@ def test_a_limit_and_a_peak_never_read_alike() -> None:
     assert format_bytes_apart([7.4 * mb, 5.5 * mb], 6.1 * mb) == ("6.1 MB", ["7.4 MB", "5.5 MB"])
     assert format_bytes_apart([6.1 * mb], 6.1 * mb) == ("6.1 MB", ["6.1 MB"])
     assert format_bytes_apart([100], 200) == ("200 B", ["100 B"])
+    gb = 2**30  # a limit in GB from a float may fall between two bytes
+    assert format_bytes_apart([8 * gb + 1], 8 * gb + 0.6) == (
+        "8589934592.6 B",
+        ["8589934593.0 B"],
+    )
+
+
+def test_a_memory_model_for_a_forward_only_plan_is_refused() -> None:
+    stage = StageMemory(parameters=0, activation_bytes=10, output_bytes=10)
+    forward = plan("1f1b", pp_size=2, num_microbatches=2, forward_only=True)
+    report = validate(forward, forward_only=True)
+    with pytest.raises(ValueError, match="this plan is forward only"):
+        simulate(report, memory=_model(stage, 2))

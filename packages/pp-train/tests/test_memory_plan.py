@@ -170,12 +170,15 @@ def test_a_part_that_saves_nothing_cannot_be_measured(monkeypatch: pytest.Monkey
 RECOMPUTES = [
     None,
     RecomputeConfig(granularity="full", method="uniform", num_layers=1),
+    RecomputeConfig(granularity="full", method="uniform", num_layers=3),
     RecomputeConfig(granularity="full", method="block", num_layers=2),
     RecomputeConfig(granularity="selective"),
 ]
 
 
-@pytest.mark.parametrize("recompute", RECOMPUTES, ids=["none", "full", "block-2", "selective"])
+@pytest.mark.parametrize(
+    "recompute", RECOMPUTES, ids=["none", "full", "uniform-3", "block-2", "selective"]
+)
 def test_measured_parts_chain_to_the_chunk_measured_whole(
     recompute: RecomputeConfig | None,
 ) -> None:
@@ -206,7 +209,9 @@ def test_measured_parts_chain_to_the_chunk_measured_whole(
         assert chained.parameters == whole.parameters == sum(p.numel() for p in chunk.parameters())
         for field in dataclasses.fields(StageMemory):
             mine, theirs = getattr(chained, field.name), getattr(whole, field.name)
-            if not isinstance(mine, bool):
+            if isinstance(mine, bool):
+                assert mine == theirs, (first, last, field.name)
+            else:
                 # A recomputed part copies the RNG states (5 KB each) it replays: alone, once
                 # per part; whole, once per chunk. The chain errs on the safe side there.
                 above = 4 * activation if recompute is not None else activation

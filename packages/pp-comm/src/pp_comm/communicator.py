@@ -206,6 +206,14 @@ class P2PCommunicator:
         """What this communicator holds for transfers beyond the tensors (see `FrameBuffers`)."""
         return self._engine.frames
 
+    def kept_frames(self) -> list[torch.Tensor]:
+        """The contract frames kept for reuse between calls now (see `FrameBuffers`).
+
+        For a memory probe that starts counting after they were made: they are held
+        between steps, as the byte model's transfer buffers.
+        """
+        return self._engine.kept_frames()
+
     @property
     def is_first_stage(self) -> bool:
         """Whether this rank is stage 0."""

@@ -65,6 +65,12 @@ class Exchanger:
             return FrameBuffers()
         return frame_buffers(self.config, "gloo")
 
+    def kept_frames(self) -> list[torch.Tensor]:
+        """The contract frames kept for reuse now (none without frames)."""
+        if not isinstance(self._agreement, FramedShapes):
+            return []
+        return self._agreement.kept_frames()
+
     # ------------------------------------------------------------------ building transfers
     def send(self, slot: Slot, tensors: Sequence[torch.Tensor], microbatch: int | None) -> Transfer:
         """A send of `tensors` (made contiguous) on `slot`."""

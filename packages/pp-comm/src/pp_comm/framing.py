@@ -306,6 +306,10 @@ class FramedShapes:
         self._sent_frames: dict[int, list[tuple[torch.Tensor, dist.Work]]] = {}
         self._streams: dict[tuple[int, Slot, Channel], list[_FramedReceive]] = {}
 
+    def kept_frames(self) -> list[torch.Tensor]:
+        """The frames kept for reuse now: received ones read, and sent ones by size."""
+        return [*self._spare, *(frame for kept in self._sent_frames.values() for frame, _ in kept)]
+
     def post(self, transfers: list[Transfer], operation: str, deadline: float) -> list[Posted]:
         """Post every frame, the tensors of large sends and the receives of large receives.
 

@@ -487,6 +487,9 @@ class PipelineExecutor:
         """Walk the call's plan, measuring memory when asked; a failure stops the pipeline."""
         probe = self.memory_probe
         taken = len(probe.samples) if probe is not None else 0
+        if probe is not None and self.communicator is not None:
+            # pp-comm's frames kept from steps before the probe started are held here too.
+            probe.adopt(self.communicator.kept_frames())
         try:
             with probe.counting() if probe is not None else contextlib.nullcontext():
                 run.walk()

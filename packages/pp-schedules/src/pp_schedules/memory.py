@@ -78,6 +78,8 @@ def format_bytes_apart(counts: Sequence[float], reference: float) -> tuple[str, 
         if all((v > mark) == (c > reference) and (v < mark) == (c < reference)
                for v, c in zip(scaled, counts, strict=True)):  # fmt: skip
             break
+    else:  # apart by less than a byte's share of the unit's ninth digit: in bytes
+        return f"{reference:.1f} B", [f"{c:.1f} B" for c in counts]
     return f"{reference / size:.{digits}f} {unit}", [
         f"{c / size:.{digits}f} {unit}" for c in counts
     ]

@@ -8,9 +8,12 @@ A `MemoryProbe` measures what a step really holds, two ways:
   on each): the live bytes are the static storages below plus every storage allocated since
   counting started and not freed yet; the peak is kept as storages appear. It sees what
   torch.profiler's allocator events (``profile_memory=True``) see, less the workspace an
-  operator allocates and frees inside itself (a fused attention kernel's, a few KB). On CUDA
+  operator allocates and frees inside itself (a fused attention kernel's: 0.05-1.4% of the
+  peak in pp-train's memory benchmark). On CUDA
   the caching allocator says it: ``torch.cuda.memory_allocated()``, and
-  ``torch.cuda.max_memory_allocated()`` with the peak reset at every sample.
+  ``torch.cuda.max_memory_allocated()`` with the peak reset at every sample. That reset is
+  the allocator's, seen by every reader of ``torch.cuda.max_memory_*`` in the process: the
+  probe keeps the reserved peaks it resets (`MemoryProbe.peak_reserved_bytes`).
 - **saved**, a breakdown: tensors autograd saved for backward and still alive.
 
 Storages alive before counting started and not listed as static (a dataset's token arrays,
@@ -117,11 +120,12 @@ class MemorySample:
 
 
 class _Entry:
-    """One counted storage: its bytes, its finalizer, and whether it counts (not static)."""
+    """One counted storage: its key, bytes, finalizer, and whether it counts (not static)."""
 
-    __slots__ = ("counted", "finalizer", "nbytes")
+    __slots__ = ("counted", "finalizer", "key", "nbytes")
 
-    def __init__(self, nbytes: int, counted: bool) -> None:
+    def __init__(self, key: int, nbytes: int, counted: bool) -> None:
+        self.key = key
         self.nbytes = nbytes
         self.counted = counted
         self.finalizer: weakref.finalize[Any, Any] | None = None
@@ -138,64 +142,93 @@ class AllocationCounter:
 
     While `counting` is active on a thread (and in the autograd engine's work for it), each
     operator's outputs are looked at: a storage that none of the operator's inputs share and
-    that is not counted yet is new (views and in-place results share an input's). It counts
-    from then on, and stops when the storage is freed, whenever and on whichever thread that
-    happens. Storages allocated before counting started are never counted (nor their frees);
-    `exclude` leaves out storages counted elsewhere (a probe's static tensors).
+    that is not counted yet is new (views and in-place results share an input's). An
+    operator that may write its inputs (``out=``, ``resize_``) is looked at before it runs
+    too, so an input storage it grows (reallocates) counts at its new size. A storage counts
+    from then on, and stops when it is freed, whenever and on whichever thread that happens
+    (a free is queued and applied at the counter's next use: a finalizer never takes a lock,
+    so garbage collection running one anywhere cannot deadlock). Storages allocated before
+    counting started are never counted (nor their frees); `exclude` leaves out storages
+    counted elsewhere (a probe's static tensors).
 
-    Meta tensors have no storage and are not counted. (On CUDA `MemoryProbe` reads the
-    allocator's statistics instead, which see every allocation.)
+    Not seen: meta tensors (no storage), and storages made without an operator (a tensor
+    built from a Python list or a NumPy array: ``torch.tensor``, ``as_tensor``,
+    ``from_numpy``), which torch.profiler's allocator events do see. (On CUDA `MemoryProbe`
+    reads the allocator's statistics instead, which see every allocation.)
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, _Entry] = {}
+        self._freed_queue: collections.deque[_Entry] = collections.deque()
         self._excluded: frozenset[int] = frozenset()
         self._live = 0
         self._peak = 0
-        self._depth = 0
+        self._local = threading.local()
         self._mode = _CountingMode(self)
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
         """Count new storages on this thread while active (nested use is fine)."""
-        if self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-            return
-        self._depth = 1
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
         try:
-            with self._mode:
+            if depth:
                 yield
+            else:
+                with self._mode:
+                    yield
         finally:
-            self._depth = 0
+            self._local.depth = depth
 
     @property
     def live_bytes(self) -> int:
         """Bytes of the counted storages alive now (excluded ones left out)."""
-        return self._live
+        with self._lock:
+            self._apply_frees()
+            return self._live
 
     def take_peak(self) -> int:
         """The most `live_bytes` since the previous call (or creation); restarts from now."""
         with self._lock:
+            self._apply_frees()
             peak, self._peak = max(self._peak, self._live), self._live
         return peak
 
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of `tensors` not counted yet as if allocated now, until freed.
+
+        For storages made before counting started and held from now on (buffers kept for
+        reuse).
+        """
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            entry = self._held.get(key)
+            if nbytes and not (entry is not None and entry.holds(storage)):
+                self._add(key, storage, nbytes)
+
     def exclude(self, keys: Iterable[int]) -> None:
         """Leave the storages at these ``data_ptr()`` keys out of `live_bytes` from now on."""
+        excluded = frozenset(keys)
         with self._lock:
-            self._excluded = frozenset(keys)
+            self._apply_frees()
+            entries = list(self._held.values())
+            self._excluded = excluded
             self._live = 0
-            for key, entry in self._held.items():
-                entry.counted = key not in self._excluded
+            for entry in entries:
+                entry.counted = entry.key not in excluded
                 self._live += entry.nbytes if entry.counted else 0
             self._peak = max(self._peak, self._live)
 
-    def saw(self, outputs: object, inputs: object) -> None:
-        """Count the new storages among an operator's `outputs` (called by the mode)."""
+    def saw(self, outputs: object, inputs: object, before: dict[int, Any] | None = None) -> None:
+        """Count the new storages among an operator's `outputs` (called by the mode).
+
+        `before` maps ``id()`` of each input storage of an operator that may write its
+        inputs to ``(storage, data_ptr, nbytes)`` as they were before it ran.
+        """
+        if before:
+            self._saw_rewritten(before)
         shared: set[int] | None = None
         for tensor in tree_leaves(outputs):
             if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
@@ -208,8 +241,6 @@ class AllocationCounter:
                 continue
             entry = self._held.get(key)
             if entry is not None and entry.holds(storage):
-                if entry.nbytes != nbytes:  # resized in place
-                    self._resize(entry, nbytes)
                 continue
             if shared is None:
                 shared = _storage_keys(inputs)
@@ -217,9 +248,22 @@ class AllocationCounter:
                 continue  # a view of, or the very storage of, an input
             self._add(key, storage, nbytes)
 
+    def _saw_rewritten(self, before: dict[int, Any]) -> None:
+        """Input storages an operator reallocated: their entry moves, or they count anew."""
+        for storage, key, nbytes in before.values():
+            now_key, now_bytes = storage.data_ptr(), storage.nbytes()
+            if (now_key, now_bytes) == (key, nbytes) or not now_bytes:
+                continue
+            entry = self._held.get(key)
+            if entry is not None and entry.holds(storage):
+                self._move(entry, now_key, now_bytes)
+            elif now_key != key or now_bytes > nbytes:
+                self._add(now_key, storage, now_bytes)
+
     def _add(self, key: int, storage: torch.UntypedStorage, nbytes: int) -> None:
-        entry = _Entry(nbytes, key not in self._excluded)
+        entry = _Entry(key, nbytes, key not in self._excluded)
         with self._lock:
+            self._apply_frees()
             stale = self._held.pop(key, None)
             if stale is not None:  # freed on another thread, its finalizer not run yet
                 self._live -= stale.nbytes if stale.counted else 0
@@ -227,22 +271,35 @@ class AllocationCounter:
             if entry.counted:
                 self._live += nbytes
                 self._peak = max(self._peak, self._live)
-        entry.finalizer = weakref.finalize(storage, self._freed, key, entry)
+        entry.finalizer = weakref.finalize(storage, self._freed_queue.append, entry)
         entry.finalizer.atexit = False
 
-    def _resize(self, entry: _Entry, nbytes: int) -> None:
+    def _move(self, entry: _Entry, key: int, nbytes: int) -> None:
         with self._lock:
+            self._apply_frees()
+            if self._held.get(entry.key) is entry:
+                del self._held[entry.key]
+            stale = self._held.pop(key, None)
+            if stale is not None:
+                self._live -= stale.nbytes if stale.counted else 0
             if entry.counted:
+                if key != entry.key:  # reallocated: the new block came before the old went
+                    self._peak = max(self._peak, self._live + nbytes)
                 self._live += nbytes - entry.nbytes
                 self._peak = max(self._peak, self._live)
-            entry.nbytes = nbytes
+            entry.key, entry.nbytes = key, nbytes
+            self._held[key] = entry
 
-    def _freed(self, key: int, entry: _Entry) -> None:
-        with self._lock:
-            if self._held.get(key) is not entry:
-                return  # a newer storage at the same address is counted now
-            del self._held[key]
+    def _apply_frees(self) -> None:
+        """Forget the storages freed since (call with the lock held)."""
+        while self._freed_queue:
+            entry = self._freed_queue.popleft()
+            if self._held.get(entry.key) is not entry:
+                continue  # a newer storage at the same address is counted now
+            del self._held[entry.key]
             self._live -= entry.nbytes if entry.counted else 0
+            if entry.key in self._excluded:  # a static storage gone: its address is free
+                self._excluded = self._excluded - {entry.key}
 
 
 class _CountingMode(TorchDispatchMode):
@@ -259,18 +316,30 @@ class _CountingMode(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        before = None
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:  # may reallocate an input (out=, resize_)
+            before = {
+                id(storage): (storage, storage.data_ptr(), storage.nbytes())
+                for storage in _storages((args, kwargs))
+            }
         result = func(*args, **(kwargs or {}))
-        self.counter.saw(result, (args, kwargs))
+        self.counter.saw(result, (args, kwargs), before)
         return result
+
+
+def _storages(tensors: object) -> list[torch.UntypedStorage]:
+    """The storage behind every strided tensor with one in `tensors`."""
+    return [
+        t.untyped_storage()
+        for t in tree_leaves(tensors)
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+    ]
 
 
 def _storage_keys(tensors: object) -> set[int]:
     """The ``data_ptr()`` of the storage behind every strided tensor in `tensors`."""
-    return {
-        t.untyped_storage().data_ptr()
-        for t in tree_leaves(tensors)
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided
-    }
+    return {storage.data_ptr() for storage in _storages(tensors)}
 
 
 class _Held:
@@ -301,7 +370,8 @@ class MemoryProbe:
         count_allocations: Measure the live bytes (`AllocationCounter` on CPU, the allocator
             on CUDA); False: the saved bytes only, at no cost per operator.
         device: "cpu" or "cuda": where the live bytes are read; None: CUDA when the static
-            tensors live there, else CPU.
+            tensors live there (without static tensors: when this process has started
+            CUDA), else CPU.
     """
 
     def __init__(
@@ -335,13 +405,15 @@ class MemoryProbe:
         self._counting = False
         self._static_before = 0  # the static bytes the counter's exclusions go with
         self._pending_peak = 0  # the most live bytes since the previous sample, so far
+        self._reserved_peak: int | None = None  # CUDA: the reserved peaks the samples reset
 
     @property
     def device(self) -> str:
         """Where the live bytes are read: "cuda" (the allocator) or "cpu" (the counter)."""
         if self._device is None:
             first = next(iter(self._static()), None) if self._static is not None else None
-            self._device = "cuda" if first is not None and first.is_cuda else "cpu"
+            cuda = first.is_cuda if first is not None else _cuda_started()
+            self._device = "cuda" if cuda else "cpu"
         return self._device
 
     @contextlib.contextmanager
@@ -361,6 +433,14 @@ class MemoryProbe:
         finally:
             if outer:
                 self._counting = False
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count `tensors` made before counting started as held from now on.
+
+        See `AllocationCounter.adopt`; on CUDA, or without counting, nothing to do.
+        """
+        if self.counts_allocations and self.device == "cpu":
+            self.counter.adopt(tensors)
 
     def _restate_static(self) -> int:
         """Leave the static storages out of the counter (their bytes count apart).
@@ -488,7 +568,7 @@ class MemoryProbe:
             return None, None
         if self.device == "cuda":
             live, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            self._reset_cuda_peaks()
             return live, max(live, peak)
         static = self._restate_static()
         live = static + self.counter.live_bytes
@@ -520,7 +600,24 @@ class MemoryProbe:
         self._restate_static()
         self._pending_peak = 0
         if self.counts_allocations and self.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+            self._reset_cuda_peaks()
+
+    def _reset_cuda_peaks(self) -> None:
+        """Reset the allocator's peak statistics, keeping the reserved peak they held."""
+        reserved = torch.cuda.max_memory_reserved()
+        self._reserved_peak = max(self._reserved_peak or 0, reserved)
+        torch.cuda.reset_peak_memory_stats()
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """CUDA: the most bytes the allocator reserved since the probe's first sample.
+
+        The peaks its samples reset included (``torch.cuda.max_memory_reserved()`` alone
+        covers the interval since the last sample); None on CPU or before any sample.
+        """
+        if self._reserved_peak is None:
+            return None
+        return max(self._reserved_peak, torch.cuda.max_memory_reserved())
 
     def saved_by(self, fn: Callable[[], object]) -> int:
         """Bytes one call of `fn` saved for backward that are still held when it returns.

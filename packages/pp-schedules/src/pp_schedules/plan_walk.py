@@ -153,6 +153,9 @@ class PlanWalk:
         self.local: dict[tuple[str, int, int], list[torch.Tensor]] = {}
         # Exchanges with sends in flight: their handle and what they send.
         self.pending: dict[int, tuple[P2PHandle, list[torch.Tensor]]] = {}
+        # Exchanges whose sends are delivered by the plan but whose batch (NCCL: sends and
+        # receives complete together) still has a receive in `arrived`.
+        self.overdue: set[int] = set()
         self.store: list[Any] = []
         self.stats = RunStats()
         self.recorder = TimelineRecorder(executor.rank) if executor.recording else None
@@ -199,10 +202,12 @@ class PlanWalk:
         that receive is used or at the end of the call.
         """
         handle, _ = self.pending.get(index, (None, None))
-        if handle is None or (
-            not self.x.independent and any(h is handle for h, _, _ in self.arrived.values())
-        ):
+        if handle is None:
             return
+        if not self.x.independent and any(h is handle for h, _, _ in self.arrived.values()):
+            self.overdue.add(index)  # completed by `_wait_for` once that receive is used
+            return
+        self.overdue.discard(index)
         del self.pending[index]
         self.x.recorder.wait(("send", index))
         handle.wait_send()
@@ -305,6 +310,8 @@ class PlanWalk:
         start = self.recorder.now() if self.recorder is not None else 0.0
         handle.wait_recv([number])
         self.x.recorder.waited()
+        for index in sorted(self.overdue):  # sends held back by this receive (NCCL)
+            self._complete_sends(index)
         if self.recorder is not None:
             self.recorder.add(f"wait {key[0]} {key[1]}.{key[2]}", "wait", key[1], key[2], start,
                               self.recorder.now())  # fmt: skip
@@ -535,6 +542,7 @@ class PlanWalk:
             handle.wait_send()
         self.x.recorder.waited()
         self.pending.clear()
+        self.overdue.clear()
         assert not self.outputs, "every forward got its backward"
         assert not self.arrived, "every received tensor was used"
         assert not self.to_send, "every result that leaves the rank was sent"

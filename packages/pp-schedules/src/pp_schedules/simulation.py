@@ -514,12 +514,19 @@ def simulate(
 
     Raises:
         ValueError: Stage costs or a memory model for another number of virtual stages than
-            the plan's, or for a report that carries no placement.
+            the plan's, or for a report that carries no placement; a memory model for a
+            forward-only plan.
     """
     if isinstance(costs, StageCosts):
         _check_stages(report, costs.num_stages, "stage costs", "cover")
     if memory is not None:
         _check_stages(report, memory.num_stages, "the memory model", "covers")
+        if report.forward_only:
+            raise ValueError(
+                "a memory model follows a training step's bytes, and this plan is forward "
+                "only (evaluation keeps no activations for backward); simulate it without "
+                "memory=, or simulate the training plan"
+            )
     simulator = _Simulator(report, costs or Costs())
     simulator.run()
     makespan = max(simulator.clock) if simulator.clock else 0.0

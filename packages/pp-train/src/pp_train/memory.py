@@ -144,11 +144,7 @@ def _measured(measured: MemoryProbe | MemorySample | None) -> tuple[int | None, 
 
 def _most_saved(measured: MemoryProbe | MemorySample | None) -> int | None:
     """The most bytes saved for backward the probe saw (the breakdown)."""
-    if measured is None:
-        return None
-    if isinstance(measured, MemorySample):
-        return measured.peak_saved_bytes
-    return measured.peak_saved_bytes
+    return None if measured is None else measured.peak_saved_bytes
 
 
 def _megabytes(count: int | None) -> str:
@@ -184,6 +180,9 @@ def memory_report(
         figures: dict[str, int | None] = {**_allocator_figures()}
         if peak is not None:  # the probe resets the allocator's peak at every sample
             figures["allocated"], figures["max allocated"] = allocated, peak
+        kept = getattr(measured, "peak_reserved_bytes", None)
+        if kept is not None:  # and keeps the reserved peaks it reset
+            figures["max reserved"] = max(kept, figures["max reserved"] or 0)
     else:
         resident, most = rss_bytes(), max_rss_bytes()
         if resident is not None and most is not None:
@@ -299,7 +298,9 @@ class MemoryReport:
         self.reported = print_fn is None
         self.executor = (
             forward_backward_func
-            if isinstance(forward_backward_func, PipelineExecutor) and print_fn is not None
+            if isinstance(forward_backward_func, PipelineExecutor)
+            and print_fn is not None
+            and self.prints
             else None
         )
         self.probe = MemoryProbe(self.static) if self.executor is not None else None

@@ -172,6 +172,7 @@ def _checkpointed_group(figures: ModelFigures, size: int) -> StageMemory:
         backward_transient_bytes=one.backward_transient_bytes + extra,
         input_transient_bytes=one.input_transient_bytes + extra,
         deferred_bytes=size * one.deferred_bytes,
+        weight_kept_bytes=size * one.weight_kept_bytes,
         weight_transient_bytes=one.weight_transient_bytes + extra,
     )
 
