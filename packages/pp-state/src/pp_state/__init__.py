@@ -9,7 +9,11 @@
   layout string "Ettt|tttL", first/last counts, or the even split), and which global layers,
   embedding or loss each (rank, chunk) holds; `LayerLayoutError` for a layout that cannot be.
 - `collective`: wrap a collective so a dead or silent peer raises one `CollectiveError`
-  naming the rank, the peer, the operation and the iteration.
+  naming the rank, the peer, the operation and the iteration; `set_collective_hook` tells a
+  recorder of every wrapped collective, `set_peer_finder` names a lost member by evidence.
+- `RankCoordinates` / `coordinates_in` (`ParallelState.coordinates`): where a global rank sits
+  ("rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0)"); `pp_state.liveness`: each rank's
+  identity and heartbeat in the store, and what they say of a rank (gone, stopped, silent).
 - `is_int`, `is_real`, `check_int`, `check_at_least`, `divisors` (`pp_state.numbers`): the
   whole-number checks every layer shares (a bool is never a count).
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
@@ -29,6 +33,7 @@ import importlib
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
 
+from pp_state.coordinates import RankCoordinates, coordinates_in
 from pp_state.errors import (
     AlreadyInitializedError,
     DistributedNotInitializedError,
@@ -65,6 +70,8 @@ if TYPE_CHECKING:
         collective_device,
         collective_error,
         is_lost_peer,
+        set_collective_hook,
+        set_peer_finder,
     )
     from pp_state.default import (
         NotInitializedError,
@@ -91,6 +98,8 @@ _LAZY = {
     "collective": "pp_state.collectives",
     "collective_device": "pp_state.collectives",
     "collective_error": "pp_state.collectives",
+    "set_collective_hook": "pp_state.collectives",
+    "set_peer_finder": "pp_state.collectives",
     "is_lost_peer": "pp_state.collectives",
     "NotInitializedError": "pp_state.default",
     "get_default_state": "pp_state.default",
@@ -140,6 +149,7 @@ __all__ = [
     "PipelineLayerLayout",
     "Placement",
     "ProcessGroupCollection",
+    "RankCoordinates",
     "RankGenerator",
     "StateDestroyedError",
     "StoreChannel",
@@ -151,6 +161,7 @@ __all__ = [
     "collective",
     "collective_device",
     "collective_error",
+    "coordinates_in",
     "destroy_model_parallel",
     "divisors",
     "expert_rank_layout",
@@ -166,5 +177,7 @@ __all__ = [
     "parallel_state",
     "rank_layout",
     "reset_default_state",
+    "set_collective_hook",
     "set_default_state",
+    "set_peer_finder",
 ]

@@ -13,23 +13,38 @@ iteration::
 Errors that are not a lost peer (a wrong shape, a wrong dtype) pass through unchanged. An
 outer ``collective(..., iteration=n)`` adds the iteration to an inner one's error that had
 none. Entering and leaving costs a method call; nothing is checked unless an error comes.
+
+Two hooks, set by a trainer (pp-train sets both):
+
+- `set_collective_hook(hook)`: ``hook.begin(operation, group_ranks, iteration)`` and
+  ``hook.end(token, failed)`` around every `collective` (pp-schedules' flight recorder keeps them
+  beside the plan steps, so a stop report knows which collective a rank was in);
+- `set_peer_finder(finder)`: names the lost member of a group of more than two ranks, where
+  the backend's error does not (``finder(other_ranks)`` returns the peer and the evidence, or
+  None; `pp_state.liveness.lost_peer` is one).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from types import TracebackType
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "CollectiveError",
+    "CollectiveHook",
+    "PeerFinder",
     "at_iteration",
     "collective",
     "collective_device",
     "collective_error",
     "is_lost_peer",
+    "set_collective_hook",
+    "set_peer_finder",
 ]
 
 # Texts of gloo's, NCCL's and the socket layer's errors for a peer that died, hung or left.
@@ -46,6 +61,52 @@ _LOST_PEER_MARKERS = (
 _ADDRESS = re.compile(r"\[[0-9a-fA-F.:]+\]:\d+")
 
 
+class CollectiveHook(Protocol):
+    """Told of every `collective` a rank enters and leaves (see `set_collective_hook`)."""
+
+    def begin(self, operation: str, group_ranks: tuple[int, ...], iteration: int | None) -> object:
+        """A collective over `group_ranks` (global ranks) starts; returns a token for `end`."""
+        ...
+
+    def end(self, token: object, failed: bool = False) -> None:
+        """The collective `begin` returned `token` for is over: done, or `failed`."""
+        ...
+
+
+PeerFinder = Callable[[tuple[int, ...]], tuple[int, str] | None]
+"""Names the lost member of some ranks: (global rank, evidence in words), or None."""
+
+
+class _Hooks:
+    """The hooks this process set (module state a trainer sets once, as a logging handler)."""
+
+    collective: CollectiveHook | None = None
+    peer: PeerFinder | None = None
+
+
+_HOOKS = _Hooks()
+
+
+def set_collective_hook(hook: CollectiveHook | None) -> CollectiveHook | None:
+    """Tell `hook` of every `collective` of this process from now on (None: nobody).
+
+    Returns:
+        The hook set before, to put back.
+    """
+    previous, _HOOKS.collective = _HOOKS.collective, hook
+    return previous
+
+
+def set_peer_finder(finder: PeerFinder | None) -> PeerFinder | None:
+    """Ask `finder` which member was lost when a collective's error does not say (None: nobody).
+
+    Returns:
+        The finder set before, to put back.
+    """
+    previous, _HOOKS.peer = _HOOKS.peer, finder
+    return previous
+
+
 class CollectiveError(RuntimeError):
     """A collective failed because a peer died, left or did not answer within the timeout.
 
@@ -53,6 +114,8 @@ class CollectiveError(RuntimeError):
         rank: Global rank that raised.
         peer: Global rank of the peer that failed, when it can be known (a group of two), or None.
         peer_address: The peer's address as the backend reported it, or None.
+        peer_evidence: What showed the peer lost, when the error itself did not name it
+            ("gone: its process 4242 on this host has exited"), or None.
         operation: What the collective was for, such as "loss averaging".
         group_ranks: Global ranks of the group the collective ran over.
         iteration: The training iteration, when the caller knows it, or None.
@@ -70,11 +133,13 @@ class CollectiveError(RuntimeError):
         peer_address: str | None = None,
         iteration: int | None = None,
         timed_out: bool = False,
+        peer_evidence: str | None = None,
     ) -> None:
         """Builds the one-line message from the context."""
         self.rank = rank
         self.peer = peer
         self.peer_address = peer_address
+        self.peer_evidence = peer_evidence
         self.operation = operation
         self.group_ranks = group_ranks
         self.iteration = iteration
@@ -85,7 +150,9 @@ class CollectiveError(RuntimeError):
     def _message(self) -> str:
         when = "" if self.iteration is None else f" at iteration {self.iteration}"
         who = "peer rank unknown" if self.peer is None else f"peer rank {self.peer}"
-        if self.peer_address is not None:
+        if self.peer_evidence is not None:
+            who += f" ({self.peer_evidence})"
+        elif self.peer_address is not None:
             who += f" (address {self.peer_address})"
         what = "did not answer in time" if self.timed_out else "closed the connection or died"
         return (
@@ -104,6 +171,7 @@ class CollectiveError(RuntimeError):
             peer_address=self.peer_address,
             iteration=iteration,
             timed_out=self.timed_out,
+            peer_evidence=self.peer_evidence,
         )
 
 
@@ -137,7 +205,8 @@ def collective_error(
     """The `error_class` naming this rank, the group, the peer and `operation` for `error`.
 
     For callers that catch the backend's error themselves (a ``Work.wait()``); `collective`
-    uses it too. The peer is a rank when the group has one other rank, else unknown.
+    uses it too. The peer is a rank when the group has one other rank, else the one the peer
+    finder (`set_peer_finder`) shows lost, with its evidence, else unknown.
     """
     rank = dist.get_rank() if dist.is_initialized() else -1
     ranks = _group_ranks(group)
@@ -145,16 +214,30 @@ def collective_error(
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     address = _ADDRESS.search(text)
     lowered = text.lower()
+    peer, evidence = (others[0], None) if len(others) == 1 else _found_peer(tuple(others))
     return error_class(
         rank=rank,
         operation=operation,
         group_ranks=ranks,
         cause=text,
-        peer=others[0] if len(others) == 1 else None,
+        peer=peer,
         peer_address=address.group(0) if address else None,
         iteration=iteration,
         timed_out="timed out" in lowered or "timeout" in lowered,
+        peer_evidence=evidence,
     )
+
+
+def _found_peer(others: tuple[int, ...]) -> tuple[int | None, str | None]:
+    """The lost member of `others` by the peer finder's evidence, or (None, None)."""
+    finder = _HOOKS.peer
+    if finder is None or not others:
+        return None, None
+    try:
+        found = finder(others)
+    except Exception:  # a finder that fails must not hide the collective's own error
+        return None, None
+    return (None, None) if found is None else found
 
 
 class collective:  # noqa: N801 - used as a context manager, named like one
@@ -165,9 +248,10 @@ class collective:  # noqa: N801 - used as a context manager, named like one
             ("gradient all-reduce over data parallel", "checkpoint agreement").
         group: The group the collective runs over (None: the default group).
         iteration: The training iteration, when known.
+        error_class: The class of the error raised (a `CollectiveError`).
     """
 
-    __slots__ = ("group", "iteration", "operation")
+    __slots__ = ("error_class", "group", "iteration", "operation", "token")
 
     def __init__(
         self,
@@ -175,13 +259,18 @@ class collective:  # noqa: N801 - used as a context manager, named like one
         *,
         group: dist.ProcessGroup | None = None,
         iteration: int | None = None,
+        error_class: type[CollectiveError] = CollectiveError,
     ) -> None:
         self.operation = operation
         self.group = group
         self.iteration = iteration
+        self.error_class = error_class
+        self.token: object = None
 
     def __enter__(self) -> None:
-        return None
+        hook = _HOOKS.collective
+        if hook is not None:
+            self.token = hook.begin(self.operation, _group_ranks(self.group), self.iteration)
 
     def __exit__(
         self,
@@ -189,6 +278,9 @@ class collective:  # noqa: N801 - used as a context manager, named like one
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        hook = _HOOKS.collective
+        if hook is not None:
+            hook.end(self.token, error is not None)
         if error is None:
             return
         if isinstance(error, CollectiveError):
@@ -196,8 +288,9 @@ class collective:  # noqa: N801 - used as a context manager, named like one
             return
         if is_lost_peer(error):
             raise collective_error(
-                error, self.operation, group=self.group, iteration=self.iteration
-            ) from error
+                error, self.operation, group=self.group, iteration=self.iteration,
+                error_class=self.error_class,
+            ) from error  # fmt: skip
 
 
 class at_iteration:  # noqa: N801 - used as a context manager, named like one

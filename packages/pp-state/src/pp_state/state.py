@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from pp_state.collectives import collective
+from pp_state.coordinates import RankCoordinates, coordinates_in
 from pp_state.errors import DistributedNotInitializedError, ParallelSizeError
 from pp_state.layout import (
     ALL_KINDS,
@@ -464,6 +465,18 @@ class ParallelState:
         """
         self._alive()
         return self.group(kind) if self.in_group(kind) else None
+
+    def coordinates(self, rank: int | None = None) -> RankCoordinates:
+        """Where global rank `rank` (this one by default) sits: pipeline, stage, dp, tp.
+
+        ``state.coordinates(1).describe()`` is ``rank 1 (pipeline stage 0 of [1, 3], dp 1,
+        tp 0)``, how stop reports and errors name a rank.
+
+        Raises:
+            ValueError: `rank` is not a rank of the job.
+        """
+        self._alive()
+        return coordinates_in(self._layout, self._rank if rank is None else rank)
 
     def group_ranks(self, kind: AnyGroupKind) -> list[int]:
         """Global ranks of this rank's group of `kind`, in group-rank order."""
