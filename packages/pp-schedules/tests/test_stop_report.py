@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from pp_schedules import plan, validate
 from pp_schedules.flight_recorder import FlightRecorder, NullFlightRecorder, check_recorder_size
 from pp_schedules.lowering import Step
+from pp_schedules.stop_channel import foreign
 from pp_schedules.stop_report import build_stop_report, describe_step
 
 PP, M = 3, 4
@@ -89,39 +91,65 @@ def test_the_null_recorder_records_nothing() -> None:
     assert recorder.recent() == []
 
 
-def _document(rank: int, recorder: FlightRecorder, error: dict[str, Any] | None) -> dict[str, Any]:
+def _document(
+    rank: int,
+    recorder: FlightRecorder,
+    error: dict[str, Any] | None,
+    pipeline: tuple[int, ...] = tuple(range(PP)),
+    coordinates: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What global rank `rank` publishes (its stage is its place in `pipeline`)."""
+    stage = pipeline.index(rank)
     return {
-        "rank": rank, "global_rank": rank, "prev_rank": (rank - 1) % PP,
-        "next_rank": (rank + 1) % PP, "pp_size": PP, "iteration": recorder.iteration,
+        "rank": stage, "global_rank": rank, "pipeline": list(pipeline), "pp_size": len(pipeline),
+        "coordinates": coordinates, "iteration": recorder.iteration,
         "position": recorder.head(), "recent": recorder.recent(), "error": error,
+        "run": {"world_size": 4, "plan": "p", "token": None},
         "published_at": 100.0, "clock_offset": 0.0,
     }  # fmt: skip
 
 
+def _walked(stage: int, steps: list[list[Step]], upto: int, call: int = 1) -> FlightRecorder:
+    """A recorder that ran `call` calls, the last up to (and in) step `upto` of `stage`."""
+    recorder = FlightRecorder()
+    for number in range(1, call + 1):
+        recorder.start_call(stage, steps)
+        last = upto if number == call else len(steps[stage]) - 1
+        for index in range(last + 1):
+            recorder.begin(index, steps[stage][index])
+            if index < last or number < call:
+                recorder.end()
+    return recorder
+
+
 def _waiting_at(
-    rank: int, kind: str, steps: list[list[Step]], error: dict[str, Any]
+    rank: int,
+    kind: str,
+    steps: list[list[Step]],
+    error: dict[str, Any],
+    pipeline: tuple[int, ...] = tuple(range(PP)),
 ) -> dict[str, Any]:
     """A rank that walked up to its first `kind` step and waits there for its receive."""
-    recorder = FlightRecorder()
-    recorder.start_call(rank, steps)
-    index = _first(steps[rank], kind)
-    for earlier, step in enumerate(steps[rank][:index]):
-        recorder.begin(earlier, step)
-        recorder.end()
-    action = steps[rank][index].compute
+    stage = pipeline.index(rank)
+    index = _first(steps[stage], kind)
+    recorder = _walked(stage, steps, index)
+    action = steps[stage][index].compute
     assert action is not None
-    recorder.begin(index, steps[rank][index])
     channel = "forward" if kind == "F" else "backward"
     recorder.wait(("recv", (channel, action.microbatch, action.chunk)))
-    return _document(rank, recorder, error)
+    return _document(rank, recorder, error, pipeline)
 
 
 def _error(peer: int, *, timed_out: bool = False, mismatch: bool = False) -> dict[str, Any]:
     return {
         "type": "P2PTimeoutError" if timed_out else "P2PError", "message": "it failed",
-        "peer": peer, "transfer": True, "timed_out": timed_out, "lost": not mismatch,
-        "mismatch": mismatch,
+        "peer": peer, "peer_stage": peer, "transfer": True, "timed_out": timed_out,
+        "lost": not mismatch, "mismatch": mismatch,
     }  # fmt: skip
+
+
+def _name(rank: int, pipeline: tuple[int, ...] = tuple(range(PP))) -> str:
+    return f"rank {rank} (pipeline stage {pipeline.index(rank)} of {list(pipeline)})"
 
 
 def test_a_dead_rank_is_named_gone_and_placed_by_the_plan() -> None:
@@ -132,26 +160,29 @@ def test_a_dead_rank_is_named_gone_and_placed_by_the_plan() -> None:
     }
     report = build_stop_report(steps, heads, iteration=1)
     wait_1 = heads[1]["position"]["step"]
-    wait_0 = heads[0]["position"]["step"]
     # Rank 2 never sent the gradient of microbatch 0: it was at its B0 by the plan.
     b0 = _first(steps[2], "B")
     assert report.positions[2].inferred
     assert report.positions[2].step == b0
     assert report.cause == (
-        f"rank 2 is gone; by the plan it was at {describe_step(steps[2][b0])} (step {b0}, "
-        f"inferred); ranks 1 and 0 wait for it at steps {wait_1} and {wait_0}"
+        f"{_name(2)} is gone; by the plan it was at {describe_step(steps[2][b0])} (step {b0}, "
+        f"inferred); rank 1 saw its connection close at step {wait_1} "
+        f"({steps[1][wait_1]}) of call 1 (rank 0 behind)"
     )
     text = report.render()
-    assert "rank 2 is gone" in text
+    assert f"{_name(2)} is gone" in text
     assert f"({steps[2][b0]})" in text
     assert f"[{steps[1][wait_1]}]" in text
-    assert f"rank 1 waits at step {wait_1}" in text
+    assert f"{_name(1)} waits at step {wait_1} ({steps[1][wait_1]}) of call 1 for rank 2" in text
+    assert "\nrank 2: " in text  # the grid's rows are named by global rank
     document = json.loads(report.to_json())
     assert document["cause"] == report.cause
     assert set(document["heads"]) == {"0", "1"}
     trace = json.loads(report.chrome_trace())
     tracks = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert tracks == {0, 1}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"rank 0", "rank 1", "rank 2"}
 
 
 def test_a_rank_that_only_timed_out_its_peers_is_not_answering() -> None:
@@ -160,7 +191,10 @@ def test_a_rank_that_only_timed_out_its_peers_is_not_answering() -> None:
         1: _waiting_at(1, "B", steps, _error(2, timed_out=True)),
         0: _waiting_at(0, "B", steps, _error(1, timed_out=True)),
     }
-    assert build_stop_report(steps, heads).cause.startswith("rank 2 is not answering; by the plan")
+    cause = build_stop_report(steps, heads).cause
+    assert cause.startswith(f"{_name(2)} is not answering (published nothing); by the plan")
+    assert "; rank 1 timed out waiting for it at step " in cause
+    assert cause.endswith(" of call 1 (rank 0 behind)")
 
 
 def test_a_mismatch_is_named_with_both_ranks() -> None:
@@ -170,7 +204,7 @@ def test_a_mismatch_is_named_with_both_ranks() -> None:
     }
     heads[2] = _waiting_at(2, "F", steps, _error(1, mismatch=True))
     report = build_stop_report(steps, heads)
-    assert report.cause == "contract mismatch between rank 1 and rank 2: it failed"
+    assert report.cause == f"contract mismatch between {_name(1)} and {_name(2)}: it failed"
     assert not any(p.inferred for p in report.positions)
 
 
@@ -186,9 +220,219 @@ def test_an_own_failure_is_named_with_its_step(tmp_path: Path) -> None:
         1: _waiting_at(1, "B", steps, _error(2, timed_out=True)),
     }
     report = build_stop_report(steps, heads)
-    assert report.cause == f"rank 2 failed at step 0 ({steps[2][0]}): ValueError: bad batch"
+    assert report.cause == (
+        f"{_name(2)} failed at step 0 ({steps[2][0]}) of call 1: ValueError: bad batch"
+    )
     written = report.write(tmp_path)
     assert [p.name for p in written] == [
         "pipeline-stop.txt", "pipeline-stop.json", "pipeline-stop.trace.json",
     ]  # fmt: skip
     assert json.loads(written[2].read_text())["traceEvents"]
+
+
+# -------------------------------------------------------------------- global ranks, pp 2 x dp 2
+def _pp2_steps() -> list[list[Step]]:
+    return validate(plan("1f1b", pp_size=2, num_microbatches=4)).steps
+
+
+def _coordinates(rank: int, pipeline: tuple[int, ...], dp: int) -> dict[str, Any]:
+    return {"rank": rank, "pipeline": list(pipeline), "stage": pipeline.index(rank),
+            "data_parallel": dp, "tensor_parallel": 0, "context_parallel": 0}  # fmt: skip
+
+
+def test_in_a_data_parallel_job_ranks_are_global_ranks_with_their_place() -> None:
+    """pp 2 x dp 2: pipeline [1, 3]; global rank 1 (its stage 0) is killed."""
+    steps, pipeline = _pp2_steps(), (1, 3)
+    head = _waiting_at(3, "F", steps, {**_error(1), "peer_stage": 0}, pipeline)
+    head["coordinates"] = _coordinates(3, pipeline, 1)
+    described = {1: "rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0)"}
+    report = build_stop_report(
+        steps, {3: head}, iteration=5, pipeline=pipeline, describe=described.__getitem__
+    )
+    assert report.cause.startswith("rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0) is gone;")
+    assert "rank 0" not in report.cause
+    text = report.render()
+    assert text.startswith("pipeline stopped (call 5) in pipeline [1, 3]: rank 1 (pipeline")
+    assert "rank 3 (pipeline stage 1 of [1, 3], dp 1, tp 0) waits at step" in text
+    assert "\nrank 1: " in text
+    assert "\nrank 3: " in text
+    assert report.reporter == 3
+    assert json.loads(report.to_json())["pipeline"] == [1, 3]
+
+
+# --------------------------------------------------------------- collectives and other calls
+@dataclasses.dataclass(frozen=True)
+class _Live:
+    state: str
+    evidence: str
+
+
+def _in_collective(
+    rank: int, steps: list[list[Step]], call: int, operation: str, *, group: tuple[int, ...],
+    seq: int,
+) -> dict[str, Any]:  # fmt: skip
+    """A rank that ended call `call` and waits in a collective after it."""
+    stage = rank
+    recorder = _walked(stage, steps, len(steps[stage]) - 1, call)
+    recorder.end()
+    for _ in range(seq):  # earlier collectives on the group, ended
+        recorder.end_collective(recorder.begin_collective(operation, group))
+    recorder.begin_collective(operation, group, iteration=54)
+    return _document(rank, recorder, None, tuple(range(4)))
+
+
+def _pp4_steps() -> list[list[Step]]:
+    return validate(plan("1f1b", pp_size=4, num_microbatches=8)).steps
+
+
+def _scene(steps: list[list[Step]]) -> dict[int, dict[str, Any]]:
+    """pp 4: ranks 1 and 3 ended call 54 and wait in the exit decision (over every rank);
+    rank 0 left it and waits in call 55 for rank 1's activations; rank 2 published nothing."""
+    world = (0, 1, 2, 3)
+    heads = {
+        rank: _in_collective(rank, steps, 54, "exit decision", group=world, seq=3)
+        for rank in (1, 3)
+    }
+    index = _first(steps[0], "B")
+    recorder = _walked(0, steps, index, call=55)
+    action = steps[0][index].compute
+    assert action is not None
+    recorder.wait(("recv", ("backward", action.microbatch, action.chunk)))
+    heads[0] = _document(0, recorder, None, world)
+    return heads
+
+
+def test_a_rank_in_a_collective_after_its_call_is_not_busy_in_the_next_call() -> None:
+    steps = _pp4_steps()
+    report = build_stop_report(steps, _scene(steps), iteration=55, pipeline=(0, 1, 2, 3))
+    assert report.cause.startswith(f"{_name(2, (0, 1, 2, 3))} is not answering (published nothing)")
+    assert "busy" not in report.cause
+    assert report.cause.endswith(
+        "; ranks 1 and 3 wait for it in exit decision over ranks [0, 1, 2, 3] (call 54) "
+        "(rank 0 behind)"
+    )
+    waits = {(w.rank, w.peer) for w in report.waits}
+    assert {(1, 2), (3, 2)} <= waits
+    assert (1, 3) not in waits  # 1 and 3 are both in it
+    text = report.render()
+    assert "waits in exit decision (after call 54) for rank 2: exit decision over ranks" in text
+    assert "after call 54, in exit decision over ranks [0, 1, 2, 3] (waiting)" in text
+    order = [
+        line.split(":")[0].strip()
+        for line in text.split("ranks (by iteration")[1].splitlines()[1:5]
+    ]
+    assert order.index(_name(1, (0, 1, 2, 3))) < order.index(_name(0, (0, 1, 2, 3)))
+
+
+@pytest.mark.parametrize(
+    ("state", "evidence", "said"),
+    [
+        ("gone", "its process 4242 on this host has exited", "is gone"),
+        ("stopped", "its process 4242 on this host is stopped", "is stopped"),
+        ("silent", "no heartbeat for 6.1 s", "is silent"),
+    ],
+)
+def test_liveness_names_the_rank_that_went_before_any_wait(
+    state: str, evidence: str, said: str
+) -> None:
+    steps = _pp4_steps()
+    report = build_stop_report(
+        steps, _scene(steps), iteration=55, pipeline=(0, 1, 2, 3),
+        liveness={2: _Live(state, evidence), 1: _Live("alive", "it beats")},
+    )  # fmt: skip
+    assert report.cause.startswith(f"{_name(2, (0, 1, 2, 3))} {said} ({evidence})")
+    assert f"{state}, published nothing, {evidence}" in report.render()
+
+
+def test_a_rank_that_left_on_its_own_error_is_not_taken_for_the_lost_one() -> None:
+    """Rank 1 exited after its own error (a note in its record); rank 2 went without one."""
+    steps = _pp4_steps()
+    heads = {r: h for r, h in _scene(steps).items() if r != 1}
+    report = build_stop_report(
+        steps, heads, iteration=55, pipeline=(0, 1, 2, 3),
+        liveness={1: _Live("left", "it left after its own error: ..."),
+                  2: _Live("gone", "its process 4242 on this host has exited")},
+    )  # fmt: skip
+    assert report.cause.startswith(f"{_name(2, (0, 1, 2, 3))} is gone (its process 4242")
+    left = next(p for p in report.positions if p.rank == 1)
+    assert left.state == "left"
+
+
+def test_a_failed_collective_is_recorded_as_failed_and_waits_on_who_never_reached_it() -> None:
+    recorder = _walked(0, _steps(), 1)
+    recorder.end()
+    hook = recorder.collective_hook()
+    hook.end(hook.begin("exit decision", (0, 1, 2), None), failed=True)
+    head = recorder.head()
+    assert head is not None
+    assert head["collective"]["state"] == "failed"
+    document = _document(0, recorder, _error(2), (0, 1, 2))
+    other = _document(1, _walked(1, _steps(), 1), None, (0, 1, 2))
+    other["collectives"] = [dict(head["collective"], state="failed")]  # rank 1 reached it too
+    report = build_stop_report(_steps(), {0: document, 1: other}, pipeline=(0, 1, 2))
+    assert {(w.rank, w.peer) for w in report.waits if not w.key} == {(0, 2)}
+
+
+def test_a_rank_that_ended_its_call_without_a_recorded_collective_is_behind_not_busy() -> None:
+    steps = _pp4_steps()
+    heads = _scene(steps)
+    for rank in (1, 3):
+        heads[rank] = _document(rank, _walked(rank, steps, len(steps[rank]) - 1, 54), None,
+                                (0, 1, 2, 3))  # fmt: skip
+    heads[2] = _document(2, _walked(2, steps, len(steps[2]) - 1, 54), None, (0, 1, 2, 3))
+    for rank in (1, 2, 3):
+        heads[rank]["position"]["state"] = "ended"
+    report = build_stop_report(steps, heads, iteration=55, pipeline=(0, 1, 2, 3))
+    assert "busy" not in report.cause
+    assert report.cause.startswith(f"{_name(1, (0, 1, 2, 3))} has not reached the others' call")
+
+
+def test_the_recorder_keeps_collectives_beside_the_steps() -> None:
+    steps = _steps()
+    recorder = _walked(1, steps, 2)
+    inside = recorder.begin_collective("tensor-parallel all-reduce", (1, 5))
+    head = recorder.head()
+    assert head is not None
+    assert head["collective"]["in_step"] == 2  # inside the open plan step
+    recorder.end_collective(inside)
+    recorder.end()
+    recorder.set_training_iteration(7)
+    hook = recorder.collective_hook()
+    token = hook.begin("loss averaging", (0, 1), None)
+    head = recorder.head()
+    assert head is not None
+    assert head["collective"] == {
+        "operation": "loss averaging", "group": [0, 1], "seq": 0, "call": 1,
+        "training_iteration": 7, "in_step": None, "start": head["collective"]["start"],
+        "end": None, "state": "waiting",
+    }  # fmt: skip
+    hook.end(token)
+    again = hook.begin("loss averaging", (0, 1), None)
+    assert recorder.head()["collective"]["seq"] == 1  # type: ignore[index]
+    hook.end(again)
+    assert [c["operation"] for c in recorder.collectives()] == [
+        "tensor-parallel all-reduce", "loss averaging", "loss averaging",
+    ]  # fmt: skip
+    json.dumps(recorder.head())
+
+
+def test_documents_of_another_run_are_set_aside() -> None:
+    steps = _steps()
+    own = _waiting_at(1, "B", steps, _error(2))
+    other = dict(own, run={"world_size": 4, "plan": "q", "token": None})
+    assert (
+        foreign(other, own) == "published for another plan (another schedule or microbatch count)"
+    )
+    assert foreign(dict(own, run={"world_size": 8, "plan": "p", "token": None}), own) == (
+        "published for world size 8, not 4"
+    )
+    assert foreign(dict(own, run={"world_size": 4, "plan": "p", "token": "x"}), own) == (
+        "published by another run (another run token)"
+    )
+    assert foreign(dict(own), own) is None
+    now = dict(own, position=dict(own["position"], training_iteration=9))
+    earlier = dict(own, position=dict(own["position"], training_iteration=7))
+    assert foreign(earlier, now) == "published at iteration 7, long before this stop (iteration 9)"
+    assert foreign(dict(earlier, position=dict(own["position"], training_iteration=8)), now) is None
+    report = build_stop_report(steps, {1: own}, ignored=["rank 0: published by another run"])
+    assert "ignored (not of this run):\n  rank 0: published by another run" in report.render()

@@ -187,6 +187,11 @@ class P2PCommunicator:
         return self._topology.size
 
     @property
+    def pipeline_ranks(self) -> list[int]:
+        """Global ranks of the pipeline, in stage order (a copy)."""
+        return list(self._topology.ranks)
+
+    @property
     def next_rank(self) -> int:
         """Global rank of the next stage; the last stage's next is the first."""
         return self._topology.peer["send_next"]

@@ -393,6 +393,11 @@ class DistributedDataParallel(torch.nn.Module):
             return
         if self.config.average_gradients and self.data_parallel_size > 1:
             bucket.data.mul_(1.0 / self.data_parallel_size)
+        # A synchronous reduction is waited for here; an overlapped one where it is waited for.
+        with self._recorded(bucket) if not async_op else contextlib.nullcontext():
+            self._reduce(bucket, async_op=async_op)
+
+    def _reduce(self, bucket: GradBucket, *, async_op: bool) -> None:
         try:
             if self.config.use_distributed_optimizer and not self._gloo:
                 # Only this rank's shard is reduced; the rest of the bucket keeps this rank's
@@ -433,26 +438,39 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self.buckets:
             if bucket.work is None:
                 continue
-            try:
-                bucket.work.wait()
-            except RuntimeError as error:
-                raise self._sync_error(bucket, error) from error
+            with self._recorded(bucket):
+                try:
+                    bucket.work.wait()
+                except RuntimeError as error:
+                    raise self._sync_error(bucket, error) from error
             bucket.work = None
 
-    def _sync_error(
-        self, bucket: GradBucket, error: RuntimeError, *, gather: bool = False
-    ) -> GradSyncError:
+    def _operation(self, bucket: GradBucket, *, gather: bool = False) -> str:
+        """The bucket's collective in words, as its error and the flight recorder name it."""
         if gather:
             what = "parameter all-gather"
         elif self.config.use_distributed_optimizer:
             what = "gradient reduce-scatter"
         else:
             what = "gradient all-reduce"
-        operation = (
-            f"{what} over data parallel (bucket {bucket.index}, {bucket.data.numel()} elements)"
+        return f"{what} over data parallel (bucket {bucket.index}, {bucket.data.numel()} elements)"
+
+    def _recorded(self, bucket: GradBucket, *, gather: bool = False) -> collective:
+        """The bucket's collective as pp-state's `collective` records it (its hook)."""
+        return collective(
+            self._operation(bucket, gather=gather),
+            group=self.data_parallel_group,
+            error_class=GradSyncError,
         )
+
+    def _sync_error(
+        self, bucket: GradBucket, error: RuntimeError, *, gather: bool = False
+    ) -> GradSyncError:
         named = collective_error(
-            error, operation, group=self.data_parallel_group, error_class=GradSyncError
+            error,
+            self._operation(bucket, gather=gather),
+            group=self.data_parallel_group,
+            error_class=GradSyncError,
         )
         assert isinstance(named, GradSyncError)
         return named
@@ -480,6 +498,11 @@ class DistributedDataParallel(torch.nn.Module):
             return
         assert bucket.param_data is not None
         start, end = bucket.shard(self.data_parallel_rank)
+        with self._recorded(bucket, gather=True) if not async_op else contextlib.nullcontext():
+            self._gather(bucket, start, end, async_op=async_op)
+
+    def _gather(self, bucket: GradBucket, start: int, end: int, *, async_op: bool) -> None:
+        assert bucket.param_data is not None
         try:
             work = dist.all_gather_single(
                 bucket.param_data,
@@ -495,10 +518,11 @@ class DistributedDataParallel(torch.nn.Module):
         work, bucket.gather_work = bucket.gather_work, None
         if work is None:
             return
-        try:
-            work.wait()
-        except RuntimeError as error:
-            raise self._sync_error(bucket, error, gather=True) from error
+        with self._recorded(bucket, gather=True):
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise self._sync_error(bucket, error, gather=True) from error
 
     def finish_param_sync(self) -> None:
         """Waits for every parameter all-gather still in flight.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from pp_schedules.stop_channel import (
 from pp_schedules.stop_report import StopReport
 from pp_schedules.timeline import MeasuredSpan
 from pp_schedules.validation import PlanReport, sends_delivered
+from pp_state.coordinates import RankCoordinates
 from pp_state.placement import Placement
 from pp_state.store_channel import StoreChannel
 
@@ -132,12 +133,24 @@ class PipelineExecutor:
         """The samples of the last call, one per compute step (empty without a probe)."""
         self._resolutions: dict[int, ResolvedSchedule] = {}
         self._plans: dict[tuple[int, bool], PreparedPlan] = {}
+        self._init_stop_reports(recorder_size, channel, report_wait)
+
+    def _init_stop_reports(
+        self, recorder_size: int, channel: StoreChannel | None, report_wait: float
+    ) -> None:
+        """The flight recorder and what a stop report is published through and named by."""
         self.recorder = FlightRecorder(recorder_size)
         """The last plan steps this rank walked (always on)."""
         self.channel = channel
         """Where positions are published on a stop; None: the default group's store."""
         self.report_wait = check_report_wait(report_wait)
         """Seconds a stopped rank waits, at most, for the other ranks' positions."""
+        self.coordinates: Callable[[int], RankCoordinates] | None = None
+        """Where any global rank sits, for the stop report's names (pp-train gives
+        `ParallelState.coordinates`); None: by its pipeline stage only."""
+        self.run_token: str | None = None
+        """Names the run in published positions: another run's, left in a shared store, are
+        set aside."""
 
     @property
     def placement(self) -> Placement:
@@ -278,7 +291,8 @@ class PipelineExecutor:
                 setattr(error, "stop_report", report)  # noqa: B010 - any exception type
             if sys.version_info >= (3, 11):
                 error.add_note(f"where every rank was: {report.cause} (error.stop_report)")
-        if min(report.heads) == self.rank:  # one write: the ranks share stderr
+        comm = self.communicator
+        if comm is not None and report.reporter == comm.rank:  # one write: shared stderr
             sys.stderr.write(report.render() + "\n")
             sys.stderr.flush()
         return report

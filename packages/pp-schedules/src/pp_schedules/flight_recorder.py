@@ -7,9 +7,16 @@ compute step uses, or the sends of an earlier exchange). Recording stores refere
 clock readings; the plain-data form (`FlightRecorder.head`, `FlightRecorder.recent`) is built
 only when asked, after a failure or on a signal.
 
-`head` is the step the rank is in: the one started and not ended, or else the last ended. A
-stopped pipeline's ranks publish their heads so that one report says where every rank was
-(`pp_schedules.stop_report`).
+The recorder also keeps the collectives the rank runs outside and inside its plan steps (the
+data-parallel gradient sync, the loss averaging, the optimizer's reductions, the exit
+decision...), when pp-state's `collective(...)` tells it (`FlightRecorder.collective_hook`,
+for `pp_state.collectives.set_collective_hook`): each with its operation, its group's global
+ranks, how many collectives this rank ran on that group before (so that two ranks in the same
+one can be matched), the call it follows and the training iteration (`set_training_iteration`).
+
+`head` is what the rank is doing: a collective it is in (begun and not ended), else the step
+it is in (started and not ended) or last ended. A stopped pipeline's ranks publish their
+heads so that one report says where every rank was (`pp_schedules.stop_report`).
 
 Pure Python, no torch.
 """
@@ -24,6 +31,7 @@ from pp_schedules.lowering import Message, Step
 
 __all__ = [
     "DEFAULT_RECORDER_SIZE",
+    "CollectiveRecord",
     "FlightRecorder",
     "NullFlightRecorder",
     "check_recorder_size",
@@ -36,6 +44,7 @@ DEFAULT_RECORDER_SIZE = 256
 # A ring entry is a list (cheaper to build and update than an object):
 # [iteration, step index, Step, start, end or None, what it waits for or None].
 _END, _WAITING = 4, 5
+_COLLECTIVES_KEPT = 64
 
 
 def check_recorder_size(size: object) -> int:
@@ -72,6 +81,62 @@ def _kind(step: Step) -> str:
     return step.compute.kind if step.compute is not None else "exchange"
 
 
+class CollectiveRecord:
+    """One collective of the rank: what, over whom, when, and where in the rank's steps."""
+
+    __slots__ = (
+        "call", "end", "failed", "group", "in_step", "iteration", "operation", "seq", "start",
+    )  # fmt: skip
+
+    def __init__(
+        self, operation: str, group: tuple[int, ...], seq: int, call: int, iteration: int | None
+    ) -> None:
+        self.operation = operation
+        self.group = group
+        self.seq = seq
+        self.call = call
+        self.iteration = iteration
+        self.start = time.perf_counter()
+        self.end: float | None = None
+        self.failed = False
+        self.in_step: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data, JSON-able.
+
+        Keys: ``operation``, ``group``, ``seq``, ``call``, ``training_iteration``, ``in_step``
+        (the plan step it runs inside, if any), ``start``, ``end`` and ``state``
+        ("waiting", "ended" or "failed": it raised, a peer lost or not answering).
+        """
+        return {
+            "operation": self.operation,
+            "group": list(self.group),
+            "seq": self.seq,
+            "call": self.call,
+            "training_iteration": self.iteration,
+            "in_step": self.in_step,
+            "start": self.start,
+            "end": self.end,
+            "state": "waiting" if self.end is None else "failed" if self.failed else "ended",
+        }
+
+
+class _RecorderHook:
+    """What pp-state's `collective` tells: begin and end of each collective (see the module)."""
+
+    __slots__ = ("recorder",)
+
+    def __init__(self, recorder: FlightRecorder) -> None:
+        self.recorder = recorder
+
+    def begin(self, operation: str, group_ranks: tuple[int, ...], iteration: int | None) -> object:
+        return self.recorder.begin_collective(operation, group_ranks, iteration)
+
+    def end(self, token: object, failed: bool = False) -> None:
+        if isinstance(token, CollectiveRecord):
+            self.recorder.end_collective(token, failed=failed)
+
+
 class FlightRecorder:
     """A ring buffer of one rank's last `size` plan steps.
 
@@ -95,6 +160,51 @@ class FlightRecorder:
         self._ring: list[list[Any] | None] = [None] * self.size
         self._count = 0
         self._current: list[Any] | None = None
+        self.training_iteration: int | None = None
+        """The training iteration the trainer says the rank is in (`set_training_iteration`)."""
+        self._collectives: list[CollectiveRecord | None] = [None] * _COLLECTIVES_KEPT
+        self._collective_count = 0
+        self._open: list[CollectiveRecord] = []
+        self._seq: dict[tuple[int, ...], int] = {}
+        self._steps_ended_at_collective = 0
+
+    def set_training_iteration(self, iteration: int | None) -> None:
+        """The training iteration the next calls and collectives belong to."""
+        self.training_iteration = iteration
+
+    def collective_hook(self) -> _RecorderHook:
+        """A hook for `pp_state.collectives.set_collective_hook` that records into this."""
+        return _RecorderHook(self)
+
+    def begin_collective(
+        self, operation: str, group: tuple[int, ...], iteration: int | None = None
+    ) -> CollectiveRecord:
+        """A collective over `group` (global ranks) begins; returns its record."""
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        known = iteration if iteration is not None else self.training_iteration
+        record = CollectiveRecord(operation, group, seq, self.iteration, known)
+        current = self._current
+        if current is not None and current[_END] is None:
+            record.in_step = current[1]
+        self._collectives[self._collective_count % _COLLECTIVES_KEPT] = record
+        self._collective_count += 1
+        self._open.append(record)
+        return record
+
+    def end_collective(self, record: CollectiveRecord, *, failed: bool = False) -> None:
+        """The collective of `record` is over: done, or `failed` (it raised)."""
+        record.end = time.perf_counter()
+        record.failed = failed
+        if record in self._open:
+            self._open.remove(record)
+
+    def collectives(self) -> list[dict[str, Any]]:
+        """The collectives kept (the last few dozen), oldest first, as plain data."""
+        count = min(self._collective_count, _COLLECTIVES_KEPT)
+        first = self._collective_count - count
+        kept = [self._collectives[(first + k) % _COLLECTIVES_KEPT] for k in range(count)]
+        return [record.to_json() for record in kept if record is not None]
 
     def start_call(self, rank: int, plan: Sequence[Sequence[Step]]) -> None:
         """A call begins: count it, and keep the rank and the lowered plan for `head`."""
@@ -132,13 +242,32 @@ class FlightRecorder:
     def head(self) -> dict[str, Any] | None:
         """Where the rank is, as plain data (JSON-able); None before the first step.
 
-        Keys: ``iteration``, ``step`` (index in the rank's lowered plan), ``action``,
-        ``kind`` (F, B, I, W or exchange), ``microbatch``, ``chunk``, ``transfers`` (an
-        exchange's, each with ``peer``, ``direction``, ``what``), ``start``, ``end`` (None
-        while running), ``state`` ("running", "posting", "waiting" or "ended") and
-        ``waiting_for`` (the transfers it waits for).
+        Keys: ``iteration`` (the call), ``step`` (index in the rank's lowered plan),
+        ``action``, ``kind`` (F, B, I, W or exchange), ``microbatch``, ``chunk``,
+        ``transfers`` (an exchange's, each with ``peer``, ``direction``, ``what``), ``start``,
+        ``end`` (None while running), ``state`` ("running", "posting", "waiting" or "ended"),
+        ``waiting_for`` (the transfers it waits for), ``training_iteration`` and
+        ``collective``: the collective the rank is in (see `CollectiveRecord.to_json`), or
+        the last one when it began after the step, else None.
         """
-        return None if self._current is None else self._record(self._current, True)
+        if self._current is None and not self._collective_count:
+            return None
+        head = self._record(self._current, True) if self._current is not None else _no_step(self)
+        head["training_iteration"] = self.training_iteration
+        head["collective"] = self._latest_collective()
+        return head
+
+    def _latest_collective(self) -> dict[str, Any] | None:
+        """The collective the rank is in, or the last one if it began after the last step."""
+        if self._open:
+            return self._open[-1].to_json()
+        if not self._collective_count:
+            return None
+        last = self._collectives[(self._collective_count - 1) % _COLLECTIVES_KEPT]
+        current = self._current
+        if last is None or (current is not None and current[3] > last.start):
+            return None
+        return last.to_json()
 
     def recent(self) -> list[dict[str, Any]]:
         """The steps kept, oldest first, as `head` describes them (without their waits)."""
@@ -195,6 +324,15 @@ class FlightRecorder:
                 ):
                     return [transfer_record(message)]
         return []
+
+
+def _no_step(recorder: FlightRecorder) -> dict[str, Any]:
+    """A head before any plan step (the rank has run collectives only)."""
+    return {
+        "iteration": recorder.iteration, "step": None, "action": "", "kind": "none",
+        "microbatch": None, "chunk": None, "transfers": [], "start": None, "end": None,
+        "state": "ended", "waiting_for": [],
+    }  # fmt: skip
 
 
 class NullFlightRecorder(FlightRecorder):

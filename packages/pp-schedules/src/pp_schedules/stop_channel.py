@@ -12,10 +12,12 @@ bound, and a store that fails only costs a one-line note on stderr.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
 import time
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -24,15 +26,24 @@ from pp_comm import P2PCommunicator, P2PError, P2PMismatchError, P2PTimeoutError
 from pp_schedules.flight_recorder import FlightRecorder
 from pp_schedules.stop_report import StopReport, build_stop_report
 from pp_state.collectives import CollectiveError
+from pp_state.coordinates import RankCoordinates
+from pp_state.liveness import assess
 from pp_state.numbers import is_real
 from pp_state.store_channel import StoreChannel
 
 __all__ = [
     "DEFAULT_REPORT_WAIT_S",
     "StopHost",
+    "answer_ask",
+    "ask_to_publish",
     "check_report_wait",
+    "coordinates_of",
+    "describe_rank",
     "error_record",
+    "first_line",
+    "foreign",
     "gather_positions",
+    "plan_digest",
     "position_document",
     "publish_document",
     "publish_head",
@@ -55,6 +66,11 @@ class StopHost(Protocol):
     recorder: FlightRecorder
     channel: StoreChannel | None
     report_wait: float
+    coordinates: Callable[[int], RankCoordinates] | None
+    """Where any global rank sits (pp-train: `ParallelState.coordinates`); None: its
+    pipeline stage only."""
+    run_token: str | None
+    """Names the run, so documents another job left in a shared store are set aside."""
 
 
 def check_report_wait(seconds: object) -> float:
@@ -73,13 +89,9 @@ def _key(global_rank: int) -> str:
 
 
 def _peer_stage(communicator: P2PCommunicator, peer: int | None) -> int | None:
-    """A neighbour's pipeline rank from its global rank (errors name global ranks)."""
-    stage, size = communicator.stage, communicator.num_stages
-    if peer == communicator.next_rank:
-        return (stage + 1) % size
-    if peer == communicator.prev_rank:
-        return (stage - 1) % size
-    return None
+    """A pipeline member's stage from its global rank (errors name global ranks)."""
+    pipeline = communicator.pipeline_ranks
+    return pipeline.index(peer) if peer in pipeline else None
 
 
 def error_record(
@@ -87,9 +99,12 @@ def error_record(
 ) -> dict[str, Any] | None:
     """The error a rank stopped with, as plain data.
 
-    Keys: ``type``, ``message`` (its first line, shortened), ``peer`` (the pipeline rank it
-    names, if a neighbour), ``transfer`` (a p2p or collective failure rather than the rank's
-    own), ``timed_out``, ``lost`` (a peer closed or did not answer) and ``mismatch``.
+    Keys: ``type``, ``message`` (its first line, shortened), ``peer`` (the global rank it
+    names as lost), ``peer_stage`` (that rank's stage, when in the pipeline), ``evidence``
+    (what showed the peer lost, when the error did not say it itself), ``operation`` (a
+    collective's, what it was for), ``transfer`` (a p2p or
+    collective failure rather than the rank's own), ``timed_out``, ``lost`` (a peer closed
+    or did not answer) and ``mismatch``.
     """
     if error is None:
         return None
@@ -100,10 +115,16 @@ def error_record(
     peer = getattr(error, "peer", None) if transfer else None
     timed_out = isinstance(error, P2PTimeoutError) or bool(getattr(error, "timed_out", False))
     mismatch = isinstance(error, P2PMismatchError)
+    peer = peer if isinstance(peer, int) else None
     return {
         "type": type(error).__name__,
         "message": message,
-        "peer": _peer_stage(communicator, peer) if isinstance(peer, int) else None,
+        "peer": peer,
+        "peer_stage": _peer_stage(communicator, peer),
+        "evidence": getattr(error, "peer_evidence", None),
+        "operation": getattr(error, "operation", None)
+        if isinstance(error, CollectiveError)
+        else None,
         "transfer": transfer,
         "timed_out": timed_out,
         "lost": transfer and not mismatch,
@@ -111,34 +132,81 @@ def error_record(
     }
 
 
+def coordinates_of(host: StopHost, rank: int) -> RankCoordinates:
+    """Where global rank `rank` sits: the host's coordinates, else its pipeline stage."""
+    comm = host.communicator
+    assert comm is not None
+    if host.coordinates is not None:
+        try:
+            return host.coordinates(rank)
+        except (ValueError, RuntimeError):  # not a rank the layout knows, or no layout left
+            pass
+    pipeline = comm.pipeline_ranks
+    stage = pipeline.index(rank) if rank in pipeline else 0
+    return RankCoordinates(rank=rank, pipeline=tuple(pipeline), stage=stage)
+
+
+def describe_rank(host: StopHost, rank: int) -> str:
+    """Global rank `rank` with its place, as far as it is known.
+
+    By the host's coordinates, else by its pipeline stage, else (a rank of another pipeline
+    the coordinates do not know) by its number alone.
+    """
+    comm = host.communicator
+    if host.coordinates is not None:
+        try:
+            return host.coordinates(rank).describe()
+        except (ValueError, RuntimeError):  # not a rank the layout knows, or no layout left
+            pass
+    if comm is not None and rank in comm.pipeline_ranks:
+        return coordinates_of(host, rank).describe()
+    return f"rank {rank}"
+
+
+def plan_digest(recorder: FlightRecorder) -> str:
+    """A short digest of the call's plan: documents of one run share it."""
+    text = "\n".join(" ".join(str(step) for step in row) for row in recorder.plan)
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
+
+
 def position_document(host: StopHost, error: BaseException | None = None) -> dict[str, Any]:
-    """What a rank publishes: where it is, its recent steps, its neighbours and its error."""
+    """What a rank publishes: who and where it is, its recent steps, its run and its error."""
     comm = host.communicator
     assert comm is not None, "only a pipeline of two or more stages publishes positions"
     recorder = host.recorder
+    world = dist.get_world_size() if dist.is_initialized() else None
     return {
         "rank": host.rank,
         "global_rank": comm.rank,
+        "pipeline": comm.pipeline_ranks,
+        "coordinates": coordinates_of(host, comm.rank).to_json(),
         "prev_rank": comm.prev_rank,
         "next_rank": comm.next_rank,
         "pp_size": host.pp_size,
         "iteration": recorder.iteration,
         "position": recorder.head(),
         "recent": recorder.recent(),
+        "collectives": recorder.collectives()[-8:],
         "error": error_record(error, comm),
+        "run": {"world_size": world, "plan": plan_digest(recorder), "token": host.run_token},
         "published_at": time.time(),
         # Recorded times are perf_counter's; this moves them onto the wall clock ranks share.
         "clock_offset": time.time() - time.perf_counter(),
     }
 
 
+def first_line(error: BaseException) -> str:
+    """An error in one line: its type and the first line of its text (no C++ stack trace)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:_MESSAGE_CHARS]}" if lines else type(error).__name__
+
+
 def _note(rank: int, what: str, error: BaseException) -> None:
-    print(
-        f"pp-schedules: rank {rank} could not {what} ({type(error).__name__}: {error}); "
-        "the stop report goes without it",
-        file=sys.stderr,
-        flush=True,
+    sys.stderr.write(
+        f"pp-schedules: rank {rank} could not {what} ({first_line(error)}); "
+        "the stop report goes without it\n"
     )
+    sys.stderr.flush()
 
 
 def publish_document(channel: StoreChannel, document: dict[str, Any]) -> bool:
@@ -146,14 +214,83 @@ def publish_document(channel: StoreChannel, document: dict[str, Any]) -> bool:
     try:
         channel.set(_key(document["global_rank"]), json.dumps(document))
     except Exception as error:  # a gone store must not hide the real failure
-        _note(document["rank"], "publish its position", error)
+        _note(document["global_rank"], "publish its position", error)
         return False
     return True
 
 
-def _neighbours(document: dict[str, Any]) -> dict[int, int]:
-    stage, size = document["rank"], document["pp_size"]
-    return {(stage - 1) % size: document["prev_rank"], (stage + 1) % size: document["next_rank"]}
+def _wanted(document: dict[str, Any]) -> set[int]:
+    """The ranks a document makes the report want: its pipeline, its open collective's group."""
+    wanted = set(document.get("pipeline") or [])
+    collective = (document.get("position") or {}).get("collective") or {}
+    if collective.get("state") in ("waiting", "failed"):
+        wanted.update(collective.get("group", []))
+    return wanted
+
+
+def foreign(document: dict[str, Any], own: dict[str, Any]) -> str | None:
+    """Why `document` cannot belong to `own`'s run (None when it can)."""
+    mine, theirs = own.get("run") or {}, document.get("run") or {}
+    if theirs.get("token") != mine.get("token"):
+        return "published by another run (another run token)"
+    if theirs.get("world_size") != mine.get("world_size"):
+        return f"published for world size {theirs.get('world_size')}, not {mine.get('world_size')}"
+    if document.get("pp_size") != own.get("pp_size"):
+        return f"published for {document.get('pp_size')} pipeline stages, not {own.get('pp_size')}"
+    same_pipeline = document.get("pipeline") == own.get("pipeline")
+    if same_pipeline and theirs.get("plan") != mine.get("plan"):
+        return "published for another plan (another schedule or microbatch count)"
+    stale = _training_iteration(document)
+    now = _training_iteration(own)
+    if stale is not None and now is not None and stale < now - 1:
+        # Every iteration ends in a collective over all ranks: no rank is two behind.
+        return f"published at iteration {stale}, long before this stop (iteration {now})"
+    return None
+
+
+def _training_iteration(document: dict[str, Any]) -> int | None:
+    value = (document.get("position") or {}).get("training_iteration")
+    return value if isinstance(value, int) else None
+
+
+def _ask_key(global_rank: int) -> str:
+    return f"ask/{global_rank}"
+
+
+def ask_to_publish(channel: StoreChannel, ranks: Iterable[int], asker: int) -> None:
+    """Ask `ranks` to publish where they are now (a trainer's thread answers: `answer_ask`)."""
+    for rank in ranks:
+        channel.set(_ask_key(rank), json.dumps({"asker": asker, "time": time.time()}))
+
+
+def answer_ask(host: StopHost, answered: bytes | None = None) -> bytes | None:
+    """Publish this rank's position if another rank asked for it since `answered`.
+
+    For a thread of the trainer's that polls (pp-train's signal watcher): a rank that is
+    alive but busy (a long computation, a collective of another group) then shows where it
+    is, instead of being placed by the plan. A position with this call's error is never
+    overwritten. A failing store raises (the caller notes it).
+
+    Returns:
+        The ask now answered (pass it back next time), or `answered` when none is new.
+    """
+    comm = host.communicator
+    channel = host.channel
+    if comm is None or channel is None or not host.recorder.plan:
+        return answered
+    key = channel.prefix + _ask_key(comm.rank)
+    if not channel.store.check([key]):
+        return answered
+    asked: bytes = channel.store.get(key)
+    if asked == answered:
+        return answered
+    published = read_position(channel, comm.rank)
+    own_error = published is not None and published.get("error") and (
+        published.get("iteration") == host.recorder.iteration
+    )  # fmt: skip
+    if not own_error:
+        publish_document(channel, position_document(host, None))
+    return asked
 
 
 def read_position(channel: StoreChannel, global_rank: int) -> dict[str, Any] | None:
@@ -167,29 +304,54 @@ def read_position(channel: StoreChannel, global_rank: int) -> dict[str, Any] | N
 
 def gather_positions(
     channel: StoreChannel, own: dict[str, Any], wait_s: float
-) -> dict[int, dict[str, Any]]:
-    """The documents of every stage that answers within `wait_s`, by pipeline rank.
+) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """The documents of the ranks the report wants that answer within `wait_s`, by global rank.
 
-    Stages are found around the ring: each document names its neighbours' global ranks.
+    Wanted: the pipeline's ranks, and the ranks of each open collective a document shows
+    (found as documents come in). A document that cannot belong to this run is set aside.
+
+    Returns:
+        The documents by global rank, and what was set aside, in words.
     """
-    known = {own["rank"]: own}
-    where = _neighbours(own)
+    known = {own["global_rank"]: own}
+    ignored: dict[int, str] = {}
+    wanted = _wanted(own)
     deadline = time.monotonic() + wait_s
+    ask_at, asked = time.monotonic() + min(1.0, wait_s / 4), set[int]()
     while True:
-        for stage, global_rank in list(where.items()):
-            if stage in known:
-                continue
+        missing = wanted - set(known) - set(ignored) - asked
+        if missing and time.monotonic() >= ask_at:  # alive but busy ranks: say where you are
+            try:
+                ask_to_publish(channel, missing, own["global_rank"])
+            except Exception as error:  # the gather goes on without it
+                _note(own["global_rank"], "ask the other ranks for their positions", error)
+            asked |= missing
+        for global_rank in sorted(wanted - set(known) - set(ignored)):
             try:
                 document = read_position(channel, global_rank)
             except Exception as error:  # a gone store ends the wait, quietly
-                _note(own["rank"], "read the other ranks' positions", error)
-                return known
-            if document is not None:
-                known[stage] = document
-                where.update({s: g for s, g in _neighbours(document).items() if s not in where})
-        if len(known) == own["pp_size"] or time.monotonic() >= deadline:
-            return known
+                _note(own["global_rank"], "read the other ranks' positions", error)
+                return known, list(ignored.values())
+            if document is None:
+                continue
+            why = foreign(document, own)
+            if why is not None:
+                ignored[global_rank] = f"rank {global_rank}: {why}"
+                continue
+            known[global_rank] = document
+            wanted |= _wanted(document)
+        if not wanted - set(known) - set(ignored) or time.monotonic() >= deadline:
+            return known, list(ignored.values())
         time.sleep(_POLL_S)
+
+
+def _evidence(channel: StoreChannel, ranks: Iterable[int], rank: int) -> dict[int, Any]:
+    """What the liveness records say of `ranks` (nothing, after one line, if that fails)."""
+    try:
+        return dict(assess(channel, ranks))
+    except Exception as error:  # evidence is best effort
+        _note(rank, "read the liveness records", error)
+        return {}
 
 
 def _channel(host: StopHost) -> StoreChannel | None:
@@ -236,5 +398,15 @@ def report_stop(host: StopHost, error: BaseException | None = None) -> StopRepor
     if published is None:
         return None
     channel, own = published
-    heads = gather_positions(channel, own, host.report_wait)
-    return build_stop_report(host.recorder.plan, heads, host.recorder.iteration)
+    heads, ignored = gather_positions(channel, own, host.report_wait)
+    comm = host.communicator
+    assert comm is not None
+    named = {int(peer) for h in heads.values() if (peer := (h.get("error") or {}).get("peer"))
+             is not None}  # fmt: skip
+    involved = set(own["pipeline"]) | named | {r for h in heads.values() for r in _wanted(h)}
+    liveness = _evidence(channel, sorted(involved - set(heads)), comm.rank)
+    return build_stop_report(
+        host.recorder.plan, heads, host.recorder.iteration, pipeline=comm.pipeline_ranks,
+        liveness=liveness, describe=lambda rank: describe_rank(host, rank),
+        ignored=ignored,
+    )  # fmt: skip
