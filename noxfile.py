@@ -453,6 +453,23 @@ def soak(session: nox.Session) -> None:
 
 
 @nox.session
+def stop_matrix(session: nox.Session) -> None:
+    """Every rank killed and stopped in turn at pp 2 x dp 2 and tp 2 x pp 2 x dp 2, quiet and
+    under load: each report and exit line must name it (not in the default run, ~13 minutes;
+    the default run takes three of its cases)."""
+    extras = (x for e in TEST_EXTRAS.values() for x in e)
+    _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras)
+    # One job at a time: a "quiet" case must not share the cores with another job.
+    session.run(
+        "pytest",
+        str(ROOT / "integration_tests" / "test_stop_matrix.py"),
+        "-s",
+        *session.posargs,
+        env={**TEST_ENV, "PP_STOP_MATRIX": "1"},
+    )
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: the bundled GPT on 4 CPU processes under torchrun, stopped and resumed."""
     _install(session, LIBRARIES, "tensorboard>=2.14")

@@ -6,21 +6,20 @@ long before any p2p timeout (10 minutes here): the report must come from that pa
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pp_train.dump import main as dump_main
 
 Torchrun = Callable[..., subprocess.CompletedProcess[str]]
+StartJob = Callable[..., Any]  # conftest's `torchrun_job`: (script, ranks, *args) -> Job
 
 pytestmark = pytest.mark.reliability
 
@@ -74,62 +73,49 @@ def test_a_killed_rank_is_named_by_the_report_after_torchrun_s_sigterm(
     elapsed = time.monotonic() - started
     print(done.stderr[-6000:])  # the report, for the docs (pytest -s)
     assert done.returncode != 0
-    cause = re.search(r"pipeline stopped \(call \d+\): (.*)", done.stderr)
+    cause = re.search(
+        r"pipeline stopped \(call \d+\) in pipeline \[0, 1, 2, 3\]: (.*)", done.stderr
+    )
     assert cause is not None, done.stderr[-6000:]
-    assert cause.group(1).startswith(f"rank {VICTIM} is gone; by the plan it was at "), cause
+    victim = f"rank {VICTIM} (pipeline stage {VICTIM} of [0, 1, 2, 3], dp 0, tp 0)"
+    assert cause.group(1).startswith(f"{victim} is gone (its process "), cause
+    assert "by the plan it was at " in cause.group(1)
     assert "inferred, published nothing" in done.stderr
     written = sorted(p.name for p in reports.glob("pipeline-stop-iter*-rank0.*"))
     assert len(written) == 3, written
-    assert f"rank {VICTIM} is gone" in (reports / written[-1]).read_text()
-    # The first rank leaves on SIGTERM; the survivors that saw the failure name their error.
-    assert "leaves on SIGTERM: its pipeline stopped: rank 2 is gone" in done.stderr
+    assert f"{victim} is gone" in (reports / written[-1]).read_text()
+    # The first rank leaves on SIGTERM; the survivors that saw the failure name the cause
+    # and their own error.
+    assert f"leaves on SIGTERM: its pipeline stopped: {victim} is gone" in done.stderr
     assert done.stderr.count("Traceback") == 1  # torchrun's own ChildFailedError only
-    assert re.search(r"pp-train: rank 1 stopped: P2PError: rank 1 \(stage 1 of 4\)", done.stderr)
+    assert re.search(
+        rf"pp-train: rank 1 \(pipeline stage 1 of \[0, 1, 2, 3\], dp 0, tp 0\) stopped: cause: "
+        rf"{re.escape(victim)} is gone .*; its own error: P2PError: rank 1 \(stage 1 of 4\)",
+        done.stderr,
+    )
     assert elapsed < 120  # not a p2p timeout (10 minutes)
 
 
-def _reader(stream: object, lines: list[str]) -> threading.Thread:
-    def read() -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            lines.append(line)
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
-def test_sigusr2_to_one_worker_prints_every_rank_while_training_goes_on(tmp_path: Path) -> None:
+def test_sigusr2_to_one_worker_prints_every_rank_while_training_goes_on(
+    torchrun_job: StartJob,
+) -> None:
     """A job of 4 ranks (pp 2 x dp 2) long enough to be signalled mid-training (~20-40 s)."""
     flags = [*TINY, "--pipeline-model-parallel-size", "2", "--train-iters", "300"]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        "-m", "pp_train", *flags, "--log-interval", "10", "--eval-interval", "1000",
-    ]  # fmt: skip
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    out: list[str] = []
-    err: list[str] = []
-    readers = [_reader(job.stdout, out), _reader(job.stderr, err)]
-    try:
-        deadline = time.monotonic() + 180
-        while not any("iteration       20/" in line for line in out):
-            assert job.poll() is None, "".join(out + err)
-            assert time.monotonic() < deadline, "".join(out + err)
-            time.sleep(0.1)
-        # The command's main, in this process (a new interpreter takes seconds to import
-        # torch, by which time the job may have ended; its own test is in pp-train's tests).
-        assert dump_main(["--pid", str(job.pid)]) == 0
-        assert job.wait(240) == 0, "".join(err[-50:])
-    finally:
-        job.kill()
-        for reader in readers:
-            reader.join(5)
+    job = torchrun_job("-m pp_train", 4, *flags, "--log-interval", "10", "--eval-interval", "1000")
+    job.wait_for_output("iteration       20/", timeout=180)
+    # The command's main, in this process (a new interpreter takes seconds to import
+    # torch, by which time the job may have ended; its own test is in pp-train's tests).
+    assert dump_main(["--pid", str(job.process.pid)]) == 0
+    assert job.process.wait(240) == 0, job.stderr[-5000:]
+    job.end()
     # Each rank's line, wherever it starts: other output shares the pipe.
-    dumps = re.findall(
-        r"pp-train dump 1: rank (\d+) [^\n]*?, iteration \d+, call \d+", "".join(err)
-    )
-    print(dumps)
-    assert sorted(int(rank) for rank in dumps) == [0, 1, 2, 3], "".join(err[-50:])
-    assert any("iteration      300/     300" in line for line in out)
+    text = job.stderr
+    print("\n".join(re.findall(r"pp-train dump 1: [^\n]*", text)))  # for the docs (pytest -s)
+    dumps = re.findall(r"pp-train dump 1: rank (\d+) \(pipeline stage [^\n]*?, iteration \d+, "
+                       r"(?:after )?call \d+", text)  # fmt: skip
+    assert sorted(int(rank) for rank in dumps) == [0, 1, 2, 3], text[-5000:]
+    # A peer a rank waits for is named by its global rank and place, never by its stage alone.
+    waits = re.findall(r"waiting for (rank \d+ \(pipeline stage \d of \[(\d), (\d)\])", text)
+    assert all(int(first) in (0, 1) and int(second) == int(first) + 2 for _, first, second in waits)
+    assert "waiting for pipeline rank" not in text
+    assert any("iteration      300/     300" in line for line in job.out)

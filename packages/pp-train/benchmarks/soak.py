@@ -475,12 +475,12 @@ def _names(fault: Fault, line: str, corrupted: int | None) -> bool:
     if fault.kind == "corrupt":
         return corrupted is not None and f"checkpoint iteration {corrupted} is damaged" in line
     assert fault.rank is not None
-    stage = fault.rank // DATA_PARALLEL  # Megatron's order: data parallel inside a stage
-    cause = {"kill": "is gone", "stop": "is not answering", "term": ""}[fault.kind]
-    pattern = rf"pipeline stopped .*: rank {stage} {cause}"
-    # A collective outside the pipeline (data parallel) names the lost peer by global rank.
-    outside = rf"pipeline stopped .*Error: .*peer rank {fault.rank} "
-    return re.search(pattern, line) is not None or re.search(outside, line) is not None
+    # Only a report's cause counts, naming the global rank with its place ("rank 1 (pipeline
+    # stage 0 of [1, 3], dp 1, tp 0) is gone"): not a stage index, not a peer in an error.
+    cause = {"kill": "is gone", "stop": "is (?:stopped|silent|not answering)", "term": ""}
+    report = r"pipeline stopped \(call \d+\) in pipeline \[[\d, ]+\]: "
+    pattern = rf"{report}rank {fault.rank} \([^)]*\) {cause[fault.kind]}"
+    return re.search(pattern, line) is not None
 
 
 def _peer_error(fault: Fault, line: str) -> str:

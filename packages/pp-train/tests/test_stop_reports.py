@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,8 +20,9 @@ import torch.distributed as dist
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import PipelineExecutor, ScheduleConfig, get_forward_backward_func
-from pp_schedules.stop_report import StopReport
-from pp_state import Placement
+from pp_schedules.stop_channel import report_stop
+from pp_schedules.stop_report import RankPosition, StopReport
+from pp_state import Placement, coordinates_in, rank_layout
 from pp_state.collectives import CollectiveError
 from pp_state.store_channel import StoreChannel
 from pp_testing import (
@@ -42,6 +44,7 @@ from pp_train.stop_reports import (
     report_directory,
     report_non_finite,
     report_stem,
+    use_default_store,
 )
 from pp_train.training import NonFiniteError
 
@@ -62,14 +65,29 @@ def test_the_report_goes_to_the_flag_then_tensorboard_then_save_then_here(tmp_pa
     assert report_stem(7, 3) == "pipeline-stop-iter7-rank3"
 
 
-def _report(cause: str = "rank 2 is gone; by the plan it was at F mb 3 chunk 0") -> StopReport:
+CAUSE = "rank 2 (pipeline stage 1 of [0, 2], dp 0) is gone; by the plan it was at F mb 3 chunk 0"
+
+
+def _report(cause: str = CAUSE) -> StopReport:
+    """A report built in the pipeline [1, 3] (pp 2 x dp 2), both stages answering."""
     heads = {1: {"position": None}, 3: {"position": None}}
-    return StopReport(cause=cause, positions=[], waits=[], plan=[["F0"]] * 4, heads=heads)
+    named = [(r, s, f"rank {r} (pipeline stage {s} of [1, 3], dp 1)") for s, r in enumerate((1, 3))]
+    positions = [RankPosition(r, s, name, None, "", "ended", False) for r, s, name in named]
+    return StopReport(
+        cause=cause, positions=positions, waits=[], plan=[["F0"]] * 2, heads=heads,
+        pipeline=(1, 3),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
 class _Host:
+    """What the trainer's side reads of an executor: its communicator's global rank."""
+
     rank: int
+
+    @property
+    def communicator(self) -> SimpleNamespace:
+        return SimpleNamespace(rank=self.rank)
 
 
 def test_the_reporting_rank_writes_and_names_the_cause_others_their_error(
@@ -79,19 +97,21 @@ def test_the_reporting_rank_writes_and_names_the_cause_others_their_error(
     error = RuntimeError("rank 1 (stage 1 of 4) failed in recv\nmore")
     paths = keep_report(error, report, host, tmp_path, 5)  # type: ignore[arg-type]
     assert [p.name for p in paths] == [
-        "pipeline-stop-iter5-rank0.txt",
-        "pipeline-stop-iter5-rank0.json",
-        "pipeline-stop-iter5-rank0.trace.json",
+        "pipeline-stop-iter5-rank1.txt",
+        "pipeline-stop-iter5-rank1.json",
+        "pipeline-stop-iter5-rank1.trace.json",
     ]
     assert json.loads(paths[1].read_text())["cause"] == report.cause
     assert exit_line(error, 1) == (
-        f"pp-train: error: the pipeline stopped (call 0): {report.cause} (report: {paths[0]})"
+        f"pp-train: error: the pipeline stopped (call 0) in pipeline [1, 3]: {report.cause} "
+        f"(report: {paths[0]})"
     )
-    other = RuntimeError("rank 3 (stage 3 of 4) failed in recv. Cause: gloo\nmore")
+    # The other rank names the cause too, and its own error after it.
+    other = RuntimeError("rank 3 (stage 1 of 2) failed in recv. Cause: gloo\nmore")
     assert keep_report(other, report, _Host(rank=3), tmp_path / "x", 5) == []  # type: ignore[arg-type]
-    assert (
-        exit_line(other, 3)
-        == "pp-train: rank 3 stopped: RuntimeError: rank 3 (stage 3 of 4) failed in recv."
+    assert exit_line(other, 3) == (
+        f"pp-train: rank 3 (pipeline stage 1 of [1, 3], dp 1) stopped: cause: {CAUSE}; its "
+        "own error: RuntimeError: rank 3 (stage 1 of 2) failed in recv."
     )
     assert not (tmp_path / "x").exists()
     assert exit_line(RuntimeError("no report"), 0) is None
@@ -105,7 +125,25 @@ def test_a_dump_line_says_where_the_rank_is() -> None:
     )
     executor = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
     assert dump_line(executor, 0, 1, 2) == (
-        "pp-train dump 2: rank 0 (pipeline rank 0 of 1), iteration 1, before its first plan step"
+        "pp-train dump 2: rank 0 (pipeline stage 0 of [0]), iteration 1, before its first plan step"
+    )
+
+
+def test_a_dump_line_names_the_peers_it_waits_for_by_global_rank() -> None:
+    """pp 2 x dp 2: rank 3 is stage 1 of the pipeline [1, 3]; it waits for stage 0, rank 1."""
+    layout = rank_layout(4, pipeline_model_parallel_size=2)
+    executor = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
+    executor.coordinates = lambda rank: coordinates_in(layout, rank)
+    head = {
+        "iteration": 7, "step": 4, "action": "F1", "state": "waiting",
+        "waiting_for": [{"peer": 0, "what": "activations of mb 1 chunk 0", "direction": "recv"}],
+        "collective": None,
+    }  # fmt: skip
+    executor.recorder.head = lambda: head  # type: ignore[method-assign]
+    assert dump_line(executor, 3, 4, 1) == (
+        "pp-train dump 1: rank 3 (pipeline stage 1 of [1, 3], dp 1, tp 0), iteration 4, call 7, "
+        "step 4 (F1), waiting; waiting for rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0): "
+        "activations of mb 1 chunk 0 (recv)"
     )
 
 
@@ -121,6 +159,41 @@ def test_sigusr2_prints_the_dump_line_from_the_watcher_thread(
     assert watcher.dumps == 1
     assert "pp-train dump 1: rank 0, iteration 4: no pipeline executor" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGUSR2) == before
+
+
+class _GoneStore:
+    """A store whose host has exited: every call fails with torch's C++-trace message."""
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: object) -> None:
+            raise RuntimeError(
+                "Failed to recv, got 0 bytes. Connection was likely closed.\n"
+                "Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/"
+                "Utils.hpp:670 (most recent call first):\nframe #0: c10::Error::Error(...)"
+            )
+
+        return fail
+
+
+def test_a_gone_store_costs_the_watcher_one_line_per_thing_and_no_stack_trace(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = StoreChannel(_GoneStore(), rank=0, world_size=2)  # type: ignore[arg-type]
+    monkeypatch.setattr(SignalWatcher, "_dump_channel", lambda self: gone)
+    monkeypatch.setattr(SignalWatcher, "_liveness_channel", lambda self: gone)
+    with SignalWatcher(None, iteration=lambda: 1, directory=tmp_path, poll_s=0.02) as watcher:
+        time.sleep(0.3)  # several polls, each failing
+    assert watcher.dumps == 0
+    err = capfd.readouterr().err
+    assert "Exception raised from" not in err
+    assert "frame #0" not in err
+    lines = [line for line in err.splitlines() if line]
+    assert lines == [
+        "pp-train: rank 0 could not publish its liveness record (RuntimeError: the store did "
+        "not answer); live dumps and stop reports may miss this rank",
+        "pp-train: rank 0 could not read the dump requests (RuntimeError: Failed to recv, got 0 "
+        "bytes. Connection was likely closed.); live dumps and stop reports may miss this rank",
+    ], lines
 
 
 # --- on 2 ranks --------------------------------------------------------------------------------
@@ -175,8 +248,29 @@ def test_sigterm_publishes_the_position_while_the_main_thread_waits_in_a_receive
     assert results[0] == {"received": True, "left": []}
     # Rank 1 never published: the pipeline looked broken, so rank 0 (lowest) wrote the report.
     text = (tmp_path / "pipeline-stop-iter3-rank0.txt").read_text()
-    assert "rank 1: step" in text
+    assert "rank 1 (pipeline stage 1 of [0, 1]): step" in text
     assert "published nothing" in text
+
+
+def _busy_rank_answers(directory: str) -> dict[str, Any]:
+    executor = _executor(report_wait=5.0)
+    use_default_store(executor)
+    if dist.get_rank() == 1:
+        with SignalWatcher(executor, iteration=lambda: 2, directory=Path(directory), poll_s=0.1):
+            time.sleep(4.0)  # busy: neither lost nor in a transfer; its watcher answers
+        return {}
+    report = report_stop(executor, None)
+    assert report is not None
+    return {"answered": report.answered, "inferred": [p.inferred for p in report.positions]}
+
+
+@pytest.mark.reliability
+def test_a_busy_rank_asked_for_its_position_publishes_it_from_its_watcher(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 stops and asks; rank 1, busy in its main thread, answers from its watcher."""
+    result = run_distributed(_busy_rank_answers, 2, str(tmp_path), timeout=90)[0]
+    assert result == {"answered": [0, 1], "inferred": [False, False]}
 
 
 def _non_finite(directory: str) -> dict[str, Any]:
@@ -231,14 +325,13 @@ def test_a_lost_data_parallel_peer_prints_the_pipeline_s_report_naming_it(
     results = run_distributed(_collective_lost, 2, str(tmp_path), both, timeout=90)
     first_line = results[0]["line"].splitlines()[0]
     assert "peer rank 7" in first_line
-    silent = "" if both else "; pipeline stage(s) [1] did not answer (placed by the plan)"
-    assert results[0]["cause"] == f"CollectiveError: {first_line}{silent}"
+    closed = "saw its connection close in gradient all-reduce over data parallel"
+    seen = f"ranks 0 and 1 {closed}" if both else f"rank 0 {closed}"
+    assert results[0]["cause"] == f"rank 7 is gone; {seen}"
     assert results[0]["answered"] == ([0, 1] if both else [0])
-    assert (
-        (tmp_path / "pipeline-stop-iter3-rank0.txt")
-        .read_text()
-        .startswith(f"pipeline stopped (call 1): CollectiveError: {first_line}")
-    )
+    text = (tmp_path / "pipeline-stop-iter3-rank0.txt").read_text()
+    assert text.startswith(f"pipeline stopped (call 1) in pipeline [0, 1]: rank 7 is gone; {seen}")
+    assert first_line in text  # each rank's own error, in its line
 
 
 # --- the command -------------------------------------------------------------------------------

@@ -16,15 +16,24 @@ reads it:
   (`dump_line`: global rank, pipeline rank, training iteration, recorder head) once per
   request, on stderr. Training goes on. ``python -m pp_train.dump --pid <torchrun's pid>``
   sends the signal to one worker of a job (`pp_train.dump`).
+
+The thread also answers a stopped rank that asks where this one is (a rank busy in a long
+step, not lost, shows its step instead of being placed by the plan), and keeps this rank's
+liveness record (`pp_state.liveness`): the process's
+identity, published once, and a heartbeat every half second, from which a survivor names a
+rank that died or stopped. A store that fails costs one line per thing the thread could not
+do, never a stack trace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -33,6 +42,8 @@ from typing import Any
 import torch.distributed as dist
 
 from pp_schedules import PipelineExecutor
+from pp_schedules.stop_channel import answer_ask, first_line
+from pp_state import liveness
 from pp_state.store_channel import StoreChannel
 from pp_train.stop_reports import report_on_sigterm, use_default_store, write_line
 
@@ -44,33 +55,68 @@ _REQUESTS = "dump/requests"
 _JOIN_S = 2.0
 
 
-def _waits(head: dict[str, Any]) -> str:
-    waits = head.get("waiting_for") or []
-    return "".join(
-        f"; waiting for pipeline rank {w['peer']}: {w['what']} ({w['direction']})" for w in waits
-    )
+def _waits(executor: PipelineExecutor, head: dict[str, Any], pipeline: list[int]) -> str:
+    """The transfers the head waits for, each peer named by its global rank and place."""
+    said = []
+    for w in head.get("waiting_for") or []:
+        stage = w["peer"]
+        peer = _name(executor, pipeline[stage], pipeline) if stage < len(pipeline) else (
+            f"pipeline stage {stage}")  # fmt: skip
+        said.append(f"; waiting for {peer}: {w['what']} ({w['direction']})")
+    return "".join(said)
+
+
+def _in_collective(head: dict[str, Any]) -> str:
+    collective = head.get("collective") or {}
+    if collective.get("state") != "waiting":
+        return ""
+    return f"; in {collective['operation']} over ranks {collective['group']}"
+
+
+def _name(executor: PipelineExecutor, global_rank: int, pipeline: list[int]) -> str:
+    """``rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0)``, or by the pipeline alone."""
+    if executor.coordinates is not None:
+        with contextlib.suppress(ValueError, RuntimeError):
+            return executor.coordinates(global_rank).describe()
+    if global_rank in pipeline:
+        return f"rank {global_rank} (pipeline stage {pipeline.index(global_rank)} of {pipeline})"
+    return f"rank {global_rank}"
+
+
+def _pipeline(executor: PipelineExecutor, global_rank: int) -> list[int]:
+    """The global ranks of `global_rank`'s pipeline (this rank's), in stage order."""
+    if executor.coordinates is not None:
+        with contextlib.suppress(ValueError, RuntimeError):
+            return list(executor.coordinates(global_rank).pipeline)
+    comm = executor.communicator
+    return comm.pipeline_ranks if comm is not None else [global_rank]
 
 
 def dump_line(
     executor: PipelineExecutor | None, global_rank: int, iteration: int, request: int
 ) -> str:
-    """One rank's live-dump line: where it is now, by its flight recorder's head."""
+    """One rank's live-dump line: where it is now, by its flight recorder's head.
+
+    Every rank is named by its global rank: this one with its place, each peer it waits for
+    with its pipeline stage.
+    """
     if executor is None:
         return (
             f"pp-train dump {request}: rank {global_rank}, iteration {iteration}: no "
             "pipeline executor (its forward-backward function records no steps)"
         )
     head = executor.recorder.head()
-    where = (
-        "before its first plan step"
-        if head is None
-        else f"call {head['iteration']}, step {head['step']} ({head['action']}), {head['state']}"
-        + _waits(head)
-    )
-    return (
-        f"pp-train dump {request}: rank {global_rank} (pipeline rank {executor.rank} of "
-        f"{executor.pp_size}), iteration {iteration}, {where}"
-    )
+    if head is None:
+        where = "before its first plan step"
+    elif head.get("step") is None:
+        where = f"after call {head['iteration']}, before its first plan step"
+    else:
+        where = f"call {head['iteration']}, step {head['step']} ({head['action']}), {head['state']}"
+    pipeline = _pipeline(executor, global_rank)
+    if head is not None:
+        where += _waits(executor, head, pipeline) + _in_collective(head)
+    name = _name(executor, global_rank, pipeline)
+    return f"pp-train dump {request}: {name}, iteration {iteration}, {where}"
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
@@ -116,11 +162,18 @@ class SignalWatcher:
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous: tuple[int, Any] | None = None
         self._thread: threading.Thread | None = None
-        self._noted = False
+        self._noted: set[str] = set()
+        self._alive: StoreChannel | None = None
+        self._last_beat = 0.0
+        self._answered: bytes | None = None  # the last ask for this rank's position answered
 
     def __enter__(self) -> SignalWatcher:
         if self.executor is not None:
             use_default_store(self.executor)
+        self._alive = self._liveness_channel()
+        if self._alive is not None and not liveness.publish_identity(self._alive, self.rank):
+            self._alive = None
+            self._note("publish its liveness record", RuntimeError("the store did not answer"))
         self._channel = self._dump_channel()
         self._seen = self._requests()
         if threading.current_thread() is threading.main_thread():
@@ -145,6 +198,38 @@ class SignalWatcher:
         for end in self._sockets or ():
             end.close()
 
+    def _liveness_channel(self) -> StoreChannel | None:
+        """Where this rank's identity and heartbeat go: the stop reports' channel."""
+        if self.executor is not None and self.executor.channel is not None:
+            return self.executor.channel
+        if not dist.is_initialized():
+            return None
+        try:
+            return StoreChannel.from_default_group(timeout=10.0)
+        except Exception as error:  # no store: no liveness record, reports say "unknown"
+            self._note("reach the default group's store", error)
+            return None
+
+    def _beat(self) -> None:
+        """Set this rank's heartbeat every `pp_state.liveness.HEARTBEAT_S` seconds."""
+        now = time.monotonic()
+        if self._alive is None or now - self._last_beat < liveness.HEARTBEAT_S:
+            return
+        self._last_beat = now
+        if not liveness.beat(self._alive, self.rank):
+            self._alive = None
+            self._note("publish its heartbeat", RuntimeError("the store did not answer"))
+
+    def _answer_ask(self) -> None:
+        """Publish this rank's position when a stopped rank asks for it (it is busy, not lost)."""
+        what = "answer a request for its position"
+        if self.executor is None or self.executor.channel is None or what in self._noted:
+            return
+        try:
+            self._answered = answer_ask(self.executor, self._answered)
+        except Exception as error:  # a gone store: the report places this rank by the plan
+            self._note(what, error)
+
     def _dump_channel(self) -> StoreChannel | None:
         if not dist.is_initialized():
             return None
@@ -155,11 +240,15 @@ class SignalWatcher:
             return None
 
     def _note(self, what: str, error: BaseException) -> None:
-        if not self._noted:  # once: a store that is gone would say so every poll
-            self._noted = True
+        """One line per thing this rank could not do, however often it fails.
+
+        The error's first line only: a store's error carries a C++ stack trace.
+        """
+        if what not in self._noted:
+            self._noted.add(what)
             write_line(
-                f"pp-train: rank {self.rank} could not {what} ({type(error).__name__}: "
-                f"{error}); live dumps may miss this rank"
+                f"pp-train: rank {self.rank} could not {what} ({first_line(error)}); "
+                "live dumps and stop reports may miss this rank"
             )
 
     def _requests(self, add: int = 0) -> int:
@@ -173,7 +262,15 @@ class SignalWatcher:
             return self._seen
 
     def _watch(self) -> None:
+        try:
+            self._watch_until_stopped()
+        except Exception as error:  # one line, not a thread's traceback
+            self._note("go on watching signals", error)
+
+    def _watch_until_stopped(self) -> None:
         while not self._stop.is_set():
+            self._beat()
+            self._answer_ask()
             for signum in self._signals():
                 if signum == signal.SIGTERM:
                     self._on_sigterm()
@@ -212,10 +309,13 @@ class SignalWatcher:
         self.sigterm_seen = True
         outcome = report_on_sigterm(self.executor, self.directory, self.iteration())
         if outcome.failed and outcome.report is not None:
+            names = {p.rank: p.name for p in outcome.report.positions}
             write_line(
-                f"pp-train: rank {self.rank} leaves on SIGTERM: its pipeline stopped: "
-                f"{outcome.report.cause}"
+                f"pp-train: {names.get(self.rank, f'rank {self.rank}')} leaves on SIGTERM: "
+                f"its pipeline stopped: {outcome.report.cause}"
             )
             sys.stdout.flush()
+            if self._alive is not None:  # the others' evidence: this rank left on its own
+                liveness.leave(self._alive, self.rank, f"SIGTERM: {outcome.report.cause}")
             # The main thread waits for a rank that is gone; no save can follow.
             self.leave(1)

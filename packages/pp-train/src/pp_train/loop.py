@@ -46,6 +46,7 @@ from pp_train.stop_reports import (
     report_collective,
     report_directory,
     report_non_finite,
+    stop_evidence,
 )
 
 __all__ = ["TrainLoop", "train"]
@@ -176,6 +177,7 @@ class TrainLoop:
         training = config.training
         with (
             SigtermFlag(training.exit_signal_handler) as signals,
+            stop_evidence(self.executor, run.state),
             self._watching(),
             self._measuring(),
         ):
@@ -250,6 +252,8 @@ class TrainLoop:
         run, calculator = self.run, self.calculator
         config, progress = run.config, run.progress
         calculator.update(progress.consumed_train_samples, True)
+        if self.executor is not None:  # its positions and collectives say the iteration
+            self.executor.recorder.set_training_iteration(progress.iteration + 1)
         profiling = self.profile.starts(progress.iteration + 1)
         with self.memory.measuring():
             step = run.step(

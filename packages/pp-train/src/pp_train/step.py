@@ -222,11 +222,20 @@ def _pipeline_communicator(
     timers: Timers | None,
     comm_config: CommConfig | None,
 ) -> P2PCommunicator | None:
-    """The transfers between stages (None for one stage), by default in the model's dtype."""
+    """The transfers between stages (None for one stage).
+
+    By default in the model's dtype, timing out with the parallel state's collectives.
+    """
     dtype = next(unwrap_model(model[0]).parameters()).dtype
     if state.pipeline_model_parallel_size <= 1:
         return None
-    config = comm_config or CommConfig(pipeline_dtype=dtype)
+    # Transfers wait as long as the run's collectives (--distributed-timeout-minutes).
+    timeout = getattr(getattr(state, "config", None), "timeout", None)
+    config = comm_config or (
+        CommConfig(pipeline_dtype=dtype, timeout=timeout)
+        if timeout is not None
+        else CommConfig(pipeline_dtype=dtype)
+    )
     return P2PCommunicator.from_parallel_state(state, config=config, device=device, timers=timers)
 
 

@@ -24,15 +24,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from pp_schedules import PipelineExecutor
-from pp_schedules.stop_channel import read_position, report_stop
+from pp_schedules.stop_channel import first_line, read_position, report_stop
 from pp_schedules.stop_report import StopReport
-from pp_state.collectives import CollectiveError
+from pp_state.collectives import (
+    CollectiveError,
+    collective,
+    collective_device,
+    set_collective_hook,
+    set_peer_finder,
+)
+from pp_state.liveness import leave, peer_finder
+from pp_state.state import ParallelState
 from pp_state.store_channel import StoreChannel
 from pp_train.arguments import PretrainConfig
 
@@ -46,6 +57,8 @@ __all__ = [
     "report_non_finite",
     "report_on_sigterm",
     "report_stem",
+    "run_token",
+    "stop_evidence",
     "use_default_store",
     "write_line",
 ]
@@ -84,13 +97,10 @@ def report_stem(iteration: int, global_rank: int) -> str:
     return f"{REPORT_STEM}-iter{iteration}-rank{global_rank}"
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _reports_here(report: StopReport, executor: PipelineExecutor) -> bool:
-    """Whether this rank printed the report: the lowest pipeline rank that answered."""
-    return bool(report.heads) and min(report.heads) == executor.rank
+    """Whether this rank prints the report: the lowest stage of its pipeline that answered."""
+    comm = executor.communicator
+    return comm is not None and report.reporter == comm.rank
 
 
 def keep_report(
@@ -110,8 +120,9 @@ def keep_report(
     """
     paths: list[Path] = []
     if _reports_here(report, executor):
+        assert executor.communicator is not None
         try:
-            paths = report.write(directory, report_stem(iteration, _global_rank()))
+            paths = report.write(directory, report_stem(iteration, executor.communicator.rank))
         except OSError as failure:  # the report was printed already; the error stands
             write_line(f"pp-train: the stop report was not written: {failure}")
     if error is not None:
@@ -124,21 +135,27 @@ def keep_report(
 def exit_line(error: BaseException, rank: int) -> str | None:
     """The one line global rank `rank` leaves with after a stop the trainer reported, or None.
 
-    The rank that wrote the report names the cause and the file; the others their own error
-    (its first line, without the backend's words).
+    Every rank names the cause its report found (ranks by global rank, with their place);
+    the rank that wrote the report adds the file, the others their own error (its first
+    line, without the backend's words).
     """
     report = getattr(error, "stop_report", None)
     files = getattr(error, "stop_report_files", None)
     if not isinstance(report, StopReport) or files is None:
         return None
+    pipeline = f" in pipeline {list(report.pipeline)}" if report.pipeline else ""
     if files:
         return (
-            f"pp-train: error: the pipeline stopped (call {report.iteration}): {report.cause} "
-            f"(report: {files[0]})"
+            f"pp-train: error: the pipeline stopped (call {report.iteration}){pipeline}: "
+            f"{report.cause} (report: {files[0]})"
         )
+    names = {p.rank: p.name for p in report.positions}
     lines = str(error).strip().splitlines()
     first = lines[0].split(" Cause: ")[0][:300] if lines else ""
-    return f"pp-train: rank {rank} stopped: {type(error).__name__}: {first}"
+    return (
+        f"pp-train: {names.get(rank, f'rank {rank}')} stopped: cause: {report.cause}; "
+        f"its own error: {type(error).__name__}: {first}"
+    )
 
 
 def report_non_finite(
@@ -178,13 +195,8 @@ def report_collective(
     report = report_stop(executor, error)
     if report is None:
         return None
-    lines = str(error).strip().splitlines()
-    cause = f"{type(error).__name__}: {lines[0] if lines else error.operation}"
-    silent = sorted(set(range(executor.pp_size)) - set(report.heads))
-    if silent:
-        cause += f"; pipeline stage(s) {silent} did not answer (placed by the plan)"
     return _print_and_keep(
-        error, report, cause, executor=executor, directory=directory, iteration=iteration
+        error, report, report.cause, executor=executor, directory=directory, iteration=iteration
     )
 
 
@@ -270,3 +282,56 @@ def report_on_sigterm(
         write_line(report.render())
     keep_report(None, report, executor, directory, iteration)
     return SigtermOutcome(published=True, report=report, failed=failed)
+
+
+def run_token() -> str:
+    """A token every rank of this job shares and another job does not: rank 0's, broadcast.
+
+    A collective over every rank (call it on each). Positions a stop publishes carry it, so
+    documents another job left in a shared store are set aside.
+    """
+    if not dist.is_initialized():
+        return f"{os.getpid()}"
+    drawn = int.from_bytes(os.urandom(7), "little")
+    token = torch.tensor([drawn], dtype=torch.int64, device=collective_device())
+    with collective("run token broadcast"):
+        dist.broadcast(token, src=0)
+    return f"{int(token.item()):014x}"
+
+
+@contextlib.contextmanager
+def stop_evidence(executor: PipelineExecutor | None, state: ParallelState) -> Iterator[None]:
+    """While training: what a stop report needs beyond the plan steps.
+
+    The executor names ranks by their place in `state` (``rank 1 (pipeline stage 0 of
+    [1, 3], dp 1, tp 0)``) and tags its positions with the job's `run_token`; pp-state's
+    collectives are recorded beside the plan steps (the executor's flight recorder) and a
+    collective's error names the member the liveness records show lost
+    (`pp_state.liveness.peer_finder`). Everything is put back on leaving.
+    """
+    token = run_token()
+    hook = peer = None
+    if executor is not None:
+        executor.coordinates = getattr(state, "coordinates", None)  # a state of pp-state's
+        executor.run_token = token
+        use_default_store(executor)
+        hook = executor.recorder.collective_hook()
+    channel = executor.channel if executor is not None else None
+    if channel is None and dist.is_initialized():
+        with contextlib.suppress(Exception):  # no store: errors name no lost member
+            channel = StoreChannel.from_default_group(timeout=10.0)
+    if channel is not None:
+        peer = peer_finder(channel)
+    previous_hook = set_collective_hook(hook) if hook is not None else None
+    previous_peer = set_peer_finder(peer) if peer is not None else None
+    try:
+        yield
+    except Exception as error:
+        if channel is not None:  # the others' evidence: this rank left on its own error
+            leave(channel, dist.get_rank() if dist.is_initialized() else 0, first_line(error))
+        raise
+    finally:
+        if hook is not None:
+            set_collective_hook(previous_hook)
+        if peer is not None:
+            set_peer_finder(previous_peer)
