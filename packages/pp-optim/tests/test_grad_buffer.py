@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, DistributedDataParallel, Float16Module
-from pp_state import ParallelConfig, ParallelState
+from pp_state import ParallelConfig, ParallelState, set_collective_hook
 from pp_testing import run_distributed
 
 GLOBAL_BATCH = 8
@@ -183,3 +183,54 @@ def test_half_parameters_reduce_in_the_chosen_dtype(grad_reduce_in_fp32: bool) -
         for (dtype, grad), reference in zip(grads, expected, strict=True):
             assert dtype == (torch.float32 if grad_reduce_in_fp32 else torch.bfloat16)
             torch.testing.assert_close(grad, reference, rtol=0.05, atol=0.02)  # bf16 model
+
+
+class _Heard:
+    """A collective hook that keeps what it hears: (operation, group, failed)."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, tuple[int, ...]]] = []
+
+    def begin(self, operation: str, group_ranks: tuple[int, ...], iteration: int | None) -> object:
+        self.heard.append((operation, group_ranks))
+        return None
+
+    def end(self, token: object, failed: bool = False) -> None:
+        pass
+
+
+def _heard_sync(config: DDPConfig) -> list[tuple[str, tuple[int, ...]]]:
+    state = ParallelState.create(ParallelConfig())
+    model = _model()
+    ddp = DistributedDataParallel(model, config, data_parallel_group=state.group("dp"))
+    inputs, targets = _data()
+    hook = _Heard()
+    previous = set_collective_hook(hook)
+    try:
+        torch.nn.functional.mse_loss(ddp(inputs), targets).backward()
+        ddp.finish_grad_sync()
+        if config.use_distributed_optimizer:
+            ddp.start_param_sync()
+            ddp.finish_param_sync()
+    finally:
+        set_collective_hook(previous)
+    return hook.heard
+
+
+@pytest.mark.parametrize(
+    "config",
+    [DDPConfig(bucket_size=30, overlap_grad_reduce=True),
+     DDPConfig(bucket_size=30, use_distributed_optimizer=True)],
+    ids=["overlapped-all-reduce", "distributed-optimizer"],
+)  # fmt: skip
+def test_every_buckets_sync_and_gather_is_told_to_the_collective_hook(config: DDPConfig) -> None:
+    """A trainer's flight recorder hears each bucket's collective, where the rank waits."""
+    heard = run_distributed(_heard_sync, 2, config)[0]
+    syncs = [op for op, group in heard if group == (0, 1) and "over data parallel" in op]
+    buckets = len(syncs) // (2 if config.use_distributed_optimizer else 1)
+    assert buckets > 1, heard
+    first = "gradient all-reduce" if not config.use_distributed_optimizer else "gradient"
+    assert all(op.startswith(first) for op in syncs[:buckets])
+    assert [f"(bucket {i}," in op for i, op in enumerate(syncs[:buckets])] == [True] * buckets
+    if config.use_distributed_optimizer:
+        assert all(op.startswith("parameter all-gather") for op in syncs[buckets:])

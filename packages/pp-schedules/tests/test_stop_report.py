@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from pp_schedules import plan, validate
 from pp_schedules.flight_recorder import FlightRecorder, NullFlightRecorder, check_recorder_size
 from pp_schedules.lowering import Step
-from pp_schedules.stop_channel import foreign
+from pp_schedules.stop_channel import (
+    answer_ask,
+    ask_to_publish,
+    foreign,
+    gather_positions,
+    publish_document,
+    publish_head,
+    read_position,
+)
 from pp_schedules.stop_report import build_stop_report, describe_step
+from pp_state.store_channel import StoreChannel
 
 PP, M = 3, 4
 
@@ -436,3 +448,61 @@ def test_documents_of_another_run_are_set_aside() -> None:
     assert foreign(dict(earlier, position=dict(own["position"], training_iteration=8)), now) is None
     report = build_stop_report(steps, {1: own}, ignored=["rank 0: published by another run"])
     assert "ignored (not of this run):\n  rank 0: published by another run" in report.render()
+
+
+# ------------------------------------------------------------------ asking a rank where it is
+def _host(tmp_path: Path) -> Any:
+    """Stage 0 of the pipeline [0, 1], one call run, publishing into a FileStore."""
+    comm = SimpleNamespace(rank=0, pipeline_ranks=[0, 1], prev_rank=1, next_rank=1)
+    channel = StoreChannel(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    return SimpleNamespace(
+        communicator=comm, rank=0, pp_size=2, recorder=_walked(0, _steps2(), 1), channel=channel,
+        report_wait=1.0, coordinates=None, run_token="t",
+    )  # fmt: skip
+
+
+def _steps2() -> list[list[Step]]:
+    return validate(plan("1f1b", pp_size=2, num_microbatches=2)).steps
+
+
+def test_an_asked_rank_publishes_its_position_marked_as_an_answer(tmp_path: Path) -> None:
+    host = _host(tmp_path)
+    assert answer_ask(host, None) is None  # nobody asked
+    ask_to_publish(host.channel, [0], asker=1)
+    answered = answer_ask(host, None)
+    assert answered is not None
+    document = read_position(host.channel, 0)
+    assert document is not None
+    assert document["answers_ask"] is True
+    assert answer_ask(host, answered) == answered  # the same ask is answered once
+
+
+def test_an_answer_never_overwrites_the_failure_this_rank_published(tmp_path: Path) -> None:
+    host = _host(tmp_path)
+    assert publish_head(host, RuntimeError("its own failure")) is not None
+    ask_to_publish(host.channel, [0], asker=1)
+    answer_ask(host, None)
+    document = read_position(host.channel, 0)
+    assert document is not None
+    assert document["error"]["message"] == "its own failure"
+    assert document["answers_ask"] is False
+
+
+def test_a_position_published_before_this_stop_is_used_only_if_no_newer_comes(
+    tmp_path: Path,
+) -> None:
+    host = _host(tmp_path)
+    own = publish_head(host, RuntimeError("stopped"))
+    assert own is not None
+    channel, document = own
+    snapshot = dict(document, global_rank=1, rank=1, error=None)
+    snapshot["published_at"] = document["published_at"] - 30.0  # an earlier SIGTERM's
+    publish_document(channel, snapshot)
+    heads, _ = gather_positions(channel, document, wait_s=0.3)
+    assert heads[1]["published_at"] == snapshot["published_at"]  # nothing newer: kept
+    newer = dict(snapshot, published_at=document["published_at"] + 0.1)
+    timer = threading.Timer(0.1, publish_document, (channel, newer))
+    timer.start()
+    heads, _ = gather_positions(channel, document, wait_s=3.0)
+    timer.join()
+    assert heads[1]["published_at"] == newer["published_at"]

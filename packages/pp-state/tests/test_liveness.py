@@ -82,6 +82,7 @@ def _child(channel: StoreChannel, rank: int, tmp_path: Path) -> subprocess.Popen
 
 def test_a_process_on_this_host_is_alive_then_stopped_then_gone(tmp_path: Path) -> None:
     channel = _channel(tmp_path)
+    liveness.leave(channel, 3, "an earlier process's note")  # removed by the new identity
     child = _child(channel, 3, tmp_path)
     try:
         assert liveness.assess(channel, [3])[3].state == "alive"
@@ -105,6 +106,29 @@ def test_a_process_on_this_host_is_alive_then_stopped_then_gone(tmp_path: Path) 
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_running_process_on_this_host_is_alive_however_old_its_heartbeat(
+    tmp_path: Path,
+) -> None:
+    channel = _channel(tmp_path)
+    child = _child(channel, 4, tmp_path)
+    try:
+        channel.set("alive/4/beat", repr(time.time() - 30.0))  # its beating thread starved
+        alive = liveness.assess(channel, [4])[4]
+        assert (alive.state, alive.lost) == ("alive", False)
+        assert alive.evidence == f"its process {child.pid} on this host runs"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_rank_lost_first_is_the_one_whose_heartbeat_stopped_first() -> None:
+    here_gone = liveness.Liveness(2, "gone", "its process 7 on this host has exited", 1.0)
+    there_silent = liveness.Liveness(1, "silent", "no heartbeat for 10.0 s", 10.0)
+    no_beat = liveness.Liveness(3, "gone", "its process 8 on this host has exited")
+    ranked = sorted([here_gone, no_beat, there_silent], key=liveness.lost_first)
+    assert [live.rank for live in ranked] == [1, 2, 3]
 
 
 def test_another_hosts_rank_is_silent_once_its_heartbeat_is_stale(tmp_path: Path) -> None:

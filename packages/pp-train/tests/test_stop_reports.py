@@ -44,6 +44,7 @@ from pp_train.stop_reports import (
     report_directory,
     report_non_finite,
     report_stem,
+    stop_evidence,
     use_default_store,
 )
 from pp_train.training import NonFiniteError
@@ -196,6 +197,24 @@ def test_a_gone_store_costs_the_watcher_one_line_per_thing_and_no_stack_trace(
     ], lines
 
 
+@pytest.mark.parametrize("seen", [True, False], ids=["a-lost-peer-it-saw", "its-own-error"])
+def test_a_rank_leaves_a_note_only_when_it_stops_on_a_failure_it_saw(
+    tmp_path: Path, seen: bool
+) -> None:
+    executor = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
+    channel = StoreChannel(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    executor.channel = channel
+    error: Exception = (
+        CollectiveError(rank=0, operation="exit decision", group_ranks=(0, 1), cause="closed")
+        if seen
+        else RuntimeError("CUDA out of memory")
+    )
+    with pytest.raises(type(error)), stop_evidence(executor, None):  # type: ignore[arg-type]
+        raise error
+    # Its own error leaves no note: the others then name it gone, as the cause.
+    assert channel.store.check([channel.prefix + "alive/0/left"]) == seen
+
+
 # --- on 2 ranks --------------------------------------------------------------------------------
 
 
@@ -252,25 +271,33 @@ def test_sigterm_publishes_the_position_while_the_main_thread_waits_in_a_receive
     assert "published nothing" in text
 
 
-def _busy_rank_answers(directory: str) -> dict[str, Any]:
+def _busy_rank_answers(directory: str, busy: int) -> dict[str, Any]:
     executor = _executor(report_wait=5.0)
     use_default_store(executor)
-    if dist.get_rank() == 1:
+    if dist.get_rank() == busy:
         with SignalWatcher(executor, iteration=lambda: 2, directory=Path(directory), poll_s=0.1):
             time.sleep(4.0)  # busy: neither lost nor in a transfer; its watcher answers
         return {}
     report = report_stop(executor, None)
     assert report is not None
-    return {"answered": report.answered, "inferred": [p.inferred for p in report.positions]}
+    return {
+        "answered": report.answered,
+        "inferred": [p.inferred for p in report.positions],
+        "reporter": report.reporter,
+    }
 
 
 @pytest.mark.reliability
+@pytest.mark.parametrize("busy", [1, 0], ids=["stage-1-busy", "stage-0-busy"])
 def test_a_busy_rank_asked_for_its_position_publishes_it_from_its_watcher(
-    tmp_path: Path,
+    tmp_path: Path, busy: int
 ) -> None:
-    """Rank 0 stops and asks; rank 1, busy in its main thread, answers from its watcher."""
-    result = run_distributed(_busy_rank_answers, 2, str(tmp_path), timeout=90)[0]
-    assert result == {"answered": [0, 1], "inferred": [False, False]}
+    """One rank stops and asks; the other, busy in its main thread, answers from its watcher.
+
+    The rank that stopped prints the report even when the busy one is the lower stage."""
+    stopped = 1 - busy
+    result = run_distributed(_busy_rank_answers, 2, str(tmp_path), busy, timeout=90)[stopped]
+    assert result == {"answered": [0, 1], "inferred": [False, False], "reporter": stopped}
 
 
 def _non_finite(directory: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pp_testing import run_distributed
 from pp_train import save_checkpoint, setup_model_and_optimizer
 from pp_train.app import GPTChunk, GPTConfig, chunk_layers
 from pp_train.checkpoint import AsyncCheckpointSaver, CheckpointError, CkptFormat, read_tracker
-from pp_train.checkpoint.torch_dist import publish
+from pp_train.checkpoint.torch_dist import publish, remove_failed_save
 from pp_train.temporaries import STALE_AFTER, remove_stale_temporaries, restore_moved_aside
 
 pytestmark = pytest.mark.reliability
@@ -212,6 +212,19 @@ def _save_and_wait(root: str, fmt: CkptFormat, saver: Any, state: Any, *parts: A
                     async_saver=saver)  # fmt: skip
     if saver is not None:
         saver.wait(state)
+
+
+def test_a_rank_clears_its_files_after_rank_0_removed_the_directory(tmp_path: Path) -> None:
+    """Rank 0 removes the staging directory while another rank still lists its files."""
+    staging = tmp_path / "iter_0000001.partial"
+    remove_failed_save(staging, 1)  # already gone: nothing raised
+    staging.mkdir()
+    (staging / "__1_0.distcp").write_bytes(b"x")
+    (staging / "__0_0.distcp").write_bytes(b"x")
+    remove_failed_save(staging, 1)
+    assert [p.name for p in staging.iterdir()] == ["__0_0.distcp"]
+    remove_failed_save(staging, 0)
+    assert not staging.exists()
 
 
 @pytest.mark.parametrize("mode", ["torch", "torch_dist", "async"])

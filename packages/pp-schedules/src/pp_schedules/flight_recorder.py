@@ -23,6 +23,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -166,7 +167,7 @@ class FlightRecorder:
         self._collective_count = 0
         self._open: list[CollectiveRecord] = []
         self._seq: dict[tuple[int, ...], int] = {}
-        self._steps_ended_at_collective = 0
+        self._collective_lock = threading.Lock()  # hooks may run on autograd's threads
 
     def set_training_iteration(self, iteration: int | None) -> None:
         """The training iteration the next calls and collectives belong to."""
@@ -180,24 +181,26 @@ class FlightRecorder:
         self, operation: str, group: tuple[int, ...], iteration: int | None = None
     ) -> CollectiveRecord:
         """A collective over `group` (global ranks) begins; returns its record."""
-        seq = self._seq.get(group, 0)
-        self._seq[group] = seq + 1
         known = iteration if iteration is not None else self.training_iteration
-        record = CollectiveRecord(operation, group, seq, self.iteration, known)
-        current = self._current
-        if current is not None and current[_END] is None:
-            record.in_step = current[1]
-        self._collectives[self._collective_count % _COLLECTIVES_KEPT] = record
-        self._collective_count += 1
-        self._open.append(record)
+        with self._collective_lock:
+            seq = self._seq.get(group, 0)
+            self._seq[group] = seq + 1
+            record = CollectiveRecord(operation, group, seq, self.iteration, known)
+            current = self._current
+            if current is not None and current[_END] is None:
+                record.in_step = current[1]
+            self._collectives[self._collective_count % _COLLECTIVES_KEPT] = record
+            self._collective_count += 1
+            self._open.append(record)
         return record
 
     def end_collective(self, record: CollectiveRecord, *, failed: bool = False) -> None:
         """The collective of `record` is over: done, or `failed` (it raised)."""
         record.end = time.perf_counter()
         record.failed = failed
-        if record in self._open:
-            self._open.remove(record)
+        with self._collective_lock:
+            if record in self._open:
+                self._open.remove(record)
 
     def collectives(self) -> list[dict[str, Any]]:
         """The collectives kept (the last few dozen), oldest first, as plain data."""
@@ -240,7 +243,7 @@ class FlightRecorder:
         return self._count
 
     def head(self) -> dict[str, Any] | None:
-        """Where the rank is, as plain data (JSON-able); None before the first step.
+        """Where the rank is, as plain data (JSON-able); None before any step or collective.
 
         Keys: ``iteration`` (the call), ``step`` (index in the rank's lowered plan),
         ``action``, ``kind`` (F, B, I, W or exchange), ``microbatch``, ``chunk``,
@@ -259,11 +262,14 @@ class FlightRecorder:
 
     def _latest_collective(self) -> dict[str, Any] | None:
         """The collective the rank is in, or the last one if it began after the last step."""
-        if self._open:
-            return self._open[-1].to_json()
-        if not self._collective_count:
+        with self._collective_lock:
+            open_now = self._open[-1] if self._open else None
+            count = self._collective_count
+        if open_now is not None:
+            return open_now.to_json()
+        if not count:
             return None
-        last = self._collectives[(self._collective_count - 1) % _COLLECTIVES_KEPT]
+        last = self._collectives[(count - 1) % _COLLECTIVES_KEPT]
         current = self._current
         if last is None or (current is not None and current[3] > last.start):
             return None
@@ -348,4 +354,13 @@ class NullFlightRecorder(FlightRecorder):
         """Records nothing."""
 
     def waited(self) -> None:
+        """Records nothing."""
+
+    def begin_collective(
+        self, operation: str, group: tuple[int, ...], iteration: int | None = None
+    ) -> CollectiveRecord:
+        """Records nothing (the record is returned, kept nowhere)."""
+        return CollectiveRecord(operation, group, 0, self.iteration, iteration)
+
+    def end_collective(self, record: CollectiveRecord, *, failed: bool = False) -> None:
         """Records nothing."""

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -51,9 +52,13 @@ __all__ = [
     "report_stop",
 ]
 
+_PUBLISHING = threading.Lock()
+"""Held while a thread of this process publishes its position (the main thread's failure,
+the watcher's answer to an ask): an answer never overwrites a failure published meanwhile."""
 DEFAULT_REPORT_WAIT_S = 5.0
 """How long a stopped rank waits for the other ranks' positions, at most."""
 _POLL_S = 0.05
+_EARLIER_S = 1.0  # a position without an error older than this before one's own is a snapshot
 _MESSAGE_CHARS = 400
 
 
@@ -133,7 +138,11 @@ def error_record(
 
 
 def coordinates_of(host: StopHost, rank: int) -> RankCoordinates:
-    """Where global rank `rank` sits: the host's coordinates, else its pipeline stage."""
+    """Where global rank `rank` sits: the host's coordinates, else its pipeline stage.
+
+    Raises:
+        ValueError: Without coordinates, a rank outside the host's pipeline.
+    """
     comm = host.communicator
     assert comm is not None
     if host.coordinates is not None:
@@ -142,8 +151,11 @@ def coordinates_of(host: StopHost, rank: int) -> RankCoordinates:
         except (ValueError, RuntimeError):  # not a rank the layout knows, or no layout left
             pass
     pipeline = comm.pipeline_ranks
-    stage = pipeline.index(rank) if rank in pipeline else 0
-    return RankCoordinates(rank=rank, pipeline=tuple(pipeline), stage=stage)
+    if rank not in pipeline:
+        raise ValueError(
+            f"rank {rank} is not in the pipeline {pipeline} and the host has no coordinates"
+        )
+    return RankCoordinates(rank=rank, pipeline=tuple(pipeline), stage=pipeline.index(rank))
 
 
 def describe_rank(host: StopHost, rank: int) -> str:
@@ -169,8 +181,13 @@ def plan_digest(recorder: FlightRecorder) -> str:
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
 
 
-def position_document(host: StopHost, error: BaseException | None = None) -> dict[str, Any]:
-    """What a rank publishes: who and where it is, its recent steps, its run and its error."""
+def position_document(
+    host: StopHost, error: BaseException | None = None, *, answers_ask: bool = False
+) -> dict[str, Any]:
+    """What a rank publishes: who and where it is, its recent steps, its run and its error.
+
+    `answers_ask`: published on another rank's request, by a rank that builds no report.
+    """
     comm = host.communicator
     assert comm is not None, "only a pipeline of two or more stages publishes positions"
     recorder = host.recorder
@@ -188,6 +205,7 @@ def position_document(host: StopHost, error: BaseException | None = None) -> dic
         "recent": recorder.recent(),
         "collectives": recorder.collectives()[-8:],
         "error": error_record(error, comm),
+        "answers_ask": answers_ask,
         "run": {"world_size": world, "plan": plan_digest(recorder), "token": host.run_token},
         "published_at": time.time(),
         # Recorded times are perf_counter's; this moves them onto the wall clock ranks share.
@@ -284,12 +302,13 @@ def answer_ask(host: StopHost, answered: bytes | None = None) -> bytes | None:
     asked: bytes = channel.store.get(key)
     if asked == answered:
         return answered
-    published = read_position(channel, comm.rank)
-    own_error = published is not None and published.get("error") and (
-        published.get("iteration") == host.recorder.iteration
-    )  # fmt: skip
-    if not own_error:
-        publish_document(channel, position_document(host, None))
+    with _PUBLISHING:  # never over the position this rank's failure publishes meanwhile
+        published = read_position(channel, comm.rank)
+        own_error = published is not None and published.get("error") and (
+            published.get("iteration") == host.recorder.iteration
+        )  # fmt: skip
+        if not own_error:
+            publish_document(channel, position_document(host, None, answers_ask=True))
     return asked
 
 
@@ -309,12 +328,16 @@ def gather_positions(
 
     Wanted: the pipeline's ranks, and the ranks of each open collective a document shows
     (found as documents come in). A document that cannot belong to this run is set aside.
+    A rank that has not answered after a second is asked where it is (`ask_to_publish`). A
+    position without an error published before this rank's own (an earlier SIGTERM's, an
+    earlier answer) is used only if no newer one comes in time.
 
     Returns:
         The documents by global rank, and what was set aside, in words.
     """
     known = {own["global_rank"]: own}
     ignored: dict[int, str] = {}
+    earlier: dict[int, dict[str, Any]] = {}
     wanted = _wanted(own)
     deadline = time.monotonic() + wait_s
     ask_at, asked = time.monotonic() + min(1.0, wait_s / 4), set[int]()
@@ -331,18 +354,34 @@ def gather_positions(
                 document = read_position(channel, global_rank)
             except Exception as error:  # a gone store ends the wait, quietly
                 _note(own["global_rank"], "read the other ranks' positions", error)
-                return known, list(ignored.values())
-            if document is None:
-                continue
-            why = foreign(document, own)
-            if why is not None:
-                ignored[global_rank] = f"rank {global_rank}: {why}"
-                continue
-            known[global_rank] = document
-            wanted |= _wanted(document)
+                return {**earlier, **known}, list(ignored.values())
+            if document is not None:
+                _take(document, own, known, ignored, earlier)
+                wanted |= _wanted(known.get(global_rank, {}))
         if not wanted - set(known) - set(ignored) or time.monotonic() >= deadline:
-            return known, list(ignored.values())
+            return {**earlier, **known}, list(ignored.values())
         time.sleep(_POLL_S)
+
+
+def _take(
+    document: dict[str, Any],
+    own: dict[str, Any],
+    known: dict[int, dict[str, Any]],
+    ignored: dict[int, str],
+    earlier: dict[int, dict[str, Any]],
+) -> None:
+    """File a document read for the report: used, set aside, or kept until a newer comes."""
+    rank = int(document["global_rank"])
+    why = foreign(document, own)
+    if why is not None:
+        ignored[rank] = f"rank {rank}: {why}"
+    elif not document.get("error") and (
+        float(document.get("published_at", 0.0)) < float(own["published_at"]) - _EARLIER_S
+    ):
+        earlier[rank] = document
+    else:
+        earlier.pop(rank, None)
+        known[rank] = document
 
 
 def _evidence(channel: StoreChannel, ranks: Iterable[int], rank: int) -> dict[int, Any]:
@@ -378,8 +417,9 @@ def publish_head(
     channel = _channel(host) if host.communicator is not None and host.pp_size > 1 else None
     if channel is None or not host.recorder.plan:
         return None
-    own = position_document(host, error)
-    return (channel, own) if publish_document(channel, own) else None
+    with _PUBLISHING:
+        own = position_document(host, error)
+        return (channel, own) if publish_document(channel, own) else None
 
 
 def report_stop(host: StopHost, error: BaseException | None = None) -> StopReport | None:

@@ -12,11 +12,12 @@ The cause is the first of these the evidence shows:
 
 1. a contract mismatch between two ranks;
 2. a rank's own failure (an error that is not a lost transfer or collective);
-3. a rank gone by liveness (its process has exited), naming who waits for it;
-4. a rank stopped or silent by liveness (its process is stopped; no heartbeat);
-5. a rank the survivors' errors show lost (a connection closed), without liveness records;
-6. a rank that published nothing and that others wait for;
-7. the head of the waits-for chain within one call ("busy").
+3. a rank lost by liveness: gone (its process has exited), stopped, or silent (no heartbeat);
+   among several, the one whose heartbeat stopped first (without heartbeats: gone, then
+   stopped, then silent), naming who waits for it;
+4. a rank the survivors' errors show lost (a connection closed), without liveness records;
+5. a rank that published nothing and that others wait for;
+6. the head of the waits-for chain within one call ("busy").
 
 Positions are compared by (call, step) and collectives by (group, sequence number): a rank
 that ended call N and sits in a collective is never taken as busy in call N + 1. Documents
@@ -154,9 +155,12 @@ class StopReport:
 
     @property
     def reporter(self) -> int | None:
-        """The global rank that prints the report: the lowest stage that answered."""
-        answered = self.answered
-        return answered[0] if answered else None
+        """The global rank that prints the report: the lowest stage that stopped and built one.
+
+        Not a rank that only answered an ask for its position.
+        """
+        reporting = [r for r in self.answered if not self.heads[r].get("answers_ask")]
+        return reporting[0] if reporting else None
 
     def grid(self) -> str:
         """The stage x step grid around the marked steps, rows named by global rank.
@@ -614,18 +618,37 @@ def _own_failure_cause(positions: Sequence[RankPosition], context: _Context) -> 
     return None
 
 
+_LOST = ("gone", "stopped", "silent")
+
+
+def _lost_first(live: Any) -> tuple[int, float, int]:
+    """The rank lost first first: by when its heartbeat stopped, else gone, stopped, silent.
+
+    (`pp_state.liveness.lost_first`'s order, kept here without its import: pure Python.)
+    """
+    order = _LOST.index(live.state)
+    age = getattr(live, "heartbeat_age", None)
+    return (0, -float(age), order) if age is not None else (1, 0.0, order)
+
+
 def _lost_cause(
-    positions: Sequence[RankPosition],
-    context: _Context,
-    waits: Sequence[Wait],
-    states: tuple[str, ...],
+    positions: Sequence[RankPosition], context: _Context, waits: Sequence[Wait]
 ) -> str | None:
-    """A rank whose liveness record says one of `states`, with who waits for it."""
-    for p in positions:
-        live = context.liveness.get(p.rank)
-        if live is not None and live.state in states and p.rank not in context.heads:
-            return _lost_sentence(p, context, waits, f"{live.state} ({live.evidence})")
-    return None
+    """The rank its liveness record shows lost first (gone, stopped or silent).
+
+    With who waits for it; a rank that published a position is not lost.
+    """
+    lost = [
+        (context.liveness[p.rank], p)
+        for p in positions
+        if p.rank in context.liveness
+        and context.liveness[p.rank].state in _LOST
+        and p.rank not in context.heads
+    ]
+    if not lost:
+        return None
+    live, p = min(lost, key=lambda pair: _lost_first(pair[0]))
+    return _lost_sentence(p, context, waits, f"{live.state} ({live.evidence})")
 
 
 def _lost_sentence(p: RankPosition, context: _Context, waits: Sequence[Wait], how: str) -> str:
@@ -692,8 +715,7 @@ def _cause(positions: Sequence[RankPosition], context: _Context, waits: Sequence
     for found in (
         _mismatch_cause(context),
         _own_failure_cause(positions, context),
-        _lost_cause(positions, context, waits, ("gone",)),
-        _lost_cause(positions, context, waits, ("stopped", "silent")),
+        _lost_cause(positions, context, waits),
         _silent_cause(positions, context, waits),
         _busy_cause(positions, waits),
     ):

@@ -13,6 +13,8 @@ iteration::
 Errors that are not a lost peer (a wrong shape, a wrong dtype) pass through unchanged. An
 outer ``collective(..., iteration=n)`` adds the iteration to an inner one's error that had
 none. Entering and leaving costs a method call; nothing is checked unless an error comes.
+With a collective hook set, each entry also looks up the group's ranks and hands the hook a
+record (tensor-parallel collectives inside a forward included).
 
 Two hooks, set by a trainer (pp-train sets both):
 

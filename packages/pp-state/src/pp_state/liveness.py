@@ -15,15 +15,17 @@ liveness record in the job's store (a `pp_state.store_channel.StoreChannel`):
 same process-id namespace) the process itself says it (gone when it has exited, stopped when
 it is stopped, SIGSTOP), elsewhere the heartbeat does (gone or stopped when it is older than
 `stale_after` seconds). A gone rank that left a note is "left", not lost. `lost_peer(channel,
-ranks)` names the rank of a group that such evidence shows lost first (gone before stopped
-before silent; among several, the one whose heartbeat stopped first), for an error that would
-otherwise say "peer rank unknown".
+ranks)` names the rank of a group that such evidence shows lost first (the one whose
+heartbeat stopped first; without heartbeats, gone before stopped before silent), for an error
+that would otherwise say "peer rank unknown". Heartbeats are compared by wall-clock time: on
+several hosts, their clocks must agree within a second or so (NTP).
 
 Nothing here waits without a bound; a store that fails makes every rank "unknown".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,6 +45,7 @@ __all__ = [
     "beat",
     "describe",
     "leave",
+    "lost_first",
     "lost_peer",
     "own_identity",
     "peer_finder",
@@ -129,8 +132,13 @@ def _left_key(rank: int) -> str:
 
 
 def publish_identity(channel: StoreChannel, rank: int) -> bool:
-    """Publish this process's identity as `rank`; False if the store fails (nothing raised)."""
+    """Publish this process's identity as `rank`; False if the store fails (nothing raised).
+
+    A leaving note an earlier process left as `rank` in the same store is removed.
+    """
     try:
+        with contextlib.suppress(Exception):  # no such key, or a store without deletes
+            channel.store.delete_key(channel.prefix + _left_key(rank))
         channel.set(_identity_key(rank), json.dumps(dataclasses.asdict(own_identity(rank))))
     except Exception:  # a gone store must not stop training
         return False
@@ -177,7 +185,11 @@ def _process_state(pid: int) -> str | None:
 
 
 def _by_process(identity: Identity, here: str) -> Liveness | None:
-    """What the process says, when it can be seen from here (same boot and namespace)."""
+    """What the process says, when it can be seen from here (same boot and namespace).
+
+    A running process is alive whatever its heartbeat says (a thread that beats can be
+    starved or busy); None when the process cannot be seen from here.
+    """
     if not identity.space or identity.space != here:
         return None
     where = f"its process {identity.pid} on this host"
@@ -186,7 +198,7 @@ def _by_process(identity: Identity, here: str) -> Liveness | None:
         return Liveness(identity.rank, "gone", f"{where} has exited")
     if state in ("T", "t"):
         return Liveness(identity.rank, "stopped", f"{where} is stopped")
-    return None
+    return Liveness(identity.rank, "alive", f"{where} runs")
 
 
 def _one(channel: StoreChannel, rank: int, stale_after: float, here: str) -> Liveness:
@@ -248,14 +260,25 @@ def lost_peer(
     while True:
         found = assess(channel, candidates, stale_after=stale_after)
         lost = [live for live in found.values() if live.lost]
-        if lost:  # the worst evidence first; among equals, the heartbeat that stopped first
-            return min(lost, key=lambda live: (
-                ("gone", "stopped", "silent").index(live.state), -(live.heartbeat_age or 0.0),
-            ))  # fmt: skip
+        if lost:
+            return min(lost, key=lost_first)
         unknown = all(live.state == "unknown" for live in found.values())
         if time.monotonic() >= deadline or unknown:
             return None
         time.sleep(min(HEARTBEAT_S, max(deadline - time.monotonic(), 0.0)))
+
+
+def lost_first(live: Liveness) -> tuple[int, float, int]:
+    """Sort key: the rank lost first comes first.
+
+    Ranks that beat are ordered by when their heartbeat stopped (oldest first), whatever
+    their state: a rank on another host silent for 10 s went before one here gone for 1 s.
+    Ranks without a heartbeat come after, gone before stopped before silent.
+    """
+    order = ("gone", "stopped", "silent").index(live.state) if live.lost else 3
+    if live.heartbeat_age is not None:
+        return 0, -live.heartbeat_age, order
+    return 1, 0.0, order
 
 
 def describe(live: Liveness) -> str:
@@ -264,7 +287,7 @@ def describe(live: Liveness) -> str:
 
 
 def peer_finder(
-    channel: StoreChannel, *, wait_s: float = STALE_AFTER_S
+    channel: StoreChannel, *, wait_s: float = STALE_AFTER_S + 2 * HEARTBEAT_S
 ) -> Callable[[tuple[int, ...]], tuple[int, str] | None]:
     """A peer finder for `pp_state.collectives.set_peer_finder`: `lost_peer` over `channel`."""
 

@@ -33,7 +33,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -162,9 +161,9 @@ class SignalWatcher:
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous: tuple[int, Any] | None = None
         self._thread: threading.Thread | None = None
+        self._beater: threading.Thread | None = None
         self._noted: set[str] = set()
         self._alive: StoreChannel | None = None
-        self._last_beat = 0.0
         self._answered: bytes | None = None  # the last ask for this rank's position answered
 
     def __enter__(self) -> SignalWatcher:
@@ -185,12 +184,16 @@ class SignalWatcher:
             self._previous = (old_fd, signal.signal(signal.SIGUSR2, _ignore))
         self._thread = threading.Thread(target=self._watch, name="pp-train-signals", daemon=True)
         self._thread.start()
+        # A thread of its own: the watcher may spend seconds reporting a stop.
+        self._beater = threading.Thread(target=self._beat, name="pp-train-heartbeat", daemon=True)
+        self._beater.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(_JOIN_S)
+        for thread in (self._thread, self._beater):
+            if thread is not None:
+                thread.join(_JOIN_S)
         if self._previous is not None:
             old_fd, old_handler = self._previous
             signal.set_wakeup_fd(old_fd)
@@ -211,14 +214,16 @@ class SignalWatcher:
             return None
 
     def _beat(self) -> None:
-        """Set this rank's heartbeat every `pp_state.liveness.HEARTBEAT_S` seconds."""
-        now = time.monotonic()
-        if self._alive is None or now - self._last_beat < liveness.HEARTBEAT_S:
-            return
-        self._last_beat = now
-        if not liveness.beat(self._alive, self.rank):
-            self._alive = None
-            self._note("publish its heartbeat", RuntimeError("the store did not answer"))
+        """Set this rank's heartbeat every `pp_state.liveness.HEARTBEAT_S` seconds.
+
+        Until the watcher stops, or the store fails (one line, and no more beats).
+        """
+        channel = self._alive
+        while channel is not None and not self._stop.is_set():
+            if not liveness.beat(channel, self.rank):
+                self._note("publish its heartbeat", RuntimeError("the store did not answer"))
+                return
+            self._stop.wait(liveness.HEARTBEAT_S)
 
     def _answer_ask(self) -> None:
         """Publish this rank's position when a stopped rank asks for it (it is busy, not lost)."""
@@ -269,7 +274,6 @@ class SignalWatcher:
 
     def _watch_until_stopped(self) -> None:
         while not self._stop.is_set():
-            self._beat()
             self._answer_ask()
             for signum in self._signals():
                 if signum == signal.SIGTERM:

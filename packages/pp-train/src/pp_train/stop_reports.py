@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pp_comm import P2PError
 from pp_schedules import PipelineExecutor
 from pp_schedules.stop_channel import first_line, read_position, report_stop
 from pp_schedules.stop_report import StopReport
@@ -327,7 +328,10 @@ def stop_evidence(executor: PipelineExecutor | None, state: ParallelState) -> It
     try:
         yield
     except Exception as error:
-        if channel is not None:  # the others' evidence: this rank left on its own error
+        # A rank that stops on a failure it saw (a transfer or collective that lost a peer)
+        # says so, so it is not taken for the lost one; a rank failing on its own error
+        # (out of memory, a bad batch) leaves no note: the others name it.
+        if channel is not None and isinstance(error, (P2PError, CollectiveError)):
             leave(channel, dist.get_rank() if dist.is_initialized() else 0, first_line(error))
         raise
     finally:

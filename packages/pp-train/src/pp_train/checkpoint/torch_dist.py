@@ -363,9 +363,14 @@ def remove_failed_save(staging: Path, rank: int) -> None:
     """Removes this rank's files of a failed save; global rank 0 the whole directory.
 
     Called on every rank once every rank knows the save failed (DCP's collectives or
-    `raise_if_any_failed` told them), so no rank still writes there.
+    `raise_if_any_failed` told them), so no rank still writes there; rank 0's removal
+    may run while another rank lists its files.
     """
-    for path in staging.glob(f"__{rank}_*.distcp"):
+    try:
+        own = list(staging.glob(f"__{rank}_*.distcp"))
+    except OSError:  # removed while listed (rank 0 got there first): nothing of ours left
+        own = []
+    for path in own:
         with contextlib.suppress(OSError):
             path.unlink()
     if rank == 0:
