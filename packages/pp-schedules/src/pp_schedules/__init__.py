@@ -20,6 +20,9 @@
   schedule planned and validated once for every microbatch count it steps with.
 - `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm; it walks
   the validated plan's steps (a `ResolvedSchedule`'s, when given one).
+- `PipelineModel`: any model split into this rank's chunks (`PipelineChunk`) for a
+  placement, by module names or parts; what crosses each boundary (`Boundary`) inferred from
+  a sample or declared; tied parameters summed between the ranks holding copies.
 - `MemoryProbe`, `MemorySample`: measured memory (every storage a rank holds, counted by an
   `AllocationCounter` on CPU or read from the CUDA allocator, and the tensors saved for
   backward as a breakdown), sampled after each compute step by
@@ -136,6 +139,7 @@ if TYPE_CHECKING:
         measured_costs,
         write_schedule_trace,
     )
+    from pp_schedules.stages import Boundary, PipelineChunk, PipelineModel, TensorSpec, Tie
 
 __version__ = _version("pp-schedules")
 
@@ -160,6 +164,7 @@ _PROFILING = {
     "write_schedule_trace",
 }
 _MEMORY_PROBE = {"AllocationCounter", "MemoryProbe", "MemorySample", "measure_stage"}
+_STAGES = {"Boundary", "PipelineChunk", "PipelineModel", "TensorSpec", "Tie"}
 
 
 def __getattr__(name: str) -> Any:
@@ -169,6 +174,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("pp_schedules.profiling"), name)
     if name in _MEMORY_PROBE:
         return getattr(importlib.import_module("pp_schedules.memory_probe"), name)
+    if name in _STAGES:
+        return getattr(importlib.import_module("pp_schedules.stages"), name)
     raise AttributeError(f"module 'pp_schedules' has no attribute {name!r}")
 
 
@@ -180,6 +187,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "AllocationCounter",
+    "Boundary",
     "Candidate",
     "Choice",
     "ChunkIteratorError",
@@ -194,7 +202,9 @@ __all__ = [
     "MemorySample",
     "MemoryTrack",
     "Message",
+    "PipelineChunk",
     "PipelineExecutor",
+    "PipelineModel",
     "Placement",
     "Plan",
     "PlanError",
@@ -212,6 +222,8 @@ __all__ = [
     "StageMemory",
     "StaticBytes",
     "Step",
+    "TensorSpec",
+    "Tie",
     "TimelineRecorder",
     "TransferBuffers",
     "__version__",

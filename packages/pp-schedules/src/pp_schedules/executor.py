@@ -32,7 +32,14 @@ from pp_schedules.actions import Action
 from pp_schedules.autograd import check_torch_ddp_order, custom_backward, deallocate_output_tensor
 from pp_schedules.flight_recorder import DEFAULT_RECORDER_SIZE, FlightRecorder
 from pp_schedules.memory_probe import MemoryProbe, MemorySample
-from pp_schedules.plan_walk import CallArguments, PlanWalk, PreparedPlan, RunStats
+from pp_schedules.plan_walk import (
+    CallArguments,
+    PlanWalk,
+    PreparedPlan,
+    RunStats,
+    check_chunk_placement,
+    chunk_contract,
+)
 from pp_schedules.plans import as_plan
 from pp_schedules.registry import default_schedule, schedule_spec
 from pp_schedules.resolution import (
@@ -161,6 +168,11 @@ class PipelineExecutor:
     def _headers(self) -> bool:
         # With shape headers pp-comm waits for a receive's header while posting it.
         return self.communicator is not None and self.communicator.config.exchanges_shapes
+
+    @property
+    def exchanges_shapes(self) -> bool:
+        """Whether shapes travel with the data (pp-comm's headers): receives need none."""
+        return self._headers
 
     def _vp_size(self, vp_size: int | None, resolved: ResolvedSchedule | None) -> int:
         if resolved is not None:
@@ -373,6 +385,7 @@ class PipelineExecutor:
     ) -> PreparedPlan:
         """The validated plan of a call, checked against the chunks' DDP wrappers."""
         prepared = self._prepared(num_microbatches, forward_only)
+        check_chunk_placement(chunks, prepared.placement, self.rank, self.schedule)
         if not forward_only:
             steps = prepared.report.steps[self.rank]
             check_torch_ddp_order(chunks, [s.compute for s in steps if s.compute])
@@ -449,8 +462,8 @@ class PipelineExecutor:
         data_iterator: Any,
         model: torch.nn.Module | Sequence[torch.nn.Module],
         num_microbatches: int,
-        seq_length: int,
-        micro_batch_size: int,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
         decoder_seq_length: int | None = None,
         forward_only: bool = False,
         collect_non_loss_data: bool = False,
@@ -478,6 +491,7 @@ class PipelineExecutor:
         prepared = self._checked_plan(
             chunks, iterators, num_microbatches, forward_only, collect_non_loss_data
         )
+        self._check_shapes_known(chunks, seq_length, micro_batch_size)
         run = PlanWalk(
             self,
             CallArguments(
@@ -496,6 +510,30 @@ class PipelineExecutor:
         self.stats = run.stats
         self.timeline = run.recorder.spans if run.recorder is not None else []
         return run.store
+
+    def _check_shapes_known(
+        self, chunks: list[torch.nn.Module], seq_length: int | None, micro_batch_size: int | None
+    ) -> None:
+        """Chunks without contracts receive (seq_length, micro_batch_size, hidden_size).
+
+        Raises:
+            ValueError: Such a chunk on a pipeline that sends no shapes, without those sizes.
+        """
+        if self.pp_size == 1 or self._headers:
+            return
+        bare = [
+            c for c, chunk in enumerate(chunks)
+            if chunk_contract(chunk, "input_boundary") is None
+            and chunk_contract(chunk, "output_boundary") is None
+        ]  # fmt: skip
+        sizes = (self.config.hidden_size, seq_length, micro_batch_size)
+        if bare and None in sizes:
+            raise ValueError(
+                f"model chunk {bare[0]} has no contracts, so its tensors travel as (seq_length, "
+                f"micro_batch_size, hidden_size), but those are {sizes}; give all three, build "
+                "the chunks with pp_schedules.PipelineModel and infer their contracts, or send "
+                "shapes (CommConfig(variable_seq_lengths=True))"
+            )
 
     def _walk(self, run: PlanWalk) -> None:
         """Walk the call's plan, measuring memory when asked; a failure stops the pipeline."""

@@ -31,6 +31,7 @@ from pp_schedules.lowering import Exchange, Message, Step
 from pp_schedules.memory_probe import MemoryProbe, storage_bytes
 from pp_schedules.schedule_config import ForwardStepFunc, ScheduleConfig
 from pp_schedules.split_backward import WeightGradients, backward_input
+from pp_schedules.stages import Boundary
 from pp_schedules.timeline import TimelineRecorder
 from pp_schedules.validation import PlanReport
 from pp_state.placement import Placement
@@ -84,6 +85,43 @@ def wrapped_attr(module: torch.nn.Module, name: str) -> Any:
     return getattr(current, name)
 
 
+def chunk_contract(module: torch.nn.Module, name: str) -> Boundary | None:
+    """A chunk's ``input_boundary`` or ``output_boundary`` (a `PipelineChunk`'s), if it has one."""
+    current: Any = module
+    while not hasattr(current, name) and hasattr(current, "module"):
+        current = current.module
+    found = getattr(current, name, None)
+    return found if isinstance(found, Boundary) else None
+
+
+def check_chunk_placement(
+    chunks: Sequence[torch.nn.Module], placement: Placement, rank: int, schedule: str
+) -> None:
+    """Refuse chunks built for another placement than the one the schedule runs.
+
+    Raises:
+        ValueError: Naming both placements and how to build the chunks for this one.
+    """
+    for chunk in chunks:
+        current: Any = chunk
+        while not hasattr(current, "pipeline_placement") and hasattr(current, "module"):
+            current = current.module
+        built = getattr(current, "pipeline_placement", None)
+        if isinstance(built, Placement) and built != placement:
+            raise ValueError(
+                f"pipeline rank {rank}'s model chunks were built for the {built.name} "
+                f"placement (virtual stages {list(built.stages[rank])} here), but the "
+                f"{schedule} schedule runs the {placement.name} placement (virtual stages "
+                f"{list(placement.stages[rank])}); build the chunks with "
+                "placement=resolve_schedule(...), the resolved schedule the executor runs"
+            )
+
+
+def with_grads(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors whose gradients travel back between stages (the floating-point ones)."""
+    return [t for t in tensors if t.is_floating_point() or t.is_complex()]
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedPlan:
     """A validated plan, its placement and, for this rank, where its sends have arrived."""
@@ -109,6 +147,11 @@ class WalkHost(Protocol):
     recorder: FlightRecorder
     """Keeps the rank's last steps (always on; see `pp_schedules.flight_recorder`)."""
 
+    @property
+    def exchanges_shapes(self) -> bool:
+        """Whether shapes travel with the data (receives need none)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CallArguments:
@@ -118,7 +161,7 @@ class CallArguments:
     iterators: Sequence[Any]
     forward_step_func: ForwardStepFunc
     num_microbatches: int
-    seq_and_batch: tuple[int, int]
+    seq_and_batch: tuple[int | None, int | None]
     decoder_seq_length: int | None
     forward_only: bool
     collect_non_loss_data: bool
@@ -139,10 +182,12 @@ class PlanWalk:
         self.placement = prepared.placement
         hidden = executor.config.hidden_size
         seq, batch = call.seq_and_batch
-        self.shape: tuple[int, ...] | None = None if hidden is None else (seq, batch, hidden)
-        self.decoder_shape: tuple[int, ...] | None = (
-            None if hidden is None else (call.decoder_seq_length or seq, batch, hidden)
-        )
+        # Megatron's (seq, batch, hidden), for chunks without contracts (`pp_schedules.stages`).
+        self.shape: tuple[int, ...] | None = None
+        self.decoder_shape: tuple[int, ...] | None = None
+        if hidden is not None and seq is not None and batch is not None:
+            self.shape = (seq, batch, hidden)
+            self.decoder_shape = (call.decoder_seq_length or seq, batch, hidden)
         self.split = executor.config.pipeline_model_parallel_split_rank
         self.inputs: dict[Key, list[torch.Tensor] | None] = {}
         self.outputs: dict[Key, list[torch.Tensor]] = {}
@@ -250,6 +295,18 @@ class PlanWalk:
                 channel=message.channel,
             )
         activations = message.channel == "forward"
+        chunk = self.call.chunks[action.chunk]
+        contract = chunk_contract(chunk, "input_boundary" if activations else "output_boundary")
+        if contract is not None:  # the chunk's own: what it receives, or its outputs' gradients
+            specs = contract.specs if activations else contract.grad_specs
+            return P2PMessage(
+                slot=message.slot,
+                shapes=[None if self.x.exchanges_shapes else s.shape for s in specs],
+                dtypes=[s.dtype for s in specs],
+                requires_grad=activations and not self.call.forward_only,
+                microbatch=action.microbatch,
+                channel=message.channel,
+            )
         sender = message.peer if activations else self.x.rank
         return P2PMessage(
             slot=message.slot,
@@ -288,11 +345,18 @@ class PlanWalk:
             )  # fmt: skip
 
     def _own_outputs(self, key: Key) -> list[torch.Tensor]:
-        """The outputs this stage computed (not the encoder output it passes along)."""
+        """The sent outputs whose storage may go: those this stage computed.
+
+        Not the encoder output a decoder passes along, nor a tensor without an autograd node
+        (an input passed on, an integer tensor); of several outputs under a contract, none
+        (one may be saved for this stage's backward as the input of another).
+        """
         outputs = self.outputs.get(key, [])
         if self._decoder(self.x.rank) and len(outputs) > 1:
-            return outputs[:1]
-        return outputs
+            outputs = outputs[:1]
+        elif len(outputs) > 1 and chunk_contract(self.call.chunks[key[1]], "output_boundary"):
+            return []
+        return [t for t in outputs if t.grad_fn is not None]
 
     # -------------------------------------------------------------------- compute
     def _inputs(self, action: Action) -> list[torch.Tensor] | None:
@@ -332,9 +396,12 @@ class PlanWalk:
         timer.start()
         with torch.no_grad() if call.forward_only else contextlib.nullcontext():
             output, loss_func = call.forward_step_func(call.iterators[chunk], call.chunks[chunk])
-            outputs = tensor_list(output)
             if self._last(chunk):
                 outputs = [self._loss(output, loss_func)]
+            elif chunk_contract(call.chunks[chunk], "output_boundary") is not None:
+                outputs = wrapped_attr(call.chunks[chunk], "flatten_output")(output)
+            else:
+                outputs = tensor_list(output)
         timer.stop()
         if inputs is not None:
             # The chunk would keep the input (and, after backward, its gradient) until its
@@ -417,7 +484,8 @@ class PlanWalk:
         self.stats.steps += 1
         if not self._first(chunk):
             input_grads = [
-                t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs or []
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in with_grads(inputs or [])
             ]
             for tensor in inputs or []:
                 # The received input may outlive this step (its exchange's handle keeps it
@@ -443,7 +511,10 @@ class PlanWalk:
         start = self.recorder.now() if self.recorder is not None else 0.0
         timer.start()
         input_grads, self.deferred[key] = backward_input(
-            outputs, grads, inputs, self._trainable(action.chunk)
+            outputs if grads is None else with_grads(outputs),
+            grads,
+            with_grads(inputs),
+            self._trainable(action.chunk),
         )
         timer.stop()
         self._record(action, start)
@@ -451,7 +522,7 @@ class PlanWalk:
         if not self._first(action.chunk):
             sent = [
                 g if g is not None else torch.zeros_like(t)
-                for g, t in zip(input_grads, inputs, strict=True)
+                for g, t in zip(input_grads, with_grads(inputs), strict=True)
             ]
             self._hand_on(action, sent, -1)
 
@@ -484,7 +555,7 @@ class PlanWalk:
             custom_backward(loss, None)
             return
         passthrough = self._decoder(self.x.rank) and len(grads) > 1
-        own = outputs[:1] if passthrough else outputs
+        own = outputs[:1] if passthrough else with_grads(outputs)
         pairs = [(o, g) for o, g in zip(own, grads, strict=False) if o.requires_grad]
         if pairs:
             custom_backward([o for o, _ in pairs], [g for _, g in pairs])
