@@ -38,6 +38,8 @@ TEST_EXTRAS = {"pp-train": ("tensorboard>=2.14", "tokenizers>=0.13")}
 # parallel_state on CPU needs only its declared numpy and packaging; its hierarchical
 # (distributed-optimizer instance) groups need einops, an optional dependency of it.
 MEGATRON_ORACLE = ("megatron-core==0.16.1", "einops~=0.8")
+# The Hugging Face models docs/examples pipeline (hf_llama.py, hf_gpt2.py), a test-time oracle.
+TRANSFORMERS = "transformers==5.25.0"
 
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -50,6 +52,7 @@ nox.options.sessions = [
     "integration",
     "megatron_oracle",
     "megatron_data_oracle",
+    "examples",
 ]
 
 
@@ -357,7 +360,25 @@ def integration(session: nox.Session) -> None:
             *readmes,
             "--doctest-glob=*.md",
             "--durations=10",
+            f"--ignore={ANY_MODEL}",  # the examples session runs it, with transformers
         )
+
+
+ANY_MODEL = ROOT / "integration_tests" / "test_any_model.py"
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """docs/examples' trainers of any model (nn.Sequential, Hugging Face Llama and GPT-2).
+
+    Every schedule at pp 2 and dp 2 x pp 2 against the model trained whole in one process
+    (through its own forward); PP_HF_EXAMPLES=1 makes a missing transformers a failure.
+    """
+    _install(session, ["pp-optim", "pp-schedules", TEST_HELPERS], *TEST_TOOLS, TRANSFORMERS)
+    inputs = [*_package_inputs("pp-schedules"), *_package_inputs("pp-optim"), "docs/examples",
+              "integration_tests/conftest.py", str(ANY_MODEL.relative_to(ROOT))]  # fmt: skip
+    with _unless_passed(session, inputs):
+        _pytest(session, str(ANY_MODEL), "--durations=10", env={**TEST_ENV, "PP_HF_EXAMPLES": "1"})
 
 
 @nox.session

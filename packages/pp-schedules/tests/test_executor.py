@@ -203,7 +203,23 @@ def _note_sync(flags: list[bool], recorder: _Recorder) -> Callable[[torch.Tensor
     return hook
 
 
-def _no_sync_pattern(vp: int, m: int) -> dict[int, list[bool]]:
+class _OwnSync(torch.nn.Module):
+    """A chunk wrapper with a no_sync of its own, as a DDP wrapper has."""
+
+    def __init__(self, module: torch.nn.Module, recorder: _Recorder) -> None:
+        super().__init__()
+        self.module = module
+        self.no_sync = recorder.no_sync
+
+    @property
+    def input_tensor(self) -> Any:
+        return self.module.input_tensor
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.module(*inputs)
+
+
+def _no_sync_pattern(vp: int, m: int, own: bool = False) -> dict[int, list[bool]]:
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
     chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, vp, comm.stage)
     recorders = [_Recorder() for _ in range(vp)]
@@ -213,13 +229,14 @@ def _no_sync_pattern(vp: int, m: int) -> dict[int, list[bool]]:
         layer = stage.layers[0]
         assert isinstance(layer, torch.nn.Linear)
         layer.weight.register_hook(_note_sync(seen[chunk], recorders[chunk]))  # type: ignore[no-untyped-call]
-    config = ScheduleConfig(hidden_size=WIDTH, no_sync_func=[r.no_sync for r in recorders])
+    given = None if own else [r.no_sync for r in recorders]
+    config = ScheduleConfig(hidden_size=WIDTH, no_sync_func=given)
     forward_backward = get_forward_backward_func(comm, vp_size=vp, config=config)
     data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
     forward_backward(
         forward_step_func=tiny_forward_step(),
         data_iterator=[iter(data) for _ in range(vp)],
-        model=chunks,
+        model=[_OwnSync(c, r) for c, r in zip(chunks, recorders, strict=True)] if own else chunks,
         num_microbatches=m,
         seq_length=SEQ,
         micro_batch_size=BATCH,
@@ -228,9 +245,13 @@ def _no_sync_pattern(vp: int, m: int) -> dict[int, list[bool]]:
     return seen
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["no-sync-func", "chunks-own-no-sync"])
 @pytest.mark.parametrize("vp", [1, 2])
-def test_gradient_sync_stays_off_until_the_last_microbatch_of_each_chunk(vp: int) -> None:
-    for pattern in run_distributed(_no_sync_pattern, 2, vp, 4):
+def test_gradient_sync_stays_off_until_the_last_microbatch_of_each_chunk(
+    vp: int, own: bool
+) -> None:
+    """Given no_sync_func, or none when every chunk has a no_sync (a DDP wrapper's)."""
+    for pattern in run_distributed(_no_sync_pattern, 2, vp, 4, own):
         for flags in pattern.values():
             assert flags == [True, True, True, False]
 

@@ -19,7 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the usual spelling
 
 from pp_comm import CommConfig, P2PCommunicator
-from pp_schedules import PipelineChunk, PipelineModel, get_forward_backward_func, resolve_schedule
+from pp_schedules import (
+    PipelineChunk,
+    PipelineModel,
+    get_forward_backward_func,
+    resolve_schedule,
+    split_module_names,
+)
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 
@@ -137,8 +143,8 @@ def reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 def _train(schedule: str, state: ParallelState, comm: P2PCommunicator) -> tuple[Any, ...]:
     """Train with `schedule`; the last stage's losses and this rank's weights by model name."""
     pp, dp = state.pipeline_model_parallel_size, state.data_parallel_size
-    vp = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
-    resolved = resolve_schedule(schedule, pp_size=pp, vp_size=vp, microbatch_counts=[MICROBATCHES])
+    resolved = resolve_schedule(schedule, pp_size=pp, microbatch_counts=[MICROBATCHES])
+    vp = resolved.vp_size  # the schedule's own: 2 for interleaved_1f1b and zbv
     model = Model()
     pipe = PipelineModel.from_model(model, module_names(pp * vp), placement=resolved, state=state)
     pipe.infer_contracts(microbatches(0, 1)[0]["ids"], shift=microbatches(0, 1)[0]["shift"])
@@ -423,3 +429,24 @@ def test_bad_input_is_refused_before_any_step_naming_the_part(
     for messages in refusals:
         for word in words:
             assert word in messages[case], messages[case]
+
+
+def test_module_names_split_layers_near_evenly_with_the_ends_at_the_ends() -> None:
+    layers = [f"layers.{i}" for i in range(5)]
+    assert split_module_names(layers, 2, first=["embed"], last=["norm", "head"]) == [
+        ["embed", "layers.0", "layers.1", "layers.2"],
+        ["layers.3", "layers.4", "norm", "head"],
+    ]
+    assert split_module_names(layers, 5)[4] == ["layers.4"]
+    with pytest.raises(ValueError, match="cannot split 5 layers over 6 virtual stages"):
+        split_module_names(layers, 6)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "chunks"),
+    [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)],
+)
+def test_a_schedule_resolves_on_its_own_chunks_per_rank(schedule: str, chunks: int) -> None:
+    resolved = resolve_schedule(schedule, pp_size=2, microbatch_counts=[4])
+    assert resolved.vp_size == chunks
+    assert resolved.placement.vp_size == chunks

@@ -139,7 +139,14 @@ if TYPE_CHECKING:
         measured_costs,
         write_schedule_trace,
     )
-    from pp_schedules.stages import Boundary, PipelineChunk, PipelineModel, TensorSpec, Tie
+    from pp_schedules.stages import (
+        Boundary,
+        PipelineChunk,
+        PipelineModel,
+        TensorSpec,
+        Tie,
+        split_module_names,
+    )
 
 __version__ = _version("pp-schedules")
 
@@ -164,7 +171,7 @@ _PROFILING = {
     "write_schedule_trace",
 }
 _MEMORY_PROBE = {"AllocationCounter", "MemoryProbe", "MemorySample", "measure_stage"}
-_STAGES = {"Boundary", "PipelineChunk", "PipelineModel", "TensorSpec", "Tie"}
+_STAGES = {"Boundary", "PipelineChunk", "PipelineModel", "TensorSpec", "Tie", "split_module_names"}
 
 
 def __getattr__(name: str) -> Any:
@@ -273,6 +280,7 @@ __all__ = [
     "schedule_spec",
     "schedules_for",
     "simulate",
+    "split_module_names",
     "summary",
     "validate",
     "write_schedule_trace",

@@ -16,7 +16,6 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, cast
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from pp_comm import P2PCommunicator, P2PHandle, P2PMessage, Timers
 from pp_schedules.actions import COMPUTE, Action
@@ -580,10 +579,15 @@ class PlanWalk:
     # -------------------------------------------------------------------- data-parallel sync
     @contextlib.contextmanager
     def sync_control(self) -> Iterator[None]:
-        """Hold every chunk in no_sync for the call (each leaves at its last backward)."""
+        """Hold every chunk in no_sync for the call (each leaves at its last backward).
+
+        Without a ``no_sync_func``, chunks that all have a ``no_sync`` (torch's, pp-optim's
+        or Megatron's DDP) use their own.
+        """
         func = self.x.config.no_sync_func
-        if func is None and all(is_torch_ddp(chunk) for chunk in self.call.chunks):
-            func = [cast("DistributedDataParallel", c).no_sync for c in self.call.chunks]
+        owns = [getattr(chunk, "no_sync", None) for chunk in self.call.chunks]
+        if func is None and all(callable(own) for own in owns):
+            func = cast("list[Callable[[], AbstractContextManager[Any]]]", owns)
         if func is None or self.call.forward_only:
             yield
             return

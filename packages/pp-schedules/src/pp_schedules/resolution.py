@@ -20,7 +20,12 @@ from pp_schedules.actions import Action
 from pp_schedules.auto import Choice, choose_schedule
 from pp_schedules.nccl_rules import TRANSPORTS, check_transport
 from pp_schedules.plans import Plan, as_plan
-from pp_schedules.registry import default_schedule, schedule_spec, schedules_for
+from pp_schedules.registry import (
+    SCHEDULE_REGISTRY,
+    default_schedule,
+    schedule_spec,
+    schedules_for,
+)
 from pp_schedules.simulation import Costs, StageCosts
 from pp_schedules.validation import PlanError, PlanReport, validate
 from pp_state.numbers import check_int
@@ -369,11 +374,21 @@ def _validated(
     return reports
 
 
+def _default_vp(schedule: str | Plan | None) -> int:
+    """A schedule's own chunks per rank: the registry's (its fewest), a plan's, else 1."""
+    if isinstance(schedule, Plan):
+        return schedule.vp_size
+    if isinstance(schedule, str) and schedule in SCHEDULE_REGISTRY:
+        spec = SCHEDULE_REGISTRY[schedule]
+        return spec.chunks if spec.chunks is not None else spec.min_chunks
+    return 1
+
+
 def resolve_schedule(
     schedule: str | Plan | None = None,
     *,
     pp_size: int,
-    vp_size: int = 1,
+    vp_size: int | None = None,
     microbatch_counts: Sequence[int],
     include_forward_only: bool = True,
     placement: Placement | str | None = None,
@@ -391,7 +406,8 @@ def resolve_schedule(
         schedule: A schedule name, "auto", a `Plan` or its text; None: the registry's
             default for the sizes (`default_schedule`).
         pp_size: Pipeline ranks.
-        vp_size: Model chunks per rank.
+        vp_size: Model chunks per rank; by default the schedule's own (2 for
+            interleaved_1f1b and zbv, a given plan's, 1 otherwise).
         microbatch_counts: Every number of microbatches a step runs (a given plan: its own).
         include_forward_only: Resolve each count's forward-only plan too (evaluation).
         placement: "looped", "v" or a `Placement`; by default the schedule's own.
@@ -414,6 +430,7 @@ def resolve_schedule(
         PlanError: A plan is invalid or would not run on the transport (with the grid).
     """
     check_int("pp_size", pp_size, 1)
+    vp_size = _default_vp(schedule) if vp_size is None else vp_size
     check_int("vp_size", vp_size, 1)
     counts = _checked_counts(microbatch_counts)
     early = default_prefetch(transport, exchanges_shapes)  # checks the transport

@@ -78,12 +78,13 @@ class ScheduleConfig:
         | None
     ) = None
     """Context that turns off data-parallel gradient sync (DDP's ``no_sync``): one, or with
-    virtual stages a list of one per chunk; left for the last microbatch of each chunk. None
-    with chunks wrapped in torch's ``DistributedDataParallel``: their own ``no_sync``, as
-    Megatron takes it. torch's DDP decides at each forward whether the backward reduces, so
-    for such a chunk the context is left before the forward of its last microbatch (a plan
-    that runs another microbatch's backward in between is refused); other contexts (pp-optim's
-    and Megatron's DDP, which decide at backward) are left before the last backward."""
+    virtual stages a list of one per chunk; left for the last microbatch of each chunk. None:
+    the chunks' own ``no_sync`` when every chunk has one (torch's, pp-optim's or Megatron's
+    ``DistributedDataParallel``), as Megatron's training loop sets it. torch's DDP decides at
+    each forward whether the backward reduces, so for such a chunk the context is left before
+    the forward of its last microbatch (a plan that runs another microbatch's backward in
+    between is refused); other contexts (pp-optim's and Megatron's DDP, which decide at
+    backward) are left before the last backward."""
 
     timers: Timers | None = None
     """Timer hooks for "forward-compute" and "backward-compute"."""

@@ -47,6 +47,7 @@ __all__ = [
     "PipelineModel",
     "TensorSpec",
     "Tie",
+    "split_module_names",
 ]
 
 PartSource = torch.nn.Module | Callable[[], torch.nn.Module]
@@ -418,6 +419,38 @@ def _found_ties(
         if len(names) > 1 and len(parts) > 1:
             ties.append(tuple(names))
     return ties
+
+
+def split_module_names(
+    layers: Sequence[str],
+    num_stages: int,
+    *,
+    first: Sequence[str] = (),
+    last: Sequence[str] = (),
+) -> list[list[str]]:
+    """Module names per virtual stage: `layers` split near-evenly, `first` and `last` at the ends.
+
+    ``split_module_names([f"model.layers.{i}" for i in range(8)], 4, first=["model.
+    embed_tokens"], last=["model.norm", "lm_head"])`` (torchtitan's module names per model
+    part); the first stages take one layer more when the split is uneven.
+
+    Raises:
+        ValueError: Fewer layers than stages, or no stages.
+    """
+    if num_stages < 1 or len(layers) < num_stages:
+        raise ValueError(
+            f"cannot split {len(layers)} layers over {num_stages} virtual stages: give at least "
+            "one layer per stage (or write the module names per stage yourself)"
+        )
+    share, extra = divmod(len(layers), num_stages)
+    names, start = [], 0
+    for stage in range(num_stages):
+        end = start + share + (1 if stage < extra else 0)
+        names.append(list(layers[start:end]))
+        start = end
+    names[0][:0] = first
+    names[-1].extend(last)
+    return names
 
 
 class PipelineModel:

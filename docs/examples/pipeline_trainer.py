@@ -1,0 +1,82 @@
+"""A pipeline-parallel trainer for any model, from pp-state, pp-comm, pp-schedules and pp-optim.
+
+The model files beside it (hf_llama.py, hf_gpt2.py, sequential.py) say how their model splits
+into stages and runs one microbatch (`build`, `forward_step`, `batches`); this file does the
+rest, in the order that works: process groups -> schedule resolved -> model split for its
+placement, contracts inferred -> chunks wrapped in pp-optim's DDP -> optimizer -> executor.
+Arguments: schedule names (all five by default) and --distributed-optimizer; the pipeline is
+2 stages, the rest of the world data parallelism. One process group serves every schedule;
+rank 0 prints {schedule: [loss of each step]}.
+"""
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pp_comm import P2PCommunicator
+from pp_optim import DDPConfig, DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
+from pp_schedules import get_forward_backward_func, resolve_schedule
+from pp_state import ParallelConfig, ParallelState
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+STEPS, MICROBATCHES = 5, 4
+OPTIMIZER = OptimizerConfig(lr=1e-3)  # Adam; clip_grad=1.0 by default, inside step()
+
+
+def token_batches(step: int, count: int, *, vocab: int, seq: int = 16) -> list[Any]:
+    """`count` microbatches of 2 random sequences: token ids and next-token labels (2, seq)."""
+    tokens = torch.randint(
+        vocab, (count, 2, seq + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def lm_loss(labels: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Mean next-token cross entropy of batch-first logits, and the executor's loss dict."""
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    return loss, {"loss": loss.detach()}
+
+
+def train(model: Any, schedule: str, state: ParallelState, comm: P2PCommunicator) -> list[float]:
+    """`STEPS` steps of `model` (a model file) under `schedule`; the mean loss of each."""
+    m, dp, rank = MICROBATCHES, state.data_parallel_size, state.data_parallel_rank
+    resolved = resolve_schedule(schedule, pp_size=2, microbatch_counts=[m])
+    pipe = model.build(resolved, state)  # this rank's chunks for resolved.placement
+    ddp = DDPConfig(use_distributed_optimizer="--distributed-optimizer" in sys.argv)
+    chunks = [DistributedDataParallel(c, ddp, data_parallel_group=state.group("dp"))
+              for c in pipe.chunks]  # fmt: skip
+    optimizer = get_megatron_optimizer(OPTIMIZER, chunks, parallel_state=state)
+    forward_backward = get_forward_backward_func(comm, resolved=resolved)
+    losses = []
+    for step in range(STEPS):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        mine = model.batches(step, dp * m)[rank * m : (rank + 1) * m]
+        reported = forward_backward(forward_step_func=model.forward_step, model=chunks,
+                                    data_iterator=[iter(mine) for _ in chunks],  # one each
+                                    num_microbatches=m)  # fmt: skip
+        pipe.reduce_tied_grads()  # before the data-parallel sync
+        for chunk in chunks:
+            chunk.finish_grad_sync()
+        optimizer.step()
+        # The rank holding the last stage has the losses (rank 0 under ZB-V): sum over all.
+        loss = torch.stack([r["loss"] for r in reported]).mean() if reported else torch.zeros(())
+        dist.all_reduce(loss)
+        losses.append(float(loss) / dp)
+    return losses
+
+
+def main(model: Any) -> None:
+    """Train every schedule asked for on the command line; rank 0 prints the losses."""
+    dist.init_process_group("gloo")
+    state = ParallelState.create(ParallelConfig(pipeline_model_parallel_size=2))
+    comm = P2PCommunicator.from_parallel_state(state)
+    schedules = [a for a in sys.argv[1:] if a in SCHEDULES] or SCHEDULES
+    losses = {s: train(model, s, state, comm) for s in schedules}
+    if state.rank == 0:
+        print(losses, flush=True)
+    comm.destroy()
+    state.destroy()
+    dist.destroy_process_group()
