@@ -404,6 +404,7 @@ BENCHMARKS = [
     ("pp-schedules", "schedules_vs_torch.py", [], 4),
     ("pp-schedules", "schedules_vs_torch.py", [], 8),
     ("pp-schedules", "zero_bubble_vs_torch.py", [], 4),
+    ("pp-schedules", "any_model_vs_torch.py", [], 2),
     ("pp-optim", "grad_allreduce.py", [], 2),
     ("pp-optim", "distopt_bench.py", [], 2),
     ("pp-optim", "distopt_bench.py", [], 4),
@@ -415,7 +416,8 @@ BENCHMARKS = [
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks: each prints a table of ratios measured side by side in one run."""
-    _install(session, LIBRARIES, "numpy")  # torch.distributed.pipelining needs numpy
+    # torch.distributed.pipelining needs numpy; any_model_vs_torch.py runs Hugging Face's Llama.
+    _install(session, LIBRARIES, "numpy", TRANSFORMERS)
     for package, script, arguments, ranks in BENCHMARKS:
         session.run(
             "torchrun",

@@ -132,6 +132,7 @@ if TYPE_CHECKING:
         MemorySample,
         measure_stage,
     )
+    from pp_schedules.pipeline_model import PipelineModel, Tie, split_module_names
     from pp_schedules.profiling import (
         check_trace_path,
         gather_memory,
@@ -139,14 +140,7 @@ if TYPE_CHECKING:
         measured_costs,
         write_schedule_trace,
     )
-    from pp_schedules.stages import (
-        Boundary,
-        PipelineChunk,
-        PipelineModel,
-        TensorSpec,
-        Tie,
-        split_module_names,
-    )
+    from pp_schedules.stages import Boundary, PipelineChunk, TensorSpec
 
 __version__ = _version("pp-schedules")
 
@@ -171,7 +165,8 @@ _PROFILING = {
     "write_schedule_trace",
 }
 _MEMORY_PROBE = {"AllocationCounter", "MemoryProbe", "MemorySample", "measure_stage"}
-_STAGES = {"Boundary", "PipelineChunk", "PipelineModel", "TensorSpec", "Tie", "split_module_names"}
+_STAGES = {"Boundary", "PipelineChunk", "TensorSpec"}
+_PIPELINE_MODEL = {"PipelineModel", "Tie", "split_module_names"}
 
 
 def __getattr__(name: str) -> Any:
@@ -183,6 +178,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("pp_schedules.memory_probe"), name)
     if name in _STAGES:
         return getattr(importlib.import_module("pp_schedules.stages"), name)
+    if name in _PIPELINE_MODEL:
+        return getattr(importlib.import_module("pp_schedules.pipeline_model"), name)
     raise AttributeError(f"module 'pp_schedules' has no attribute {name!r}")
 
 

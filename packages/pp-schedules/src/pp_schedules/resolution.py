@@ -424,14 +424,12 @@ def resolve_schedule(
         The resolved schedule; `ResolvedSchedule.report` gives each count's validated plan.
 
     Raises:
-        ValueError: An unknown schedule or transport, a configuration a schedule refuses, no
-            auto candidate for every count, a given plan of other sizes or count, a refused
-            prefetch.
+        ValueError: An unknown schedule or transport, a configuration a schedule refuses, no auto
+            candidate for every count, a given plan of other sizes or count, a bad prefetch.
         PlanError: A plan is invalid or would not run on the transport (with the grid).
     """
     check_int("pp_size", pp_size, 1)
-    vp_size = _default_vp(schedule) if vp_size is None else vp_size
-    check_int("vp_size", vp_size, 1)
+    vp_size = check_int("vp_size", _default_vp(schedule) if vp_size is None else vp_size, 1)
     counts = _checked_counts(microbatch_counts)
     early = default_prefetch(transport, exchanges_shapes)  # checks the transport
     early = early if prefetch is None else check_prefetch(prefetch, exchanges_shapes)

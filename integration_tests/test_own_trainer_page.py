@@ -1,0 +1,55 @@
+"""docs/own-trainer.md shows the Llama example whole, and it stays at most 90 lines of code."""
+
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "own-trainer.md"
+TRAINER = [ROOT / "docs" / "examples" / name for name in ("hf_llama.py", "pipeline_trainer.py")]
+GOAL = 90
+"""Lines of code of the Llama trainer, every schedule and data parallelism included."""
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring.
+
+    A docstring is any string standing alone as a statement (module, class, function and
+    attribute docstrings).
+    """
+    strings = {
+        line
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+    }
+    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+               tokenize.DEDENT, tokenize.ENDMARKER}  # fmt: skip
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - strings)
+
+
+def test_counting_leaves_out_blank_lines_comments_and_docstrings() -> None:
+    source = '"""Module."""\n\nimport os  # why\n\n\ndef f() -> int:\n    """Doc\n    more."""\n    # a note\n    return (1 +\n            2)\n'
+    assert code_lines(source) == 4  # import, def, and the return's two lines
+
+
+@pytest.mark.parametrize("path", TRAINER, ids=lambda p: p.name)
+def test_the_page_shows_each_file_whole(path: Path) -> None:
+    assert f"```python\n{path.read_text()}```" in PAGE.read_text()
+
+
+def test_the_llama_trainer_is_at_most_90_lines_of_code() -> None:
+    counted = sum(code_lines(path.read_text()) for path in TRAINER)
+    assert counted <= GOAL, f"{counted} lines of code; the goal is {GOAL}"
+    assert f"are {counted} lines of code" in PAGE.read_text()
