@@ -146,7 +146,11 @@ def _train(schedule: str, state: ParallelState, comm: P2PCommunicator) -> tuple[
     resolved = resolve_schedule(schedule, pp_size=pp, microbatch_counts=[MICROBATCHES])
     vp = resolved.vp_size  # the schedule's own: 2 for interleaved_1f1b and zbv
     model = Model()
-    pipe = PipelineModel.from_model(model, module_names(pp * vp), placement=resolved, state=state)
+    # The tie is found (one parameter, two names) and declared too: summed once all the same.
+    pipe = PipelineModel.from_model(
+        model, module_names(pp * vp), placement=resolved, state=state,
+        ties=[("head.weight", "embed.emb.weight")],
+    )  # fmt: skip
     pipe.infer_contracts(microbatches(0, 1)[0]["ids"], shift=microbatches(0, 1)[0]["shift"])
     params = list({id(p): p for c in pipe.chunks for p in c.parameters()}.values())
     optimizer = torch.optim.Adam(params, lr=0.01)
@@ -357,6 +361,15 @@ def _refusals() -> dict[str, str]:
         "tie name": lambda: PipelineModel.from_model(
             Model(), names, placement=looped, state=state, ties=[("embed.emb.weight", "nope")]
         ),
+        "tie typo": lambda: PipelineModel.from_parts(
+            [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)],
+            placement=looped,
+            state=state,
+            ties=[("0.weight", "1.wieght")],
+        ),
+        "integers only": lambda: PipelineModel.from_parts(
+            [torch.nn.Identity(), torch.nn.Identity()], placement=looped, state=state
+        ).infer_contracts(torch.ones(2, dtype=torch.long)),
         "not tensors": lambda: PipelineModel.from_parts(
             [_Untyped(), torch.nn.Identity()], placement=looped, state=state
         ).infer_contracts(torch.ones(2)),
@@ -413,6 +426,8 @@ def refusals() -> list[dict[str, str]]:
         ("tie shapes", ["different shapes", "(3, 2)", "(2, 2)"]),
         ("tie name", ["has no parameter ['nope']"]),
         ("not tensors", ["TypeError", "virtual stage 0", "items [1] are not tensors (str)"]),
+        ("tie typo", ["part '1' has no parameter '1.wieght'"]),
+        ("integers only", ["virtual stage 0 sends a tensor (2,) int64: no floating-point"]),
         (
             "placement",
             [

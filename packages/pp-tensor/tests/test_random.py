@@ -37,6 +37,29 @@ def test_fork_swaps_and_restores_the_default_generator() -> None:
     torch.testing.assert_close(torch.cat([first, second]), _draws(7, 6))  # the named state advanced
 
 
+def test_nested_forks_draw_as_unnested() -> None:
+    """fork(s1) { draw; fork(s2) { draw; fork(s1) { draw }; draw }; draw }, and outside."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("s1", 11)
+    tracker.add("s2", 22)
+    torch.manual_seed(3)
+    drawn: dict[str, list[torch.Tensor]] = {"s1": [], "s2": []}
+    with tracker.fork("s1"):
+        drawn["s1"].append(torch.rand(2))
+        with tracker.fork("s2"):
+            drawn["s2"].append(torch.rand(2))
+            with tracker.fork("s1"):
+                drawn["s1"].append(torch.rand(2))
+            drawn["s2"].append(torch.rand(2))
+        drawn["s1"].append(torch.rand(2))
+    outside = torch.rand(2)
+    with tracker.fork("s1"):  # continues after every draw above
+        drawn["s1"].append(torch.rand(2))
+    torch.testing.assert_close(torch.cat(drawn["s1"]), _draws(11, 8))
+    torch.testing.assert_close(torch.cat(drawn["s2"]), _draws(22, 4))
+    torch.testing.assert_close(outside, _draws(3, 2))
+
+
 def test_get_and_set_states_round_trip_and_restore_draws() -> None:
     tracker = RNGStatesTracker()
     tracker.add("a", 1)

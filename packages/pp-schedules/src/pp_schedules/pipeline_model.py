@@ -220,12 +220,34 @@ class PipelineModel:
         self.contracts: list[Boundary] | None = None
         """What crosses each boundary (stage v to v + 1), once inferred or declared."""
         self._stage_of = stage_of
-        self.ties = [self._tie(tuple(names)) for names in ties]
+        self.ties = [self._tie(names) for names in _merged(ties)]
         """The tied parameters; `reduce_tied_grads` sums their gradients."""
+        self._agree(self._joined())  # a tie refused on one rank is refused on every rank
         for tie in self.ties:
-            self._join_copies(tie)
             self._make_group(tie)
         self._check_tie_shapes()
+
+    def _joined(self) -> str | None:
+        """Join this rank's copies of every tie; the first refusal, else None."""
+        try:
+            for tie in self.ties:
+                self._join_copies(tie)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _agree(self, refusal: str | None) -> None:
+        """Every rank raises the first rank's refusal, so none waits in a later collective.
+
+        Raises:
+            ValueError: Some rank refused.
+        """
+        found: list[str | None] = [None] * dist.get_world_size()
+        with collective("tie agreement", group=None):
+            dist.all_gather_object(found, refusal)
+        first = next((r for r in found if r is not None), None)
+        if first is not None:
+            raise ValueError(first)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -397,20 +419,20 @@ class PipelineModel:
                 tie.group = group
 
     def _check_tie_shapes(self) -> None:
-        """The copies on different ranks have one shape (every holder raises otherwise)."""
+        """The copies on different ranks have one shape (every rank raises otherwise)."""
+        refusal = None
         for tie in self.ties:
             if tie.group is None:
                 continue
             shapes: list[Any] = [None] * len(tie.holders)
             with collective(f"tie shape exchange {tie.names}", group=tie.group):
                 dist.all_gather_object(shapes, tuple(tie.params[0].shape), group=tie.group)
-            if len(set(shapes)) > 1:
+            if len(set(shapes)) > 1 and refusal is None:
                 held = ", ".join(
                     f"pipeline rank {h}: {s}" for h, s in zip(tie.holders, shapes, strict=True)
                 )
-                raise ValueError(
-                    f"a tie between parameters of different shapes: {tie.names} ({held})"
-                )
+                refusal = f"a tie between parameters of different shapes: {tie.names} ({held})"
+        self._agree(refusal)
         self.broadcast_tied_weights()
 
     def broadcast_tied_weights(self) -> None:
@@ -484,6 +506,13 @@ class PipelineModel:
                 f"{len(boundaries)} boundaries declared for {self.placement.num_stages} virtual "
                 f"stages; give {expected}, what stage v sends to stage v + 1 for each v"
             )
+        for v, boundary in enumerate(boundaries):
+            if not boundary.grad_specs:
+                raise ValueError(
+                    f"virtual stage {v} sends {boundary.describe()}: no floating-point tensor, "
+                    "so no gradient can flow back to it; send the hidden states along, or "
+                    "compute these tensors on the next stage from the microbatch"
+                )
         self.contracts = list(boundaries)
         for chunk in self.chunks:
             v = chunk.stage
@@ -537,14 +566,26 @@ class PipelineModel:
         try:
             with torch.no_grad():
                 output = chunk(*inputs, **side)
-            Boundary.of(output, where)
-        except TypeError as error:
-            return "type", str(error)
         except Exception as error:  # every rank must hear of it, or they wait for this one
             return "error", f"{where} failed on the sample microbatch: {error!r}"
         finally:
             chunk.set_input_tensor(None)
+        try:
+            Boundary.of(output, where)
+        except TypeError as error:
+            return "type", str(error)
         return "ok", _to_cpu(output)
+
+
+def _merged(ties: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """Ties sharing a name joined into one (found and declared alike), names in first order."""
+    groups: list[list[str]] = []
+    for tie in ties:
+        touching = [g for g in groups if set(g) & set(tie)]
+        merged = [n for g in touching for n in g]
+        merged += [n for n in tie if n not in merged]
+        groups = [g for g in groups if g not in touching] + [merged]
+    return [tuple(g) for g in groups]
 
 
 def _tensors_of(value: Any) -> list[torch.Tensor]:

@@ -101,18 +101,27 @@ def check_chunk_placement(
     Raises:
         ValueError: Naming both placements and how to build the chunks for this one.
     """
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         current: Any = chunk
         while not hasattr(current, "pipeline_placement") and hasattr(current, "module"):
             current = current.module
         built = getattr(current, "pipeline_placement", None)
-        if isinstance(built, Placement) and built != placement:
+        if not isinstance(built, Placement):
+            continue
+        if built.stages != placement.stages:
             raise ValueError(
                 f"pipeline rank {rank}'s model chunks were built for the {built.name} "
                 f"placement (virtual stages {list(built.stages[rank])} here), but the "
                 f"{schedule} schedule runs the {placement.name} placement (virtual stages "
                 f"{list(placement.stages[rank])}); build the chunks with "
                 "placement=resolve_schedule(...), the resolved schedule the executor runs"
+            )
+        held = placement.stages[rank][index]
+        if getattr(current, "stage", held) != held:
+            raise ValueError(
+                f"model chunk {index} of pipeline rank {rank} is virtual stage "
+                f"{current.stage}, but the placement puts virtual stage {held} there; pass "
+                "the chunks in the order PipelineModel.chunks gives them"
             )
 
 
@@ -397,8 +406,9 @@ class PlanWalk:
             output, loss_func = call.forward_step_func(call.iterators[chunk], call.chunks[chunk])
             if self._last(chunk):
                 outputs = [self._loss(output, loss_func)]
-            elif chunk_contract(call.chunks[chunk], "output_boundary") is not None:
+            elif (contract := chunk_contract(call.chunks[chunk], "output_boundary")) is not None:
                 outputs = wrapped_attr(call.chunks[chunk], "flatten_output")(output)
+                self._check_shapes(contract, outputs, action)
             else:
                 outputs = tensor_list(output)
         timer.stop()
@@ -416,6 +426,24 @@ class PlanWalk:
             self.inputs[(microbatch, chunk)] = inputs
             self.outputs[(microbatch, chunk)] = outputs
             self._measure_activations()
+
+    def _check_shapes(
+        self, contract: Boundary, outputs: list[torch.Tensor], action: Action
+    ) -> None:
+        """Outputs of the contract's shapes, unless shapes travel with the data.
+
+        Raises:
+            ValueError: Naming both shapes and how to send varying ones.
+        """
+        found = [tuple(t.shape) for t in outputs]
+        if not self.x.exchanges_shapes and found != contract.shapes:
+            raise ValueError(
+                f"virtual stage {self.placement.stages[self.x.rank][action.chunk]} returned "
+                f"shapes {found} for microbatch {action.microbatch}, but its contract says "
+                f"{contract.shapes}; for shapes that vary, send them with the data "
+                "(CommConfig(variable_seq_lengths=True), resolve_schedule(..., "
+                "exchanges_shapes=True))"
+            )
 
     def _hand_on(self, action: Action, tensors: list[torch.Tensor], step: int) -> None:
         """Keep a step's result for the exchange that sends it, or for the next local chunk."""

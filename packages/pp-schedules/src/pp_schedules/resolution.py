@@ -407,7 +407,7 @@ def resolve_schedule(
             default for the sizes (`default_schedule`).
         pp_size: Pipeline ranks.
         vp_size: Model chunks per rank; by default the schedule's own (2 for
-            interleaved_1f1b and zbv, a given plan's, 1 otherwise).
+            interleaved_1f1b and zbv, a given `Plan`'s, 1 otherwise).
         microbatch_counts: Every number of microbatches a step runs (a given plan: its own).
         include_forward_only: Resolve each count's forward-only plan too (evaluation).
         placement: "looped", "v" or a `Placement`; by default the schedule's own.

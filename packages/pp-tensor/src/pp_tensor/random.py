@@ -71,6 +71,7 @@ class RNGStatesTracker:
         self.device = torch.device(device)
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
+        self._active: list[str] = []  # the forks open, innermost last
 
     def reset(self) -> None:
         """Forgets every state and seed."""
@@ -105,6 +106,9 @@ class RNGStatesTracker:
         """Draws from state `name` inside the block; the default generator is restored after.
 
         The named state keeps what the block drew, so the next fork continues from there.
+        Forks nest: entering one saves the progress of the fork it is inside by name first,
+        and leaving it resumes that fork where it was, so every state draws the same numbers
+        nested as unnested.
 
         Raises:
             KeyError: No state `name`; the message lists the known names.
@@ -114,13 +118,19 @@ class RNGStatesTracker:
                 f"RNG state {name!r} is not tracked; known states: {sorted(self._states)} "
                 "(model_parallel_manual_seed adds the tensor-parallel one)"
             )
-        outside = _default_state(self.device)
+        current = _default_state(self.device)
+        if self._active:  # the enclosing fork's progress, saved before this one draws
+            self._states[self._active[-1]] = current
         _set_default_state(self.device, self._states[name])
+        self._active.append(name)
         try:
             yield
         finally:
+            self._active.pop()
             self._states[name] = _default_state(self.device)
-            _set_default_state(self.device, outside)
+            # Back to the enclosing fork as this one left it, or to the default generator.
+            resumed = self._states[self._active[-1]] if self._active else current
+            _set_default_state(self.device, resumed)
 
 
 CudaRNGStatesTracker = RNGStatesTracker
