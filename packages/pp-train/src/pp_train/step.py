@@ -176,7 +176,7 @@ class _SequenceSplitExecutor(PipelineExecutor):
         self.sequence_split = split
 
     def __call__(
-        self, *, seq_length: int, decoder_seq_length: int | None = None, **kwargs: Any
+        self, *, seq_length: int | None = None, decoder_seq_length: int | None = None, **kwargs: Any
     ) -> list[Any]:
         """`PipelineExecutor.__call__`, with the lengths of the parts that travel.
 
@@ -184,9 +184,8 @@ class _SequenceSplitExecutor(PipelineExecutor):
             ValueError: A sequence length does not divide by the tensor-parallel size.
         """
         decoder = None if decoder_seq_length is None else self._part(decoder_seq_length)
-        return super().__call__(
-            seq_length=self._part(seq_length), decoder_seq_length=decoder, **kwargs
-        )
+        length = None if seq_length is None else self._part(seq_length)
+        return super().__call__(seq_length=length, decoder_seq_length=decoder, **kwargs)
 
     def _part(self, length: int) -> int:
         if length % self.sequence_split:
