@@ -543,7 +543,8 @@ class PipelineModel:
             holder, chunk_index = self.placement.holder(v)
             sent: list[Any] = [None]
             if holder == self.rank:
-                sent[0] = self._sample_forward(self.chunks[chunk_index], value, inputs, side)
+                received = (boundaries[-1], value) if boundaries else None
+                sent[0] = self._sample_forward(self.chunks[chunk_index], received, inputs, side)
             with collective(f"contract inference of virtual stage {v}", group=group):
                 dist.broadcast_object_list(sent, src=pipeline[holder], group=group)
             status, value = sent[0]
@@ -554,15 +555,24 @@ class PipelineModel:
         return boundaries
 
     def _sample_forward(
-        self, chunk: PipelineChunk, received: Any, inputs: Sequence[Any], side: Mapping[str, Any]
+        self,
+        chunk: PipelineChunk,
+        received: tuple[Boundary, Any] | None,
+        inputs: Sequence[Any],
+        side: Mapping[str, Any],
     ) -> tuple[str, Any]:
-        """Run `chunk` on the sample; ("ok", output on the CPU) or (kind, message)."""
+        """Run `chunk` on the sample (and what the stage before sent, by its boundary).
+
+        Returns:
+            ("ok", the output on the CPU), or ("type" or "error", the message).
+        """
         where = f"virtual stage {chunk.stage} (its last part {chunk.part_names[-1]!r})"
         device = next((p.device for p in chunk.parameters()), torch.device("cpu"))
         if received is not None:
-            tensors = [t.to(device) for t in _tensors_of(received)]
-            chunk.input_boundary = Boundary.of(received, f"virtual stage {chunk.stage - 1}")
-            chunk.set_input_tensor(tensors)
+            boundary, value = received
+            chunk.input_boundary = boundary
+            sent = boundary.flatten(value, f"virtual stage {chunk.stage - 1}")
+            chunk.set_input_tensor([t.to(device) for t in sent])
         try:
             with torch.no_grad():
                 output = chunk(*inputs, **side)
@@ -571,10 +581,11 @@ class PipelineModel:
         finally:
             chunk.set_input_tensor(None)
         try:
-            Boundary.of(output, where)
+            produced = Boundary.of(output, where)
         except TypeError as error:
             return "type", str(error)
-        return "ok", _to_cpu(output)
+        tensors = produced.flatten(output, where)
+        return "ok", produced.unflatten([t.detach().cpu() for t in tensors])
 
 
 def _merged(ties: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
@@ -586,20 +597,6 @@ def _merged(ties: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
         merged += [n for n in tie if n not in merged]
         groups = [g for g in groups if g not in touching] + [merged]
     return [tuple(g) for g in groups]
-
-
-def _tensors_of(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return list(value.values()) if isinstance(value, Mapping) else list(value)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, Mapping):
-        return {k: v.detach().cpu() for k, v in value.items()}
-    return tuple(v.detach().cpu() for v in value)
 
 
 def _check_placement(placement: Placement, state: ParallelState) -> None:

@@ -76,20 +76,22 @@ class RunStats:
     steps: int = 0
 
 
-def wrapped_attr(module: torch.nn.Module, name: str) -> Any:
-    """An attribute of a module or of what it wraps (DDP, Float16Module: ``.module``)."""
+def _holder(module: torch.nn.Module, name: str) -> Any:
+    """The module, or the innermost it wraps (DDP, Float16Module: ``.module``), that has `name`."""
     current: Any = module
     while not hasattr(current, name) and hasattr(current, "module"):
         current = current.module
-    return getattr(current, name)
+    return current
+
+
+def wrapped_attr(module: torch.nn.Module, name: str) -> Any:
+    """An attribute of a module or of what it wraps (DDP, Float16Module: ``.module``)."""
+    return getattr(_holder(module, name), name)
 
 
 def chunk_contract(module: torch.nn.Module, name: str) -> Boundary | None:
     """A chunk's ``input_boundary`` or ``output_boundary`` (a `PipelineChunk`'s), if it has one."""
-    current: Any = module
-    while not hasattr(current, name) and hasattr(current, "module"):
-        current = current.module
-    found = getattr(current, name, None)
+    found = getattr(_holder(module, name), name, None)
     return found if isinstance(found, Boundary) else None
 
 
@@ -102,9 +104,7 @@ def check_chunk_placement(
         ValueError: Naming both placements and how to build the chunks for this one.
     """
     for index, chunk in enumerate(chunks):
-        current: Any = chunk
-        while not hasattr(current, "pipeline_placement") and hasattr(current, "module"):
-            current = current.module
+        current = _holder(chunk, "pipeline_placement")
         built = getattr(current, "pipeline_placement", None)
         if not isinstance(built, Placement):
             continue
