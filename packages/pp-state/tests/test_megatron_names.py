@@ -1,11 +1,12 @@
 """Megatron names ported code stops at: the amax group, the module globals, ProcessGroupCollection.
 
-Each test states what Megatron-LM (megatron-core 0.16.1) does, in our words, and checks the
-facade does the same.
+Each test states what Megatron-LM (megatron-core 0.16.1; 0.20 for ProcessGroupCollection's
+fields) does, in our words, and checks the facade does the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,22 @@ from pp_state.process_groups_config import FIELD_KINDS
 from pp_testing import run_distributed
 
 AMAX_FLAGS = [(False, False), (False, True), (True, False), (True, True)]
+
+# megatron-core 0.20's ProcessGroupCollection fields, in its order.
+MEGATRON_0_20_FIELDS = [
+    "tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "hcp", "ep", "expt_tp", "tp_ep",
+    "tp_ep_pp", "tp_ep_pp_with_egtp_remat", "tp_dp_cp", "dp", "dp_cp", "dp_cp_gtp_remat",
+    "dp_cp_ag", "gtp_remat", "expt_gtp_remat", "expt_dp", "expt_dp_gtp_remat", "expt_dp_ag",
+    "intra_dp_cp", "intra_expt_dp", "inter_dist_opt", "intra_dist_opt",
+]  # fmt: skip
+# At remat size 1 (always, in pp) each of these holds the very group of the field it extends.
+SAME_GROUP = {
+    "tp_ep_pp_with_egtp_remat": "tp_ep_pp",
+    "dp_cp_gtp_remat": "dp_cp",
+    "expt_dp_gtp_remat": "expt_dp",
+}
+# Groups pp builds none of: always None.
+NEVER_BUILT = ["hcp", "dp_cp_ag", "gtp_remat", "expt_gtp_remat", "expt_dp_ag"]
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +64,11 @@ def _globals() -> dict[str, Any]:
 def _collection(pgs: ProcessGroupCollection) -> dict[str, Any]:
     """The fields set on `pgs`, as global ranks."""
     return {name: _ranks(getattr(pgs, name)) for name in FIELD_KINDS if hasattr(pgs, name)}
+
+
+def _same_groups(pgs: ProcessGroupCollection) -> dict[str, bool]:
+    """Whether each remat field holds the very group object of the field it extends."""
+    return {name: getattr(pgs, name) is getattr(pgs, other) for name, other in SAME_GROUP.items()}
 
 
 def _amax_and_collection() -> dict[str, Any]:
@@ -75,6 +97,7 @@ def _amax_and_collection() -> dict[str, Any]:
         and pgs.dp_cp is mpu.get_data_parallel_group(with_context_parallel=True)
         and pgs.embd is mpu.get_embedding_group()
     )
+    seen["same"] = _same_groups(pgs)
     seen["explicit"] = _collection(ProcessGroupCollection.from_parallel_state(state))
     seen["partial"] = sorted(
         _collection(ProcessGroupCollection.use_mpu_process_groups(["tp", "pp"]))
@@ -108,7 +131,8 @@ def test_amax_group_globals_and_collection_follow_megatron() -> None:
         assert seen["globals"]["_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP"] is None
         # use_mpu_process_groups() fills every field; hcp and inter_dist_opt are None here.
         assert set(seen["pgs"]) == set(FIELD_KINDS)
-        assert seen["pgs"]["hcp"] is None
+        assert all(seen["pgs"][name] is None for name in NEVER_BUILT)
+        assert seen["same"] == dict.fromkeys(SAME_GROUP, True)
         assert seen["pgs"]["inter_dist_opt"] is None
         assert seen["pgs"]["tp_dp_cp"] == mine["tp_dp_cp"]
         assert seen["pgs"]["mp"] == mine["mp"]
@@ -168,7 +192,12 @@ def test_use_mpu_process_groups_before_initialisation() -> None:
         "tp": None,
         "embd": None,
     }
-    for required in (None, ["tp", "dp"], ["intra_dp_cp"]):
+    unchecked = [name for name in FIELD_KINDS if name.endswith(("_remat", "_ag"))]
+    unchecked.remove("dp_cp_gtp_remat")
+    assert _collection(ProcessGroupCollection.use_mpu_process_groups(unchecked)) == dict.fromkeys(
+        unchecked
+    )
+    for required in (None, ["tp", "dp"], ["intra_dp_cp"], ["gtp_remat", "dp_cp_gtp_remat"]):
         with pytest.raises(NotInitializedError) as refused:
             ProcessGroupCollection.use_mpu_process_groups(required)
         assert isinstance(refused.value, AssertionError)
@@ -189,5 +218,46 @@ def test_process_group_collection_fields_are_set_by_keyword_or_later() -> None:
     assert pgs.tp is None
     assert not hasattr(pgs, "pp")  # Megatron's schedules test presence with hasattr
     pgs.hcp = []
-    assert repr(pgs) == "ProcessGroupCollection(tp=None, hcp=[])"
-    assert [field for field in FIELD_KINDS if hasattr(pgs, field)] == ["tp", "hcp"]
+    pgs.expt_dp_ag = None
+    assert repr(pgs) == "ProcessGroupCollection(tp=None, hcp=[], expt_dp_ag=None)"
+    assert [field for field in FIELD_KINDS if hasattr(pgs, field)] == ["tp", "hcp", "expt_dp_ag"]
+    assert ProcessGroupCollection(gtp_remat=None, dp_cp_ag=None).dp_cp_ag is None
+
+
+def test_fields_are_megatron_0_20s_in_its_order() -> None:
+    assert list(FIELD_KINDS) == MEGATRON_0_20_FIELDS
+    assert [name for name, kind in FIELD_KINDS.items() if kind is None] == NEVER_BUILT
+    assert all(FIELD_KINDS[name] == FIELD_KINDS[other] for name, other in SAME_GROUP.items())
+    annotated = [field.name for field in dataclasses.fields(ProcessGroupCollection)]
+    assert annotated == MEGATRON_0_20_FIELDS
+
+
+def _remat_fields() -> dict[str, Any]:
+    """tp 2 x ep 2 on 4 ranks (dp 2, expert tp 2, expert dp 1): both constructors' fields."""
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, distributed_timeout_minutes=0.5
+    )
+    seen: dict[str, Any] = {}
+    for how, pgs in (
+        ("mpu", ProcessGroupCollection.use_mpu_process_groups()),
+        ("explicit", ProcessGroupCollection.from_parallel_state(mpu.get_parallel_state())),
+    ):
+        seen[how] = {"same": _same_groups(pgs), "groups": _collection(pgs), "repr": repr(pgs)}
+    mpu.destroy_model_parallel()
+    return seen
+
+
+def test_remat_fields_hold_the_groups_they_extend_and_all_gather_fields_are_none() -> None:
+    for rank, seen in enumerate(run_distributed(_remat_fields, 4, timeout=60)):
+        assert seen["explicit"] == seen["mpu"]
+        assert seen["mpu"]["same"] == dict.fromkeys(SAME_GROUP, True)
+        groups = seen["mpu"]["groups"]
+        assert list(groups) == MEGATRON_0_20_FIELDS
+        assert [name for name in NEVER_BUILT if groups[name] is not None] == []
+        # order tp-cp-ep-dp-pp: rank = tp + 2 dp; experts: rank = expert tp + 2 ep
+        assert groups["tp_ep_pp_with_egtp_remat"] == groups["tp_ep_pp"] == [0, 1, 2, 3]
+        assert groups["dp_cp_gtp_remat"] == groups["dp_cp"] == [rank % 2, rank % 2 + 2]
+        assert groups["expt_dp_gtp_remat"] == groups["expt_dp"] == [rank]
+        shown = seen["mpu"]["repr"]
+        for part in ("tp_ep_pp_with_egtp_remat=4", "dp_cp_gtp_remat=2", "gtp_remat=None"):
+            assert part in shown

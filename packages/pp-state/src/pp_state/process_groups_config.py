@@ -1,10 +1,19 @@
 """`ProcessGroupCollection`: Megatron's holder of a job's process groups, by short names.
 
 Megatron-LM passes model code, DDP and the gradient finalisation a ``pg_collection`` instead
-of letting each read ``parallel_state``. This one has the fields of megatron-core 0.16.1's
-(``megatron.core.process_groups_config``), filled from an explicit `ParallelState`
-(`ProcessGroupCollection.from_parallel_state`) or, as Megatron's
+of letting each read ``parallel_state``. This one has the fields of megatron-core 0.20's
+(``megatron.core.process_groups_config``), in its order, filled from an explicit
+`ParallelState` (`ProcessGroupCollection.from_parallel_state`) or, as Megatron's
 `ProcessGroupCollection.use_mpu_process_groups`, from the default state.
+
+Megatron 0.20 added groups for generalized tensor parallelism, where each weight is also
+sharded over a "remat" axis and gathered before use. pp has no such axis (its remat size is
+always 1), so the ``*_gtp_remat`` / ``*_egtp_remat`` fields hold the very group of the field
+they extend (``dp_cp_gtp_remat`` is ``dp_cp``), as Megatron's are at remat size 1, and
+``gtp_remat`` / ``expt_gtp_remat`` are None. Nor does pp build a second data-parallel
+communicator for parameter all-gathers: ``dp_cp_ag`` and ``expt_dp_ag`` are None from both
+constructors (Megatron's ``use_mpu_process_groups`` leaves them None too), and a gather runs on
+the data-parallel group it shards over.
 """
 
 from __future__ import annotations
@@ -35,21 +44,32 @@ FIELD_KINDS: Mapping[str, AnyGroupKind | None] = MappingProxyType({
     "expt_tp": "expt_tp",
     "tp_ep": "tp_ep",
     "tp_ep_pp": "tp_ep_pp",
+    "tp_ep_pp_with_egtp_remat": "tp_ep_pp",
     "tp_dp_cp": "tp_dp_cp",
     "dp": "dp",
     "dp_cp": "dp_cp",
+    "dp_cp_gtp_remat": "dp_cp",
+    "dp_cp_ag": None,
+    "gtp_remat": None,
+    "expt_gtp_remat": None,
     "expt_dp": "expt_dp",
+    "expt_dp_gtp_remat": "expt_dp",
+    "expt_dp_ag": None,
     "intra_dp_cp": "intra_dp_cp",
     "intra_expt_dp": "intra_expt_dp",
     "inter_dist_opt": "inter_dist_opt",
     "intra_dist_opt": "intra_dist_opt",
 })  # fmt: skip
-"""Each field -> the `ParallelState` group kind it holds (None: hierarchical context parallel,
-which pp-state does not build)."""
+"""Each field -> the `ParallelState` group kind it holds, in megatron-core 0.20's field order.
+
+Three fields share a kind with another (the remat size is 1: ``tp_ep_pp_with_egtp_remat`` is
+``tp_ep_pp``, ``dp_cp_gtp_remat`` is ``dp_cp``, ``expt_dp_gtp_remat`` is ``expt_dp``). None:
+a group pp-state does not build, always None (``hcp``, ``dp_cp_ag``, ``gtp_remat``,
+``expt_gtp_remat``, ``expt_dp_ag``)."""
 
 # Megatron reads these through getters that assert initialisation even when the others are
 # asked with check_initialized=False, so asking for them without a state is an error.
-_NEED_A_STATE = frozenset({"dp", "dp_cp", "intra_dp_cp"})
+_NEED_A_STATE = frozenset({"dp", "dp_cp", "dp_cp_gtp_remat", "intra_dp_cp"})
 
 
 def _requested(required_pgs: Iterable[str] | None) -> list[str]:
@@ -76,8 +96,8 @@ class ProcessGroupCollection:
 
     Build it with keyword arguments (``ProcessGroupCollection(tp=tp_group, pp=pp_group)``),
     set fields afterwards, or fill it from a state. A field set to None means "this rank is in
-    no such group" (a middle stage's ``embd``, ``inter_dist_opt`` with one optimizer instance,
-    ``hcp`` always).
+    no such group" (a middle stage's ``embd``, ``inter_dist_opt`` with one optimizer instance;
+    ``hcp``, ``dp_cp_ag``, ``gtp_remat``, ``expt_gtp_remat`` and ``expt_dp_ag`` always).
     """
 
     tp: dist.ProcessGroup | None
@@ -104,14 +124,34 @@ class ProcessGroupCollection:
     """Expert tensor x expert model parallel."""
     tp_ep_pp: dist.ProcessGroup | None
     """Expert tensor x expert model x pipeline parallel."""
+    tp_ep_pp_with_egtp_remat: dist.ProcessGroup | None
+    """``tp_ep_pp`` widened over the expert remat axis: the expert analogue of ``mp``. pp's
+    remat size is 1, so this is the ``tp_ep_pp`` group itself."""
     tp_dp_cp: dist.ProcessGroup | None
     """Tensor x data x context parallel."""
     dp: dist.ProcessGroup | None
     """Data parallel."""
     dp_cp: dist.ProcessGroup | None
     """Data x context parallel."""
+    dp_cp_gtp_remat: dist.ProcessGroup | None
+    """Every rank holding its own micro-batches: data x context parallel x the remat axis.
+    pp's remat size is 1, so this is the ``dp_cp`` group itself."""
+    dp_cp_ag: dist.ProcessGroup | None
+    """A second data x context parallel communicator for parameter all-gathers, so they can
+    overlap reduce-scatters. pp builds none: always None."""
+    gtp_remat: dist.ProcessGroup | None
+    """The ranks a generalized-tensor-parallel weight is sharded over. pp has no such
+    sharding: always None."""
+    expt_gtp_remat: dist.ProcessGroup | None
+    """The same for expert weights. Always None in pp."""
     expt_dp: dist.ProcessGroup | None
     """Expert data parallel."""
+    expt_dp_gtp_remat: dist.ProcessGroup | None
+    """Expert data parallel x the expert remat axis. pp's remat size is 1, so this is the
+    ``expt_dp`` group itself."""
+    expt_dp_ag: dist.ProcessGroup | None
+    """A second expert data-parallel communicator for parameter all-gathers. pp builds none:
+    always None."""
     intra_dp_cp: dist.ProcessGroup | None
     """The part of data x context parallel one distributed-optimizer instance shards over."""
     intra_expt_dp: dist.ProcessGroup | None
@@ -163,7 +203,7 @@ class ProcessGroupCollection:
 
         Returns:
             A collection with those fields set: this rank's group, or None where it is in no
-            group of the kind.
+            group of the kind or pp-state builds no such group (see `FIELD_KINDS`).
 
         Raises:
             ValueError: An unknown field name.
@@ -191,8 +231,9 @@ class ProcessGroupCollection:
 
         Raises:
             ValueError: An unknown field name (before anything else).
-            NotInitializedError: Before initialisation, when ``dp``, ``dp_cp`` or
-                ``intra_dp_cp`` is asked for (all are, by default): Megatron asserts there.
+            NotInitializedError: Before initialisation, when ``dp``, ``dp_cp``,
+                ``dp_cp_gtp_remat`` or ``intra_dp_cp`` is asked for (all are, by default):
+                Megatron asserts there.
         """
         names = _requested(required_pgs)
         if has_default_state() or _NEED_A_STATE.intersection(names):
