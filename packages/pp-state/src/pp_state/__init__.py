@@ -21,6 +21,8 @@
   torchrun's store, before and after the process groups exist.
 - `ProcessGroupCollection` (`pp_state.process_groups_config`): Megatron's holder of process
   groups by short names (``tp``, ``pp``, ``dp_cp``, ...), from a `ParallelState` or the default.
+- `param_is_not_tensor_parallel_duplicate` (`pp_state.params`): whether a parameter counts on
+  this rank in a statistic over tensor parallelism (split, or this is the group's rank 0).
 
 Importing the package and using `rank_layout`, `expert_rank_layout`, `RankGenerator`,
 `Placement`, `PipelineLayerLayout` or the number checks does not import torch; the names
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
         initialize_model_parallel,
         model_parallel_is_initialized,
     )
+    from pp_state.params import param_is_not_tensor_parallel_duplicate
     from pp_state.process_groups_config import ProcessGroupCollection
     from pp_state.state import ParallelConfig, ParallelState, StateDestroyedError
     from pp_state.store_channel import StoreChannel, StoreTimeoutError
@@ -111,6 +114,7 @@ _LAZY = {
     "model_parallel_is_initialized": "pp_state.parallel_state",
     "ParallelConfig": "pp_state.state",
     "ParallelState": "pp_state.state",
+    "param_is_not_tensor_parallel_duplicate": "pp_state.params",
     "ProcessGroupCollection": "pp_state.process_groups_config",
     "StateDestroyedError": "pp_state.state",
     "StoreChannel": "pp_state.store_channel",
@@ -175,6 +179,7 @@ __all__ = [
     "is_real",
     "model_parallel_is_initialized",
     "parallel_state",
+    "param_is_not_tensor_parallel_duplicate",
     "rank_layout",
     "reset_default_state",
     "set_collective_hook",
