@@ -8,6 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import pp_optim
+import pp_optim.grad_norm
+import pp_state.params
 from pp_optim import (
     all_reduce_grads,
     clip_grad_norm,
@@ -77,6 +80,21 @@ def test_shared_and_duplicate_params_are_left_out_of_the_norm_but_clipped() -> N
     for param in params:
         assert param.grad is not None
         torch.testing.assert_close(param.grad.norm(), torch.tensor(1.0 / (1 + 1e-6)))
+
+
+def test_the_duplicate_rule_is_pp_states_and_takes_the_rank_or_the_groups() -> None:
+    assert (
+        pp_optim.param_is_not_tensor_parallel_duplicate
+        is pp_state.params.param_is_not_tensor_parallel_duplicate
+    )
+    assert "param_is_not_tensor_parallel_duplicate" in pp_optim.grad_norm.__all__
+    bias = torch.nn.Parameter(torch.zeros(2))
+    assert pp_optim.param_is_not_tensor_parallel_duplicate(bias, 0)
+    assert not pp_optim.param_is_not_tensor_parallel_duplicate(bias, tp_group=1)
+    bias.allreduce = False  # type: ignore[attr-defined]  # an expert's: its own group decides
+    assert pp_optim.param_is_not_tensor_parallel_duplicate(bias, 1, expert_tp_group=0)
+    with pytest.raises(ValueError, match="got -1"):
+        grads_for_norm([bias], tensor_parallel_rank=-1)
 
 
 def test_main_grad_is_read_when_grad_is_none() -> None:

@@ -7,6 +7,9 @@ only, and the output-layer copy of a word embedding tied across pipeline stages 
 ``shared``) is left to the first stage. Clipping itself then scales every gradient, duplicates
 included, so all copies stay equal.
 
+Which parameters are tensor-parallel duplicates is pp-state's
+`param_is_not_tensor_parallel_duplicate` (re-exported here).
+
 A parameter's gradient is its ``grad``, or, when that is None, the ``main_grad`` a contiguous
 grad buffer keeps for it.
 
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 from pp_state.collectives import collective
 from pp_state.collectives import collective_device as group_device
+from pp_state.params import param_is_not_tensor_parallel_duplicate
 
 __all__ = [
     "StatsGroups",
@@ -75,14 +79,6 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
     return not getattr(param, "shared", False)
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tensor_parallel_rank: int) -> bool:
-    """True for a parameter sharded over tensor parallelism, or on tensor-parallel rank 0.
-
-    A sharded parameter carries ``tensor_model_parallel = True`` (Megatron's attribute).
-    """
-    return bool(getattr(param, "tensor_model_parallel", False)) or tensor_parallel_rank == 0
-
-
 def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
     if param.grad is not None:
         return param.grad
@@ -111,7 +107,7 @@ def grads_for_norm(
         grad
         for param in params
         if param_is_not_shared(param)
-        and param_is_not_tensor_parallel_duplicate(param, tensor_parallel_rank)
+        and param_is_not_tensor_parallel_duplicate(param, tp_group=tensor_parallel_rank)
         and (grad := _grad_of(param)) is not None
     ]
 
