@@ -181,7 +181,7 @@ class Links:
 
     def check_pairs(self) -> None:
         """Every send has a receive, in the same order, moving the same tensor."""
-        for link in set(self.sends) | set(self.recvs):
+        for link in sorted(set(self.sends) | set(self.recvs)):
             sent, received = self.sends.get(link, []), self.recvs.get(link, [])
             src, dst, channel = link
             if len(sent) != len(received):
