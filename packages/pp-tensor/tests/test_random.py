@@ -8,10 +8,14 @@ import torch.distributed as dist
 
 from pp_state import parallel_state
 from pp_tensor import (
+    DATA_PARALLEL_RNG,
+    EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
     CudaRNGStatesTracker,
     RNGStatesTracker,
     get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
     get_rng_tracker,
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
@@ -84,18 +88,28 @@ def test_model_parallel_seeds_and_manual_seed() -> None:
     torch.testing.assert_close(torch.rand(2), _draws(10, 2))
     with tracker.fork():
         torch.testing.assert_close(torch.rand(2), _draws(10 + 2718 + 1, 2))
-    assert list(tracker.get_states()) == [MODEL_PARALLEL_RNG]
+    assert list(tracker.get_states()) == [DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG]
+    with tracker.fork(get_data_parallel_rng_tracker_name()):
+        torch.testing.assert_close(torch.rand(2), _draws(10, 2))
+    with tracker.fork(get_expert_parallel_rng_tracker_name()):
+        torch.testing.assert_close(torch.rand(2), _draws(10 + 1024, 2))
+    tracker = model_parallel_manual_seed(10, tp_rank=0, ep_rank=2, etp_rank=1, tracker=tracker)
+    with tracker.fork(EXPERT_PARALLEL_RNG):
+        torch.testing.assert_close(torch.rand(2), _draws(10 + 1024 + 200 + 1, 2))
 
 
 def test_megatron_names_use_the_default_tracker_and_state_rank() -> None:
     assert CudaRNGStatesTracker is RNGStatesTracker
     assert get_cuda_rng_tracker() is get_rng_tracker()
     parallel_state.set_tensor_model_parallel_rank(1)
+    torch.manual_seed(99)
     try:
-        tracker = model_parallel_cuda_manual_seed(3)
+        tracker = model_parallel_cuda_manual_seed(3, ep_rank=0, etp_rank=0)
     finally:
         parallel_state.set_tensor_model_parallel_rank(None)
     assert tracker is get_rng_tracker()
+    # Megatron seeds CUDA and the tracker only: the CPU generator goes on from its own seed.
+    torch.testing.assert_close(torch.rand(2), _draws(99, 2))
     if tracker.device.type == "cpu":
         with tracker.fork():
             torch.testing.assert_close(torch.rand(2), _draws(3 + 2718 + 1, 2))

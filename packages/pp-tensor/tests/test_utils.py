@@ -156,17 +156,6 @@ def test_size_errors_name_the_numbers() -> None:
 
 @pytest.mark.reliability
 def test_layer_argument_errors() -> None:
-    with pytest.raises(
-        ValueError, match="gather_output=True cannot be combined with sequence_parallel"
-    ):
-        ColumnParallelLinear(
-            4,
-            4,
-            tp_group=None,
-            init_method=torch.nn.init.ones_,
-            gather_output=True,
-            sequence_parallel=True,
-        )
     with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
         RowParallelLinear(
             4, 4, tp_group=None, init_method=torch.nn.init.ones_, sequence_parallel=True

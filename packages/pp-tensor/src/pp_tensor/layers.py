@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
+from pp_tensor.linear import linear_with_grad_accumulation_and_async_allreduce
 from pp_tensor.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -27,7 +28,7 @@ from pp_tensor.utils import (
     divide,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
-    shard_of,
+    strided_shard_of,
     tp_rank,
     tp_size,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "split_parameter",
+    "split_parameter_and_master",
     "zero_parameter",
 ]
 
@@ -50,6 +52,51 @@ What it returns is ignored (torch's initialisers return the tensor they filled).
 Device = torch.device | str | None
 
 
+def split_parameter_and_master(
+    full_shape: tuple[int, ...],
+    init_method: InitMethod,
+    *,
+    partition_dim: int,
+    tp_group: dist.ProcessGroup | None,
+    device: Device,
+    params_dtype: torch.dtype,
+    stride: int = 1,
+    perform_initialization: bool = True,
+) -> tuple[torch.nn.Parameter, torch.Tensor | None]:
+    """This rank's slice of a full weight filled by `init_method`, and that full weight.
+
+    Args:
+        full_shape: The unsplit weight's shape.
+        init_method: Fills the full weight (fp32, CPU).
+        partition_dim: The dimension split over tensor parallelism.
+        tp_group: The tensor-parallel group (None: the whole weight).
+        device: Where the parameter lives.
+        params_dtype: Its dtype.
+        stride: Megatron's strided split (`strided_shard_of`): a fused weight of `stride`
+            parts gives every rank its slice of each part.
+        perform_initialization: False leaves the parameter uninitialised (``torch.empty``;
+            a checkpoint fills it): no full weight is built and None is returned for it.
+
+    Returns:
+        The parameter (``tensor_model_parallel=True``, its `partition_dim` and `stride`) and
+        the full weight in `params_dtype` on the CPU (None without initialisation).
+    """
+    size = tp_size(tp_group)
+    if not perform_initialization:
+        shape = list(full_shape)
+        shape[partition_dim] = divide(shape[partition_dim], size, "weight dimension")
+        param = torch.nn.Parameter(torch.empty(shape, device=device, dtype=params_dtype))
+        set_tensor_model_parallel_attributes(param, True, partition_dim, stride)
+        return param, None
+    full = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        init_method(full)
+    shard = strided_shard_of(full, partition_dim, tp_rank(tp_group), size, stride)
+    param = torch.nn.Parameter(shard.to(device=device, dtype=params_dtype))
+    set_tensor_model_parallel_attributes(param, True, partition_dim, stride)
+    return param, full.to(params_dtype)
+
+
 def split_parameter(
     full_shape: tuple[int, ...],
     init_method: InitMethod,
@@ -59,16 +106,18 @@ def split_parameter(
     device: Device,
     params_dtype: torch.dtype,
 ) -> torch.nn.Parameter:
-    """This rank's slice along `partition_dim` of a full weight filled by `init_method`.
+    """This rank's contiguous slice of a full weight filled by `init_method`.
 
-    The parameter carries ``tensor_model_parallel=True``, its `partition_dim` and stride 1.
+    `split_parameter_and_master` without its options.
     """
-    full = torch.empty(full_shape, dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        init_method(full)
-    shard = shard_of(full, partition_dim, tp_rank(tp_group), tp_size(tp_group))
-    param = torch.nn.Parameter(shard.to(device=device, dtype=params_dtype))
-    set_tensor_model_parallel_attributes(param, True, partition_dim, 1)
+    param, _ = split_parameter_and_master(
+        full_shape,
+        init_method,
+        partition_dim=partition_dim,
+        tp_group=tp_group,
+        device=device,
+        params_dtype=params_dtype,
+    )
     return param
 
 
@@ -84,7 +133,86 @@ def zero_parameter(
     return param
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _ParallelLinear(torch.nn.Module):
+    """What the column- and row-parallel layers share: the weight, its master, the product."""
+
+    weight: torch.nn.Parameter | None
+    bias: torch.nn.Parameter | None
+    master_weight: torch.Tensor | None
+    input_size: int
+    output_size: int
+    tp_group: dist.ProcessGroup | None
+    device: Device
+    params_dtype: torch.dtype
+    gradient_accumulation_fusion: bool
+
+    def _build_weight(
+        self, init_method: InitMethod, partition_dim: int, options: dict[str, object]
+    ) -> None:
+        stride = options.get("stride", 1)
+        keep_master = options.get("keep_master_weight_for_test", False)
+        perform = options.get("perform_initialization", True)
+        assert isinstance(stride, int)
+        assert isinstance(perform, bool)
+        self.weight, master = split_parameter_and_master(
+            (self.output_size, self.input_size),
+            init_method,
+            partition_dim=partition_dim,
+            tp_group=self.tp_group,
+            device=self.device,
+            params_dtype=self.params_dtype,
+            stride=stride,
+            perform_initialization=perform,
+        )
+        self.master_weight = master if keep_master else None
+
+    def _linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+    ) -> torch.Tensor:
+        """The product and its communication.
+
+        With `gradient_accumulation_fusion` it is
+        `linear_with_grad_accumulation_and_async_allreduce` (Megatron's fused function, the
+        input gradient's reduction overlapped with the weight gradient). Otherwise it is the
+        mappings around ``F.linear``, the same numbers with every use of the weight visible
+        to autograd, which the zero-bubble schedules need to split the backward.
+        """
+        if self.gradient_accumulation_fusion and weight.requires_grad:
+            return linear_with_grad_accumulation_and_async_allreduce(
+                x,
+                weight,
+                bias,
+                True,
+                allreduce_dgrad,
+                sequence_parallel,
+                tp_group=self.tp_group,
+            )
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tp_group=self.tp_group)
+        elif allreduce_dgrad:
+            x = copy_to_tensor_model_parallel_region(x, tp_group=self.tp_group)
+        return F.linear(x, weight, bias)
+
+
+_OPTIONS_DOC = """
+        stride: Megatron's strided split of a fused weight (`strided_shard_of`).
+        keep_master_weight_for_test: Keep the full initial weight as ``master_weight``.
+        perform_initialization: False leaves the weight uninitialised (a checkpoint fills it).
+        gradient_accumulation_fusion: Add the weight gradient into ``weight.main_grad``
+            (`linear_with_grad_accumulation_and_async_allreduce`; its custom autograd
+            function hides the weight's use, so the zero-bubble schedules refuse such a
+            layer).
+        explicit_expert_comm: The caller communicates (a mixture-of-experts dispatcher):
+            the layer runs its product alone, with no collective."""
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with `A` split along its output rows: each rank computes columns of Y.
 
     Args:
@@ -101,14 +229,12 @@ class ColumnParallelLinear(torch.nn.Module):
             layer sharing the word embedding's weight).
         device: Where the parameters live.
         params_dtype: The parameters' dtype.
+        disable_grad_reduce: Leave the input gradient partial (no all-reduce over the group;
+            the caller reduces it later, as LoRA adapters do).{options}
 
     Raises:
-        ValueError: `output_size` does not divide by the tensor-parallel size, or both
-            `gather_output` and `sequence_parallel` were asked for.
+        ValueError: `output_size` does not divide by the tensor-parallel size.
     """
-
-    weight: torch.nn.Parameter | None
-    bias: torch.nn.Parameter | None
 
     def __init__(
         self,
@@ -124,32 +250,35 @@ class ColumnParallelLinear(torch.nn.Module):
         skip_weight_param_allocation: bool = False,
         device: Device = None,
         params_dtype: torch.dtype = torch.float32,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        perform_initialization: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        disable_grad_reduce: bool = False,
+        explicit_expert_comm: bool = False,
     ) -> None:
         super().__init__()
-        if gather_output and sequence_parallel:
-            raise ValueError(
-                "ColumnParallelLinear: gather_output=True cannot be combined with "
-                "sequence_parallel=True (the output stays split along the hidden dimension "
-                "for the next row-parallel layer)"
-            )
         self.input_size, self.output_size = input_size, output_size
-        self.tp_group = tp_group
+        self.tp_group, self.device, self.params_dtype = tp_group, device, params_dtype
         self.output_size_per_partition = divide(
             output_size, tp_size(tp_group), "ColumnParallelLinear output size"
         )
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.disable_grad_reduce, self.explicit_expert_comm = (
+            disable_grad_reduce,
+            explicit_expert_comm,
+        )
+        self.master_weight = None
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
-            self.weight = split_parameter(
-                (output_size, input_size),
-                init_method,
-                partition_dim=0,
-                tp_group=tp_group,
-                device=device,
-                params_dtype=params_dtype,
-            )
+            self._build_weight(init_method, 0, {
+                "stride": stride,
+                "keep_master_weight_for_test": keep_master_weight_for_test,
+                "perform_initialization": perform_initialization,
+            })  # fmt: skip
         if bias:
             self.bias = zero_parameter(
                 (self.output_size_per_partition,),
@@ -157,11 +286,15 @@ class ColumnParallelLinear(torch.nn.Module):
                 device=device,
                 params_dtype=params_dtype,
             )
+            self.bias.partition_stride = stride  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
 
     def forward(
-        self, x: torch.Tensor, weight: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Applies the layer.
 
@@ -169,22 +302,29 @@ class ColumnParallelLinear(torch.nn.Module):
             x: ``[sequence, batch, input_size]`` (any leading dimensions); under sequence
                 parallelism this rank's part of the sequence.
             weight: Use this ``[output_size / tp, input_size]`` weight instead of `self.weight`.
+            runtime_gather_output: Overrides `gather_output` for this call (None: keep it).
 
         Returns:
-            The output (this rank's column block, or all of it with `gather_output`), and the
-            bias when `skip_bias_add` (else None): this rank's slice of it, as in Megatron,
-            even with `gather_output`.
+            The output (this rank's column block, or all of it when gathered), and the bias
+            when `skip_bias_add` (else None): this rank's slice of it, as in Megatron, even
+            when the output is gathered.
 
         Raises:
             ValueError: No weight was built and none was given, or `weight` has the wrong shape.
         """
         weight = self._weight_for(weight)
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tp_group=self.tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, tp_group=self.tp_group)
-        output = F.linear(x, weight, None if self.skip_bias_add else self.bias)
-        if self.gather_output:
+        parallel = tp_size(self.tp_group) > 1 and not self.explicit_expert_comm
+        output = self._linear(
+            x,
+            weight,
+            None if self.skip_bias_add else self.bias,
+            allreduce_dgrad=parallel
+            and not self.sequence_parallel
+            and not self.disable_grad_reduce,
+            sequence_parallel=parallel and self.sequence_parallel,
+        )
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
             output = gather_from_tensor_model_parallel_region(output, tp_group=self.tp_group)
         return output, self.bias if self.skip_bias_add else None
 
@@ -205,7 +345,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return weight
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with `A` split along its input columns: each rank sums a partial Y.
 
     Args:
@@ -220,14 +360,14 @@ class RowParallelLinear(torch.nn.Module):
         sequence_parallel: Reduce-scatter the output along the sequence (first dimension)
             instead of all-reducing it; the bias is marked ``sequence_parallel``.
         device: Where the parameters live.
-        params_dtype: The parameters' dtype.
+        params_dtype: The parameters' dtype.{options}
 
     Raises:
         ValueError: `input_size` does not divide by the tensor-parallel size, or
             `sequence_parallel` without `input_is_parallel`.
     """
 
-    bias: torch.nn.Parameter | None
+    weight: torch.nn.Parameter
 
     def __init__(
         self,
@@ -242,6 +382,11 @@ class RowParallelLinear(torch.nn.Module):
         sequence_parallel: bool = False,
         device: Device = None,
         params_dtype: torch.dtype = torch.float32,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        perform_initialization: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        explicit_expert_comm: bool = False,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -250,20 +395,19 @@ class RowParallelLinear(torch.nn.Module):
                 "input must be the hidden-split output of a column-parallel layer)"
             )
         self.input_size, self.output_size = input_size, output_size
-        self.tp_group = tp_group
+        self.tp_group, self.device, self.params_dtype = tp_group, device, params_dtype
         self.input_size_per_partition = divide(
             input_size, tp_size(tp_group), "RowParallelLinear input size"
         )
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel
-        self.weight = split_parameter(
-            (output_size, input_size),
-            init_method,
-            partition_dim=1,
-            tp_group=tp_group,
-            device=device,
-            params_dtype=params_dtype,
-        )
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.explicit_expert_comm = explicit_expert_comm
+        self._build_weight(init_method, 1, {
+            "stride": stride,
+            "keep_master_weight_for_test": keep_master_weight_for_test,
+            "perform_initialization": perform_initialization,
+        })  # fmt: skip
         if bias:
             self.bias = zero_parameter(
                 (output_size,), partition_dim=None, device=device, params_dtype=params_dtype
@@ -281,12 +425,16 @@ class RowParallelLinear(torch.nn.Module):
 
         Returns:
             The output (the full sum, or this rank's part of the sequence under sequence
-            parallelism), and the bias when `skip_bias_add` (else None).
+            parallelism; the partial sum with `explicit_expert_comm`), and the bias when
+            `skip_bias_add` (else None).
         """
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, tp_group=self.tp_group)
-        partial = F.linear(x, self.weight)
-        if self.sequence_parallel:
+        assert self.weight is not None
+        partial = self._linear(x, self.weight, None, allreduce_dgrad=False, sequence_parallel=False)
+        if self.explicit_expert_comm:
+            output = partial
+        elif self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, tp_group=self.tp_group)
         else:
             output = reduce_from_tensor_model_parallel_region(partial, tp_group=self.tp_group)
@@ -311,6 +459,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             parallelism, instead of the all-reduced ``[batch, sequence, hidden]``.
         device: Where the weight lives.
         params_dtype: The weight's dtype.
+        perform_initialization: False leaves the weight uninitialised (a checkpoint fills it).
 
     Raises:
         ValueError: `num_embeddings` does not divide by the tensor-parallel size.
@@ -326,6 +475,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         reduce_scatter_embeddings: bool = False,
         device: Device = None,
         params_dtype: torch.dtype = torch.float32,
+        perform_initialization: bool = True,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -344,13 +494,14 @@ class VocabParallelEmbedding(torch.nn.Module):
                 self.num_embeddings_per_partition, tp_rank(tp_group), size
             )
         )
-        self.weight = split_parameter(
+        self.weight, _ = split_parameter_and_master(
             (num_embeddings, embedding_dim),
             init_method,
             partition_dim=0,
             tp_group=tp_group,
             device=device,
             params_dtype=params_dtype,
+            perform_initialization=perform_initialization,
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -366,3 +517,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             output = output.transpose(0, 1).contiguous()
             return reduce_scatter_to_sequence_parallel_region(output, tp_group=self.tp_group)
         return reduce_from_tensor_model_parallel_region(output, tp_group=self.tp_group)
+
+
+ColumnParallelLinear.__doc__ = (ColumnParallelLinear.__doc__ or "").format(options=_OPTIONS_DOC)
+RowParallelLinear.__doc__ = (RowParallelLinear.__doc__ or "").format(options=_OPTIONS_DOC)

@@ -18,12 +18,21 @@ import torch
 from pp_state.numbers import check_int
 
 __all__ = [
+    "DATA_PARALLEL_RNG",
+    "EP_SEED_OFFSET",
+    "EXPERT_PARALLEL_RNG",
     "MODEL_PARALLEL_RNG",
     "TP_SEED_OFFSET",
     "CudaRNGStatesTracker",
     "RNGStatesTracker",
+    "convert_cuda_rng_state",
+    "expert_parallel_seed",
     "get_cuda_rng_tracker",
+    "get_data_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
     "get_rng_tracker",
+    "initialize_rng_tracker",
+    "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
     "model_parallel_manual_seed",
     "model_parallel_seeds",
@@ -32,8 +41,28 @@ __all__ = [
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 """The name of the tensor-parallel RNG state (Megatron's ``_MODEL_PARALLEL_RNG_TRACKER_NAME``)."""
 
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+"""The state MoE expert layers draw from: different over expert-model and expert-tensor
+parallelism, equal over expert data parallelism."""
+
+DATA_PARALLEL_RNG = "data-parallel-rng"
+"""A state seeded with the run's seed itself: equal on every tensor-parallel rank."""
+
 TP_SEED_OFFSET = 2718
 """Megatron's offset of the tensor-parallel seed from the default seed."""
+
+EP_SEED_OFFSET = 1024
+"""Megatron's offset of the expert-parallel seed from the default seed."""
+
+
+def get_expert_parallel_rng_tracker_name() -> str:
+    """`EXPERT_PARALLEL_RNG` (Megatron's getter)."""
+    return EXPERT_PARALLEL_RNG
+
+
+def get_data_parallel_rng_tracker_name() -> str:
+    """`DATA_PARALLEL_RNG` (Megatron's getter)."""
+    return DATA_PARALLEL_RNG
 
 
 def _default_state(device: torch.device) -> torch.Tensor:
@@ -67,16 +96,25 @@ class RNGStatesTracker:
         device: That device.
     """
 
+    use_cudagraphable_rng = False
+    """Megatron's flag of a CUDA-graph-safe tracker: pp has none (see `initialize_rng_tracker`)."""
+
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
         self._active: list[str] = []  # the forks open, innermost last
+        self._initialized = False
+
+    def is_initialized(self) -> bool:
+        """Whether a state was added or set since the last `reset` (Megatron's test)."""
+        return self._initialized
 
     def reset(self) -> None:
         """Forgets every state and seed."""
         self._states = {}
         self._seeds = set()
+        self._initialized = False
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """The states by name (a new dict; the tensors are replaced, never changed, by forks)."""
@@ -85,6 +123,7 @@ class RNGStatesTracker:
     def set_states(self, states: Mapping[str, torch.Tensor]) -> None:
         """Replaces the states by `states` (from `get_states`); the seeds in use stay known."""
         self._states = dict(states)
+        self._initialized = True
 
     def add(self, name: str, seed: int) -> None:
         """Adds a state `name` seeded with `seed`; the default generator is untouched.
@@ -100,6 +139,7 @@ class RNGStatesTracker:
             raise ValueError(f"seed {seed} is already used by another RNG state")
         self._seeds.add(seed)
         self._states[name] = _seeded_state(self.device, seed)
+        self._initialized = True
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -116,7 +156,7 @@ class RNGStatesTracker:
         if name not in self._states:
             raise KeyError(
                 f"RNG state {name!r} is not tracked; known states: {sorted(self._states)} "
-                "(model_parallel_manual_seed adds the tensor-parallel one)"
+                "(model_parallel_manual_seed adds the data-, tensor- and expert-parallel ones)"
             )
         current = _default_state(self.device)
         if self._active:  # the enclosing fork's progress, saved before this one draws
@@ -133,22 +173,114 @@ class RNGStatesTracker:
             _set_default_state(self.device, resumed)
 
 
+class _InferenceRNGStatesTracker(RNGStatesTracker):
+    """Megatron's inference tracker: adding and setting states do nothing.
+
+    A fork draws from the default generator.
+    """
+
+    def add(self, name: str, seed: int) -> None:
+        """Does nothing (inference draws no dropout)."""
+
+    def set_states(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Does nothing."""
+
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        """A block that changes nothing."""
+        return contextlib.nullcontext()
+
+
 CudaRNGStatesTracker = RNGStatesTracker
 """Megatron's name of the tracker."""
 
 _TRACKER: RNGStatesTracker | None = None
 
 
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def initialize_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    force_reset: bool = False,
+) -> None:
+    """Makes the process's default tracker, unless one exists (`force_reset`: anew).
+
+    Args:
+        use_te_rng_tracker: Transformer Engine's tracker: pp has none; True is refused.
+        inference_rng_tracker: A tracker that adds nothing and forks to nothing (inference).
+        use_cudagraphable_rng: CUDA-graph-safe states: pp has none; True is refused.
+        force_reset: Replace an existing tracker.
+
+    Raises:
+        ValueError: `use_te_rng_tracker` or `use_cudagraphable_rng` asked for.
+    """
+    global _TRACKER  # noqa: PLW0603 - one default tracker per process, made lazily
+    for flag, value in (
+        ("use_te_rng_tracker", use_te_rng_tracker),
+        ("use_cudagraphable_rng", use_cudagraphable_rng),
+    ):
+        if value:
+            raise ValueError(
+                f"{flag}=True: pp has no Transformer Engine or CUDA-graph-safe RNG tracker; "
+                "use False (the plain tracker)"
+            )
+    if force_reset:
+        _TRACKER = None
+    if _TRACKER is None:
+        kind = _InferenceRNGStatesTracker if inference_rng_tracker else RNGStatesTracker
+        _TRACKER = kind(_default_device())
+
+
 def get_rng_tracker() -> RNGStatesTracker:
     """The process's default tracker, made on first use (CUDA when available, else CPU)."""
-    global _TRACKER  # noqa: PLW0603 - one default tracker per process, made lazily
-    if _TRACKER is None:
-        _TRACKER = RNGStatesTracker("cuda" if torch.cuda.is_available() else "cpu")
+    initialize_rng_tracker()
+    assert _TRACKER is not None
     return _TRACKER
 
 
-get_cuda_rng_tracker = get_rng_tracker
-"""Megatron's name of `get_rng_tracker`."""
+def get_cuda_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+) -> RNGStatesTracker:
+    """Megatron's name of `get_rng_tracker`.
+
+    The arguments apply when the tracker is made (`initialize_rng_tracker`).
+    """
+    initialize_rng_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
+    return get_rng_tracker()
+
+
+def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: object) -> bool:
+    """Whether `cuda_rng_tracker` keeps CUDA-graph-safe states: never for pp's trackers."""
+    return bool(getattr(cuda_rng_tracker, "use_cudagraphable_rng", False))
+
+
+def convert_cuda_rng_state(
+    state: torch.Tensor | torch.Generator, to_graphable: bool = False
+) -> torch.Tensor | torch.Generator:
+    """Megatron's conversion between a state tensor and a graph-safe generator.
+
+    A tensor stays a tensor and a generator becomes its state tensor; converting to the
+    graph-safe form needs CUDA graphs, which pp does not capture, and is refused.
+
+    Raises:
+        ValueError: `to_graphable` for a tensor, or a state of another type.
+    """
+    if isinstance(state, torch.Generator):
+        return state if to_graphable else state.get_state()
+    if not isinstance(state, torch.Tensor):
+        raise ValueError(
+            f"an RNG state is a tensor or a torch.Generator, got {type(state).__name__}"
+        )
+    if to_graphable:
+        raise ValueError(
+            "convert_cuda_rng_state(to_graphable=True): pp keeps no CUDA-graph-safe RNG states"
+        )
+    return state
 
 
 def model_parallel_seeds(seed: int, tp_rank: int) -> tuple[int, int]:
@@ -156,47 +288,107 @@ def model_parallel_seeds(seed: int, tp_rank: int) -> tuple[int, int]:
     return seed, seed + TP_SEED_OFFSET + tp_rank
 
 
+def expert_parallel_seed(seed: int, ep_rank: int, etp_rank: int) -> int:
+    """The expert-parallel state's seed: ``seed + 1024 + 100 * ep_rank + etp_rank``."""
+    return seed + EP_SEED_OFFSET + 100 * ep_rank + etp_rank
+
+
+def _add_states(
+    tracker: RNGStatesTracker, seed: int, tp_rank: int, ep_rank: int, etp_rank: int
+) -> RNGStatesTracker:
+    """Megatron's three states, in its order: data-, tensor- and expert-parallel."""
+    for name, value in (("tp_rank", tp_rank), ("ep_rank", ep_rank), ("etp_rank", etp_rank)):
+        check_int(name, value, 0)
+    tracker.reset()
+    tracker.add(DATA_PARALLEL_RNG, seed)
+    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seeds(seed, tp_rank)[1])
+    tracker.add(EXPERT_PARALLEL_RNG, expert_parallel_seed(seed, ep_rank, etp_rank))
+    return tracker
+
+
 def model_parallel_manual_seed(
     seed: int,
     *,
     tp_rank: int,
+    ep_rank: int = 0,
+    etp_rank: int = 0,
     tracker: RNGStatesTracker | None = None,
     device: torch.device | str | None = None,
 ) -> RNGStatesTracker:
-    """Seeds the default generators with `seed` and the tracker's tensor-parallel state.
+    """Seeds the default generators with `seed` and the tracker's three states.
 
     Every tensor-parallel rank then draws the same default numbers and different forked ones.
+    Unlike Megatron's `model_parallel_cuda_manual_seed`, this seeds every default generator
+    (``torch.manual_seed``: the CPU one too), so a model built on the CPU after it is the
+    same at every call.
 
     Args:
         seed: The run's seed (the same on every rank of a model replica).
         tp_rank: This rank's tensor-parallel rank.
+        ep_rank: This rank's expert-model-parallel rank.
+        etp_rank: This rank's expert-tensor-parallel rank.
         tracker: The tracker to reset and seed (None: the process default).
         device: Make the tracker swap this device's generator ("cpu" or "cuda"); None keeps
             its device.
 
     Returns:
-        The tracker, holding `MODEL_PARALLEL_RNG` only.
+        The tracker, holding `DATA_PARALLEL_RNG` (seed), `MODEL_PARALLEL_RNG` (seed + 2718 +
+        tp_rank) and `EXPERT_PARALLEL_RNG` (seed + 1024 + 100 ep_rank + etp_rank).
     """
-    default_seed, tp_seed = model_parallel_seeds(seed, tp_rank)
-    torch.manual_seed(default_seed)  # the CPU generator and, where present, every CUDA one
+    check_int("seed", seed, 0)
+    torch.manual_seed(seed)  # the CPU generator and, where present, every CUDA one
     tracker = get_rng_tracker() if tracker is None else tracker
     if device is not None:
         tracker.device = torch.device(device)
-    tracker.reset()
-    tracker.add(MODEL_PARALLEL_RNG, tp_seed)
-    return tracker
+    return _add_states(tracker, seed, tp_rank, ep_rank, etp_rank)
 
 
-def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> RNGStatesTracker:
-    """Megatron's name of `model_parallel_manual_seed` on the default tracker.
+def _default_rank(value: int | None, getter: str) -> int:
+    if value is not None:
+        return value
+    from pp_state import parallel_state
+
+    rank: int = getattr(parallel_state, getter)()
+    return rank
+
+
+def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    force_reset_rng: bool = False,
+) -> RNGStatesTracker:
+    """Megatron's seeding: the CUDA default generator and the default tracker's three states.
+
+    The CPU generator is left alone, as Megatron leaves it (seed it with ``torch.manual_seed``
+    first, as Megatron's training setup does). Without CUDA nothing but the tracker is
+    seeded: its states then swap the CPU generator in `fork`.
 
     Args:
         seed: The run's seed.
-        tp_rank: This rank's tensor-parallel rank; None reads it from pp-state's default state
-            (`pp_state.parallel_state.get_tensor_model_parallel_rank`).
-    """
-    if tp_rank is None:
-        from pp_state.parallel_state import get_tensor_model_parallel_rank
+        te_rng_tracker: Refused when True (`initialize_rng_tracker`).
+        inference_rng_tracker: Make the tracker an inference one (when it is made).
+        use_cudagraphable_rng: Refused when True.
+        tp_rank: This rank's tensor-parallel rank; None reads pp-state's default state
+            (`pp_state.parallel_state`), as do `ep_rank` and `etp_rank`.
+        ep_rank: This rank's expert-model-parallel rank.
+        etp_rank: This rank's expert-tensor-parallel rank.
+        force_reset_rng: Make the tracker anew (with the arguments above).
 
-        tp_rank = get_tensor_model_parallel_rank()
-    return model_parallel_manual_seed(seed, tp_rank=tp_rank)
+    Returns:
+        The default tracker.
+    """
+    check_int("seed", seed, 0)
+    tp_rank = _default_rank(tp_rank, "get_tensor_model_parallel_rank")
+    ep_rank = _default_rank(ep_rank, "get_expert_model_parallel_rank")
+    etp_rank = _default_rank(etp_rank, "get_expert_tensor_parallel_rank")
+    initialize_rng_tracker(
+        te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
+    )
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    return _add_states(get_rng_tracker(), seed, tp_rank, ep_rank, etp_rank)

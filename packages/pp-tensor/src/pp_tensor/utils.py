@@ -2,23 +2,28 @@
 
 A tensor-parallel group of None means no tensor parallelism: size 1, rank 0. The attribute
 names on parameters are Megatron's (`tensor_model_parallel`, `partition_dim`,
-`partition_stride`, `sequence_parallel`); pp-optim's norms and clipping read them.
+`partition_stride`, `sequence_parallel`, `expert_tp`, `is_qkv`, `qkv_split_shapes`);
+pp-optim's norms and clipping read them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pp_state.collectives import collective
 from pp_state.numbers import check_int
+from pp_state.params import param_is_not_tensor_parallel_duplicate
 
 __all__ = [
     "TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS",
     "VocabUtility",
     "copy_tensor_model_parallel_attributes",
     "divide",
+    "gather_split_1d_tensor",
     "join_shards",
     "mark_sequence_parallel",
     "pad_vocab_size",
@@ -27,16 +32,32 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
     "shard_of",
     "split_tensor_along_last_dim",
+    "split_tensor_into_1d_equal_chunks",
+    "strided_shard_of",
     "tp_rank",
     "tp_size",
 ]
 
-TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, bool | int] = {
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names, which older
+# torch releases (this package allows >= 2.2) have alone.
+all_gather_single: Callable[..., Any] = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
+)
+reduce_scatter_single: Callable[..., Any] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
+
+TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS: dict[str, bool | int | None] = {
+    "expert_tp": False,
+    "is_qkv": False,
+    "qkv_split_shapes": None,
     "tensor_model_parallel": False,
     "partition_dim": -1,
     "partition_stride": 1,
 }
-"""The attributes of a parameter every tensor-parallel rank holds whole, by name."""
+"""The attributes of a parameter every tensor-parallel rank holds whole, by name (Megatron's
+six: `expert_tp` marks an expert-tensor-parallel weight, `is_qkv` a fused query-key-value
+weight and `qkv_split_shapes` its parts' sizes)."""
 
 
 def tp_size(tp_group: dist.ProcessGroup | None) -> int:
@@ -154,6 +175,33 @@ def shard_of(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor
     return full.narrow(dim, rank * part, part).clone()
 
 
+def strided_shard_of(
+    full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1
+) -> torch.Tensor:
+    """Megatron's strided split of `full` along `dim` over `size` ranks.
+
+    `full` is cut into ``size * stride`` equal blocks; rank r keeps blocks r, r + size,
+    r + 2 size, ... concatenated (stride 1: `shard_of`).
+
+    A fused weight of `stride` parts (gate and up projections side by side) then gives every
+    rank its slice of each part.
+
+    Raises:
+        ValueError: `full` does not divide into ``size * stride`` blocks along `dim`.
+    """
+    check_int("stride", stride, 1)
+    if stride == 1:
+        return shard_of(full, dim, rank, size)
+    block = divide(
+        full.size(dim),
+        size * stride,
+        f"dimension {dim} of shape {tuple(full.shape)}:",
+        by="shard count x stride",
+    )
+    blocks = torch.split(full, block, dim=dim)[rank::size]
+    return torch.cat(blocks, dim=dim)
+
+
 def join_shards(shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """The inverse of `shard_of`: the shards of ranks 0, 1, ... concatenated along `dim`."""
     return torch.cat(list(shards), dim=dim)
@@ -182,14 +230,6 @@ def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: tor
             setattr(destination, name, getattr(source, name))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
-    """True for a parameter split over tensor parallelism, or for any on tensor-parallel rank 0.
-
-    A replicated parameter is then counted once over the tensor-parallel group (by rank 0).
-    """
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
-
-
 def mark_sequence_parallel(params_or_module: torch.nn.Module | Iterable[torch.Tensor]) -> None:
     """Sets ``sequence_parallel = True`` on parameters replicated over tensor parallelism.
 
@@ -207,3 +247,39 @@ def mark_sequence_parallel(params_or_module: torch.nn.Module | Iterable[torch.Te
     )
     for param in params:
         param.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def split_tensor_into_1d_equal_chunks(
+    tensor: torch.Tensor, new_buffer: bool = False, *, tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """This rank's part of `tensor` flattened, cut into one equal part per tensor-parallel rank.
+
+    Args:
+        tensor: The tensor (contiguous: the part is a view of its storage).
+        new_buffer: Return a copy instead of a view.
+        tp_group: The tensor-parallel group (None: the whole tensor, flattened).
+
+    Raises:
+        ValueError: The number of elements does not divide by the tensor-parallel size.
+    """
+    size = tp_size(tp_group)
+    part = divide(tensor.numel(), size, "number of elements")
+    data = tensor.view(-1).narrow(0, tp_rank(tp_group) * part, part)
+    return data.clone() if new_buffer else data
+
+
+def gather_split_1d_tensor(
+    tensor: torch.Tensor, *, tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The inverse of `split_tensor_into_1d_equal_chunks`.
+
+    The ranks' parts, in rank order, as one new 1-D tensor.
+    """
+    size = tp_size(tp_group)
+    part = tensor.contiguous().view(-1)
+    gathered = torch.empty(size * part.numel(), dtype=part.dtype, device=part.device)
+    if size == 1:
+        return gathered.copy_(part)
+    with collective("tensor-parallel all-gather (1-D parts)", group=tp_group):
+        all_gather_single(gathered, part, group=tp_group)
+    return gathered

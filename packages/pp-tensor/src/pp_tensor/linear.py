@@ -1,0 +1,310 @@
+"""The tensor-parallel linear product with its communication inside the autograd function.
+
+`linear_with_grad_accumulation_and_async_allreduce` is Megatron's: the forward all-gathers the
+sequence under sequence parallelism; the backward starts the all-reduce (or, under sequence
+parallelism, the reduce-scatter) of the input gradient before it computes the weight gradient,
+so the two overlap (an asynchronous collective: NCCL's stream, gloo's worker thread), and can
+add the weight gradient straight into the parameter's ``main_grad`` (pp-optim's contiguous grad
+buffer) instead of returning it (``gradient_accumulation_fusion``). `linear_with_frozen_weight`
+is the same product for a weight that gets no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 - torch's own convention
+
+from pp_state.collectives import collective
+from pp_tensor.mappings import gather_from_sequence_parallel_region
+from pp_tensor.utils import all_gather_single, divide, reduce_scatter_single, tp_rank, tp_size
+
+__all__ = [
+    "LinearWithFrozenWeight",
+    "LinearWithGradAccumulationAndAsyncCommunication",
+    "linear_with_frozen_weight",
+    "linear_with_grad_accumulation_and_async_allreduce",
+]
+
+Group = dist.ProcessGroup | None
+
+
+def _check_flags(allreduce_dgrad: bool, sequence_parallel: bool) -> None:
+    if allreduce_dgrad and sequence_parallel:
+        raise ValueError(
+            "allreduce_dgrad=True and sequence_parallel=True exclude each other: under "
+            "sequence parallelism the input gradient is reduce-scattered, not all-reduced"
+        )
+
+
+class _Pending:
+    """An asynchronous collective, waited for inside pp-state's `collective` (named errors)."""
+
+    def __init__(self, operation: str, group: Group, start: Callable[[], Any]) -> None:
+        self.operation, self.group = operation, group
+        with collective(operation, group=group):
+            self.work = start()
+
+    def wait(self) -> None:
+        with collective(self.operation, group=self.group):
+            self.work.wait()
+
+
+def _gather_sequence(
+    x: torch.Tensor, group: Group, *, async_op: bool
+) -> tuple[torch.Tensor, _Pending | None]:
+    out = torch.empty((tp_size(group) * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    pending = _Pending(
+        "sequence-parallel all-gather (linear input)",
+        group,
+        lambda: all_gather_single(out, x.contiguous(), group=group, async_op=True),
+    )
+    if not async_op:
+        pending.wait()
+        return out, None
+    return out, pending
+
+
+def _start_input_grad_reduction(
+    grad_input: torch.Tensor, group: Group, sequence_parallel: bool
+) -> tuple[Callable[[], torch.Tensor], _Pending]:
+    """Starts the input gradient's all-reduce or reduce-scatter; returns how to finish it."""
+    if not sequence_parallel:
+        pending = _Pending(
+            "tensor-parallel all-reduce (linear input gradient)",
+            group,
+            lambda: dist.all_reduce(grad_input, group=group, async_op=True),
+        )
+        return lambda: grad_input, pending
+    part = divide(grad_input.size(0), tp_size(group), "first dimension (the sequence)")
+    if dist.get_backend(group) == "gloo":  # see mappings: gloo's reduce-scatter is slower
+        pending = _Pending(
+            "sequence-parallel reduce-scatter (linear input gradient)",
+            group,
+            lambda: dist.all_reduce(grad_input, group=group, async_op=True),
+        )
+        return lambda: grad_input.narrow(0, tp_rank(group) * part, part).contiguous(), pending
+    out = grad_input.new_empty((part, *grad_input.shape[1:]))
+    pending = _Pending(
+        "sequence-parallel reduce-scatter (linear input gradient)",
+        group,
+        lambda: reduce_scatter_single(out, grad_input.contiguous(), group=group, async_op=True),
+    )
+    return lambda: out, pending
+
+
+def _weight_grad(
+    weight: torch.Tensor,
+    grad_output: torch.Tensor,
+    total_input: torch.Tensor,
+    fusion: bool,
+    main_grad: torch.Tensor | None,
+) -> torch.Tensor | None:
+    grad_2d = grad_output.reshape(-1, grad_output.size(-1))
+    input_2d = total_input.reshape(-1, total_input.size(-1))
+    if not fusion or main_grad is None:
+        return grad_2d.t().matmul(input_2d)
+    # Accumulated in the buffer's dtype (fp32 for a bf16 model), as Megatron's fused kernel.
+    main_grad.addmm_(grad_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    # A grad buffer that watches gradients (overlap_grad_reduce) still sees one arrive; the
+    # flag tells it the value is already in main_grad.
+    weight.grad_added_to_main_grad = True
+    return torch.zeros(main_grad.shape, dtype=total_input.dtype, device=total_input.device)
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``input @ weight.T + bias`` with the communication of tensor and sequence parallelism.
+
+    Forward arguments (Megatron's order): input, weight, bias, gradient_accumulation_fusion,
+    allreduce_dgrad, sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group.
+    """
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 - Megatron's signature
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gradient_accumulation_fusion: bool,
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+        grad_output_buffer: list[torch.Tensor] | None,
+        wgrad_deferral_limit: int | None,
+        tp_group: Group,
+    ) -> torch.Tensor:
+        """The product; the input's sequence gathered first under sequence parallelism."""
+        ctx.save_for_backward(input, weight)
+        ctx.main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.allreduce_dgrad = allreduce_dgrad and tp_size(tp_group) > 1
+        ctx.sequence_parallel = sequence_parallel and tp_size(tp_group) > 1
+        ctx.grad_output_buffer = grad_output_buffer
+        ctx.wgrad_deferral_limit = wgrad_deferral_limit
+        ctx.tp_group = tp_group
+        total_input = input
+        if ctx.sequence_parallel:
+            total_input, _ = _gather_sequence(input, tp_group, async_op=False)
+        return F.linear(total_input, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        """Input gradient reduced while the weight gradient is computed."""
+        input, weight = ctx.saved_tensors
+        group = ctx.tp_group
+        buffer = ctx.grad_output_buffer
+        wgrad_compute = True
+        if buffer is not None and (
+            not ctx.wgrad_deferral_limit or len(buffer) < ctx.wgrad_deferral_limit
+        ):
+            buffer.append(grad_output)  # the caller computes this weight gradient later
+            wgrad_compute = False
+        gathering: _Pending | None = None
+        total_input = input
+        if ctx.sequence_parallel and wgrad_compute:
+            total_input, gathering = _gather_sequence(input, group, async_op=True)
+        grad_input = grad_output.matmul(weight)
+        if gathering is not None:
+            gathering.wait()
+        finish, reducing = None, None
+        if ctx.allreduce_dgrad or ctx.sequence_parallel:
+            finish, reducing = _start_input_grad_reduction(grad_input, group, ctx.sequence_parallel)
+        grad_weight = None
+        if wgrad_compute:  # overlaps the input gradient's reduction
+            grad_weight = _weight_grad(
+                weight, grad_output, total_input, ctx.gradient_accumulation_fusion, ctx.main_grad
+            )
+        grad_bias = (
+            grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0) if ctx.use_bias else None
+        )
+        if reducing is not None and finish is not None:
+            reducing.wait()
+            grad_input = finish()
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(  # noqa: PLR0917 - Megatron's signature
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: list[torch.Tensor] | None = None,
+    wgrad_deferral_limit: int | None = 0,
+    *,
+    tp_group: Group,
+) -> torch.Tensor:
+    """The linear product of a tensor-parallel layer, its communication overlapped.
+
+    Args:
+        input: ``[..., in]``; under sequence parallelism this rank's part of the sequence
+            (the first dimension), all-gathered before the product.
+        weight: ``[out, in]``.
+        bias: ``[out]`` or None.
+        gradient_accumulation_fusion: Add the weight gradient into ``weight.main_grad``
+            (pp-optim's grad buffer) instead of returning it; a weight without ``main_grad``
+            gets its gradient the usual way.
+        allreduce_dgrad: All-reduce the input gradient over `tp_group` (a column-parallel
+            layer's input), overlapped with the weight gradient.
+        sequence_parallel: Gather the input's sequence; reduce-scatter its gradient.
+        grad_output_buffer: Collect the output gradients here instead of computing the weight
+            gradient (Megatron's deferred embedding weight gradient).
+        wgrad_deferral_limit: How many to collect before computing again (0: all).
+        tp_group: The tensor-parallel group (None: no communication).
+
+    Raises:
+        ValueError: Both `allreduce_dgrad` and `sequence_parallel`.
+    """
+    _check_flags(allreduce_dgrad, sequence_parallel)
+    out: torch.Tensor = LinearWithGradAccumulationAndAsyncCommunication.apply(  # type: ignore[no-untyped-call]
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer,
+        wgrad_deferral_limit,
+        tp_group,
+    )
+    return out
+
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """``input @ weight.T + bias`` that computes no weight gradient.
+
+    The input gradient is all-reduced over the group when asked (Megatron's order: input,
+    weight, bias,
+    allreduce_dgrad, tp_group).
+    """
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 - Megatron's signature
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        allreduce_dgrad: bool,
+        tp_group: Group,
+    ) -> torch.Tensor:
+        """The product, keeping only the weight."""
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad = allreduce_dgrad and tp_size(tp_group) > 1
+        ctx.tp_group = tp_group
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        """The input gradient alone."""
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if ctx.allreduce_dgrad:
+            with collective(
+                "tensor-parallel all-reduce (frozen linear input gradient)", group=ctx.tp_group
+            ):
+                dist.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None
+
+
+def linear_with_frozen_weight(  # noqa: PLR0917 - Megatron's signature
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: list[torch.Tensor] | None = None,
+    wgrad_deferral_limit: int | None = None,
+    *,
+    tp_group: Group,
+) -> torch.Tensor:
+    """The product of `linear_with_grad_accumulation_and_async_allreduce`, weight frozen.
+
+    For a weight that gets no gradient: the forward keeps only the weight, the backward
+    computes only the input gradient (the bias, if any, gets none either).
+
+    `gradient_accumulation_fusion` is accepted for the same signature and unused;
+    `grad_output_buffer` and `wgrad_deferral_limit` must stay None.
+
+    Raises:
+        ValueError: Both `allreduce_dgrad` and `sequence_parallel`, or a buffer or limit given.
+    """
+    del gradient_accumulation_fusion  # no weight gradient to accumulate
+    _check_flags(allreduce_dgrad, sequence_parallel)
+    if grad_output_buffer is not None or wgrad_deferral_limit is not None:
+        raise ValueError(
+            "linear_with_frozen_weight computes no weight gradient: grad_output_buffer and "
+            "wgrad_deferral_limit must be None"
+        )
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tp_group=tp_group)
+    out: torch.Tensor = LinearWithFrozenWeight.apply(  # type: ignore[no-untyped-call]
+        input, weight, bias, allreduce_dgrad, tp_group
+    )
+    return out
