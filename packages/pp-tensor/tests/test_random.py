@@ -88,7 +88,11 @@ def test_model_parallel_seeds_and_manual_seed() -> None:
     torch.testing.assert_close(torch.rand(2), _draws(10, 2))
     with tracker.fork():
         torch.testing.assert_close(torch.rand(2), _draws(10 + 2718 + 1, 2))
-    assert list(tracker.get_states()) == [DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG]
+    assert list(tracker.get_states()) == [
+        DATA_PARALLEL_RNG,
+        MODEL_PARALLEL_RNG,
+        EXPERT_PARALLEL_RNG,
+    ]
     with tracker.fork(get_data_parallel_rng_tracker_name()):
         torch.testing.assert_close(torch.rand(2), _draws(10, 2))
     with tracker.fork(get_expert_parallel_rng_tracker_name()):

@@ -10,7 +10,7 @@ With ``tp_group=None`` (or a group of one rank) every function returns its input
 no collective at all. Collectives run on gloo (CPU tensors) and NCCL (CUDA tensors); a lost
 peer raises pp-state's `CollectiveError` naming the operation.
 
-The autograd functions carry Megatron's names (``_CopyToModelParallelRegion``, ...), forward
+The autograd functions carry Megatron's names (``CopyToModelParallelRegion``, ...), forward
 arguments, ``ctx`` fields and ``symbolic`` methods, so code written against Megatron's classes
 (`pp_tensor.megatron.mappings` exposes them) runs on them.
 """
@@ -33,6 +33,16 @@ from pp_tensor.utils import (
 )
 
 __all__ = [
+    "AllGatherFromTensorParallelRegion",
+    "AllToAll",
+    "CopyToModelParallelRegion",
+    "GatherFromModelParallelRegion",
+    "GatherFromSequenceParallelRegion",
+    "ReduceFromModelParallelRegion",
+    "ReduceScatterToSequenceParallelRegion",
+    "ReduceScatterToTensorParallelRegion",
+    "ScatterToModelParallelRegion",
+    "ScatterToSequenceParallelRegion",
     "all_gather_last_dim_from_tensor_parallel_region",
     "all_to_all",
     "all_to_all_hp2sp",
@@ -162,91 +172,106 @@ def _reduce_scatter_along_last_dim(x: torch.Tensor, group: Group) -> torch.Tenso
     return mine.view(*x.shape[:-1], part)
 
 
-class _CopyToModelParallelRegion(torch.autograd.Function):
+class CopyToModelParallelRegion(torch.autograd.Function):
     """Identity forward; the gradient is all-reduced over the group."""
 
     @staticmethod
     def symbolic(graph: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return input_
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         return input_
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The conjugate collective on the gradient."""
         return _reduce(grad_output, ctx.group), None
 
 
-class _ReduceFromModelParallelRegion(torch.autograd.Function):
+class ReduceFromModelParallelRegion(torch.autograd.Function):
     """All-reduce forward; identity backward."""
 
     @staticmethod
     def symbolic(graph: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _reduce(input_, group)
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """The forward collective."""
         return _reduce(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The conjugate collective on the gradient."""
         return grad_output, None
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
+class ScatterToModelParallelRegion(torch.autograd.Function):
     """This rank's part of the last dimension; the gradient is all-gathered."""
 
     @staticmethod
     def symbolic(graph: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _split_along_last_dim(input_, group)
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         return _split_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The conjugate collective on the gradient."""
         return _gather_along_last_dim(grad_output, ctx.group), None
 
 
-class _GatherFromModelParallelRegion(torch.autograd.Function):
+class GatherFromModelParallelRegion(torch.autograd.Function):
     """All-gather of the last dimension; the gradient keeps this rank's part."""
 
     @staticmethod
     def symbolic(graph: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _gather_along_last_dim(input_, group)
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         return _gather_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The conjugate collective on the gradient."""
         return _split_along_last_dim(grad_output, ctx.group), None
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+class ScatterToSequenceParallelRegion(torch.autograd.Function):
     """This rank's part of the first dimension; the gradient is all-gathered."""
 
     @staticmethod
     def symbolic(graph: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _split_along_first_dim(input_, group)
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         return _split_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The conjugate collective on the gradient."""
         return _gather_along_first_dim(grad_output, ctx.group), None
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """All-gather of the first dimension; the gradient is reduce-scattered or split."""
 
     @staticmethod
@@ -258,6 +283,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         output_split_sizes: Sizes = None,
         use_global_buffer: bool = False,
     ) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _gather_along_first_dim(input_, group, output_split_sizes)
 
     @staticmethod
@@ -269,6 +295,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         output_split_sizes: Sizes = None,
         use_global_buffer: bool = False,
     ) -> torch.Tensor:
+        """The forward collective."""
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
         ctx.group = group
         ctx.output_split_sizes = output_split_sizes
@@ -279,6 +306,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     def backward(
         ctx: Any, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None, None]:
+        """The conjugate collective on the gradient."""
         if ctx.tensor_parallel_output_grad:
             grad = _reduce_scatter_along_first_dim(grad_output, ctx.group, ctx.output_split_sizes)
         else:
@@ -286,7 +314,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Reduce-scatter of the first dimension; the gradient is all-gathered."""
 
     @staticmethod
@@ -297,6 +325,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         input_split_sizes: Sizes = None,
         use_global_buffer: bool = False,
     ) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _reduce_scatter_along_first_dim(input_, group, input_split_sizes)
 
     @staticmethod
@@ -307,6 +336,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         input_split_sizes: Sizes = None,
         use_global_buffer: bool = False,
     ) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         ctx.input_split_sizes = input_split_sizes
         ctx.use_global_buffer = use_global_buffer
@@ -314,41 +344,48 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """The conjugate collective on the gradient."""
         grad = _gather_along_first_dim(grad_output, ctx.group, ctx.input_split_sizes)
         return grad, None, None, None
 
 
-class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+class AllGatherFromTensorParallelRegion(torch.autograd.Function):
     """All-gather of the last dimension; the gradient is reduce-scattered along it."""
 
     @staticmethod
     def symbolic(graph: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _gather_along_last_dim(input_, group)
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         return _gather_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The conjugate collective on the gradient."""
         return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
 
 
-class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+class ReduceScatterToTensorParallelRegion(torch.autograd.Function):
     """Reduce-scatter of the last dimension; the gradient is all-gathered along it."""
 
     @staticmethod
     def symbolic(graph: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """For tracing: what the forward gives."""
         return _reduce_scatter_along_last_dim(input_, group)
 
     @staticmethod
     def forward(ctx: Any, input_: torch.Tensor, group: Group) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         return _reduce_scatter_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The conjugate collective on the gradient."""
         return _gather_along_last_dim(grad_output, ctx.group), None
 
 
@@ -370,7 +407,7 @@ def _exchange(
     return out
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """All-to-all of the first dimension; the gradient goes back by the reverse all-to-all."""
 
     @staticmethod
@@ -381,6 +418,7 @@ class _AllToAll(torch.autograd.Function):
         output_split_sizes: Sizes,
         input_split_sizes: Sizes,
     ) -> torch.Tensor:
+        """The forward collective."""
         ctx.group = group
         ctx.output_split_sizes = output_split_sizes
         ctx.input_split_sizes = input_split_sizes
@@ -390,6 +428,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        """The conjugate collective on the gradient."""
         (grad,) = grad_output
         reverse = all_to_all(ctx.group, grad, ctx.input_split_sizes, ctx.output_split_sizes)
         return None, reverse, None, None
@@ -414,7 +453,7 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor, *, tp_group: Group) ->
 
     Put before a column-parallel layer: each rank's partial input gradient is summed.
     """
-    return _map(_CopyToModelParallelRegion, x, tp_group)
+    return _map(CopyToModelParallelRegion, x, tp_group)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, *, tp_group: Group) -> torch.Tensor:
@@ -422,7 +461,7 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor, *, tp_group: Group
 
     Put after a row-parallel layer: the partial outputs are summed.
     """
-    return _map(_ReduceFromModelParallelRegion, x, tp_group)
+    return _map(ReduceFromModelParallelRegion, x, tp_group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, *, tp_group: Group) -> torch.Tensor:
@@ -431,12 +470,12 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor, *, tp_group: Group)
     Raises:
         ValueError: The last dimension does not divide by the tensor-parallel size.
     """
-    return _map(_ScatterToModelParallelRegion, x, tp_group)
+    return _map(ScatterToModelParallelRegion, x, tp_group)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, *, tp_group: Group) -> torch.Tensor:
     """All-gathers the last dimension (rank order); backward keeps this rank's part."""
-    return _map(_GatherFromModelParallelRegion, x, tp_group)
+    return _map(GatherFromModelParallelRegion, x, tp_group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, *, tp_group: Group) -> torch.Tensor:
@@ -445,7 +484,7 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, *, tp_group: Group) -> 
     Raises:
         ValueError: The first dimension does not divide by the tensor-parallel size.
     """
-    return _map(_ScatterToSequenceParallelRegion, x, tp_group)
+    return _map(ScatterToSequenceParallelRegion, x, tp_group)
 
 
 def gather_from_sequence_parallel_region(
@@ -470,7 +509,7 @@ def gather_from_sequence_parallel_region(
         ValueError: `output_split_sizes` does not hold one size per rank, or not this rank's.
     """
     return _map(
-        _GatherFromSequenceParallelRegion,
+        GatherFromSequenceParallelRegion,
         x,
         tp_group,
         tensor_parallel_output_grad,
@@ -493,7 +532,7 @@ def reduce_scatter_to_sequence_parallel_region(
         ValueError: The first dimension does not divide by the tensor-parallel size, or the
             sizes given do not add up to it.
     """
-    return _map(_ReduceScatterToSequenceParallelRegion, x, tp_group, input_split_sizes)
+    return _map(ReduceScatterToSequenceParallelRegion, x, tp_group, input_split_sizes)
 
 
 def all_gather_last_dim_from_tensor_parallel_region(
@@ -503,7 +542,7 @@ def all_gather_last_dim_from_tensor_parallel_region(
 
     Every rank's gradient of the gathered tensor is partial.
     """
-    return _map(_AllGatherFromTensorParallelRegion, x, tp_group)
+    return _map(AllGatherFromTensorParallelRegion, x, tp_group)
 
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(
@@ -516,7 +555,7 @@ def reduce_scatter_last_dim_to_tensor_parallel_region(
     Raises:
         ValueError: The last dimension does not divide by the tensor-parallel size.
     """
-    return _map(_ReduceScatterToTensorParallelRegion, x, tp_group)
+    return _map(ReduceScatterToTensorParallelRegion, x, tp_group)
 
 
 def all_to_all(
@@ -535,7 +574,7 @@ def all_to_all(
     """
     if group is None:
         return input_
-    return _apply(_AllToAll, group, input_, output_split_sizes_, input_split_sizes)
+    return _apply(AllToAll, group, input_, output_split_sizes_, input_split_sizes)
 
 
 def all_to_all_sp2hp(x: torch.Tensor, *, tp_group: Group) -> torch.Tensor:

@@ -15,23 +15,16 @@ import torch.distributed as dist
 
 from pp_tensor import mappings as _pp
 from pp_tensor.mappings import (
-    _AllGatherFromTensorParallelRegion,
-    _AllToAll,
-    _CopyToModelParallelRegion,
-    _gather_along_first_dim,
-    _gather_along_last_dim,
-    _GatherFromModelParallelRegion,
-    _GatherFromSequenceParallelRegion,
-    _reduce,
-    _reduce_scatter_along_first_dim,
-    _reduce_scatter_along_last_dim,
-    _ReduceFromModelParallelRegion,
-    _ReduceScatterToSequenceParallelRegion,
-    _ReduceScatterToTensorParallelRegion,
-    _ScatterToModelParallelRegion,
-    _ScatterToSequenceParallelRegion,
-    _split_along_first_dim,
-    _split_along_last_dim,
+    AllGatherFromTensorParallelRegion,
+    AllToAll,
+    CopyToModelParallelRegion,
+    GatherFromModelParallelRegion,
+    GatherFromSequenceParallelRegion,
+    ReduceFromModelParallelRegion,
+    ReduceScatterToSequenceParallelRegion,
+    ReduceScatterToTensorParallelRegion,
+    ScatterToModelParallelRegion,
+    ScatterToSequenceParallelRegion,
 )
 from pp_tensor.megatron._groups import get_tensor_model_parallel_group_if_none
 
@@ -46,13 +39,6 @@ __all__ = [
     "_ReduceScatterToTensorParallelRegion",
     "_ScatterToModelParallelRegion",
     "_ScatterToSequenceParallelRegion",
-    "_gather_along_first_dim",
-    "_gather_along_last_dim",
-    "_reduce",
-    "_reduce_scatter_along_first_dim",
-    "_reduce_scatter_along_last_dim",
-    "_split_along_first_dim",
-    "_split_along_last_dim",
     "all_gather_last_dim_from_tensor_parallel_region",
     "all_to_all",
     "all_to_all_hp2sp",
@@ -69,6 +55,18 @@ __all__ = [
 ]
 
 Group = dist.ProcessGroup | None
+
+# Megatron's (underscored) names of the autograd functions.
+_CopyToModelParallelRegion = CopyToModelParallelRegion
+_ReduceFromModelParallelRegion = ReduceFromModelParallelRegion
+_ScatterToModelParallelRegion = ScatterToModelParallelRegion
+_GatherFromModelParallelRegion = GatherFromModelParallelRegion
+_ScatterToSequenceParallelRegion = ScatterToSequenceParallelRegion
+_GatherFromSequenceParallelRegion = GatherFromSequenceParallelRegion
+_ReduceScatterToSequenceParallelRegion = ReduceScatterToSequenceParallelRegion
+_AllGatherFromTensorParallelRegion = AllGatherFromTensorParallelRegion
+_ReduceScatterToTensorParallelRegion = ReduceScatterToTensorParallelRegion
+_AllToAll = AllToAll
 
 
 def _group(group: Group) -> Group:
