@@ -51,6 +51,7 @@ nox.options.sessions = [
     "layers",
     "integration",
     "megatron_oracle",
+    "megatron_tensor_oracle",
     "megatron_data_oracle",
     "examples",
 ]
@@ -325,6 +326,13 @@ def _oracle(session: nox.Session, package: str, test_file: str, variable: str) -
 def megatron_oracle(session: nox.Session) -> None:
     """pp-state's rank layouts against megatron-core's own, for every factorisation up to 64."""
     _oracle(session, "pp-state", "test_megatron_oracle.py", "PP_STATE_MEGATRON_ORACLE")
+
+
+@nox.session
+def megatron_tensor_oracle(session: nox.Session) -> None:
+    """pp_tensor.megatron against megatron-core's tensor_parallel: names, signatures, the
+    config's fields, and its layers and cross entropy run on the CPU."""
+    _oracle(session, "pp-tensor", "test_megatron_oracle.py", "PP_TENSOR_MEGATRON_ORACLE")
 
 
 @nox.session

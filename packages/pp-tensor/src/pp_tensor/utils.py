@@ -223,11 +223,13 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
             setattr(tensor, name, default)
 
 
-def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copies the tensor-parallel attributes `source` has onto `destination`."""
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
+    """Copies the tensor-parallel attributes `source_tensor` has onto `destination_tensor`."""
     for name in TENSOR_PARALLEL_ATTRIBUTE_DEFAULTS:
-        if hasattr(source, name):
-            setattr(destination, name, getattr(source, name))
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
 
 
 def mark_sequence_parallel(params_or_module: torch.nn.Module | Iterable[torch.Tensor]) -> None:

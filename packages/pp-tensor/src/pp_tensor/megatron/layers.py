@@ -90,9 +90,17 @@ def linear_with_grad_accumulation_and_async_allreduce(  # noqa: PLR0917 - Megatr
     tp_group: Group = None,
     gtp_remat_size: int = 1,
     output_dtype: torch.dtype | None = None,
+    *,
+    async_grad_allreduce: bool | None = None,
 ) -> torch.Tensor:
-    """`pp_tensor.linear.linear_with_grad_accumulation_and_async_allreduce`."""
+    """`pp_tensor.linear.linear_with_grad_accumulation_and_async_allreduce`.
+
+    ``async_grad_allreduce`` is megatron-core 0.16.1's former name of `allreduce_dgrad`
+    (keyword-only here: 0.20 put `tp_group` in its place); given, it wins, as it did there.
+    """
     _refuse_gtp(gtp_remat_size)
+    if async_grad_allreduce is not None:
+        allreduce_dgrad = async_grad_allreduce
     _check_output_dtype(output_dtype, input.dtype)
     return _linear.linear_with_grad_accumulation_and_async_allreduce(
         input,

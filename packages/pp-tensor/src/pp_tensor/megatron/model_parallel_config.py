@@ -44,6 +44,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "cpu_offloading": "CPU offloading",
     "cpu_offloading_weights": "CPU offloading",
     "cpu_offloading_double_buffering": "CPU offloading",
+    "moe_extended_tp": "extended tensor parallelism of experts",
 }
 """Fields pp has no feature for -> what they ask for; each must keep its default."""
 
@@ -56,6 +57,10 @@ _ALSO_ACCEPTED: dict[str, tuple[object, ...]] = {
 @dataclasses.dataclass
 class ModelParallelConfig:
     """megatron-core 0.20's ``ModelParallelConfig``: its fields, defaults and checks.
+
+    The three fields 0.16.1 had and 0.20 dropped are here too (`moe_extended_tp`, refused
+    when True; `async_tensor_model_parallel_allreduce` and `barrier_with_L1_time`, which
+    change nothing here).
 
     Raises:
         TypeError: A field Megatron's config does not have (the message names it and the
@@ -137,6 +142,10 @@ class ModelParallelConfig:
     cpu_offloading_weights: bool = False
     cpu_offloading_double_buffering: bool = False
     cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    # megatron-core 0.16.1's fields that 0.20 dropped, kept so 0.16.1 code ports too.
+    moe_extended_tp: bool = False
+    async_tensor_model_parallel_allreduce: bool = True
+    barrier_with_L1_time: bool = True  # noqa: N815 - Megatron's name
 
     def __post_init__(self) -> None:
         """Refuses what pp cannot do, then applies Megatron's rules and derived defaults."""
