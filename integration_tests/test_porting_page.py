@@ -29,6 +29,7 @@ def test_the_page_lists_the_packages() -> None:
         "pp_schedules",
         "pp_optim",
         "pp_tensor",
+        "pp_tensor.megatron",
         "pp_train",
     }
 
@@ -47,4 +48,10 @@ def test_every_facade_name_is_listed() -> None:
     facade = importlib.import_module("pp_state.parallel_state")
     listed = set(_listed()["pp_state.parallel_state"])
     missing = sorted(set(facade.__all__) - listed)
+    assert not missing, f"docs/porting.md does not list {missing}"
+
+
+def test_every_tensor_parallel_facade_name_is_listed() -> None:
+    facade = importlib.import_module("pp_tensor.megatron")
+    missing = sorted(set(facade.__all__) - set(_listed()["pp_tensor.megatron"]))
     assert not missing, f"docs/porting.md does not list {missing}"

@@ -491,6 +491,41 @@ def test_bad_input_is_refused_with_the_numbers(size: int) -> None:
     run_distributed(_initialized, size, _bad_input)
 
 
+def test_megatron_0_20_arguments_and_helpers_without_a_state() -> None:
+    """Before initialize_model_parallel a group left as None is no tensor parallelism."""
+    tracker = tp.model_parallel_cuda_manual_seed(
+        7, tp_rank=0, ep_rank=0, etp_rank=0, gtp_remat_rank=0, gtp_remat_world_size=1
+    )
+    assert sorted(tp.random.get_all_rng_states()) == sorted(tracker.get_states())
+    with pytest.raises(ValueError, match="gtp_remat_world_size=2: pp has no generalized"):
+        tp.model_parallel_cuda_manual_seed(
+            7, tp_rank=0, ep_rank=0, etp_rank=0, gtp_remat_world_size=2
+        )
+    assert tp.utils.divide(8, 2) == 4
+    with pytest.raises(ValueError, match="numerator 9 is not divisible by denominator 2"):
+        tp.utils.divide(9, 2)
+    seen = []
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        seen.append(tp.random.is_checkpointing())
+        return t.sin()  # saves its input: recomputed in backward
+
+    x = torch.ones(3, requires_grad=True)
+    out = tp.checkpoint(block, False, x)
+    out.sum().backward()
+    assert seen == [True, True]  # the forward and the recomputation
+    assert not tp.random.is_checkpointing()
+    assert tp.copy_to_tensor_model_parallel_region(x) is x  # no state: no tensor parallelism
+    with pytest.raises(ValueError, match="has 5 dimensions; at most 4"):
+        pp_tensor.broadcast_data(
+            ["x"], {"x": torch.zeros(1, 1, 1, 1, 1)}, torch.float32, tp_group=None
+        )
+    with pytest.raises(ValueError, match="explicit_expert_comm=True returns a partial sum"):
+        pp_tensor.RowParallelLinear(
+            4, 4, tp_group=None, init_method=_init(1), explicit_expert_comm=True
+        )
+
+
 @pytest.mark.reliability
 def test_model_parallel_config_refuses_unknown_and_unsupported_fields() -> None:
     with pytest.raises(

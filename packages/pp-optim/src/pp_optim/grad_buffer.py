@@ -6,7 +6,9 @@ buffer per gradient dtype. Backward adds each gradient into its ``main_grad`` (a
 all-reduced over the data-parallel group one bucket at a time: a bucket is a contiguous slice, so
 one collective moves many parameters. Parameters are laid out in reverse order, the order
 backward produces their gradients, so with ``overlap_grad_reduce`` the first buckets can travel
-while backward still computes the rest.
+while backward still computes the rest. A parameter whose gradient a fused linear product
+already added into ``main_grad`` (pp-tensor's ``gradient_accumulation_fusion``, Megatron's flag
+``grad_added_to_main_grad``) is not added twice; its bucket still counts it as ready.
 
 With ``use_distributed_optimizer`` each bucket is padded to a multiple of the data-parallel size
 and reduce-scattered instead (rank r keeps shard r reduced), and the parameters move into a
@@ -256,6 +258,10 @@ class DistributedDataParallel(torch.nn.Module):
         for dtype in dict.fromkeys(self._grad_dtype(p) for p in params):
             same = [p for p in params if self._grad_dtype(p) == dtype]
             self._lay_out(dtype, same, bucket_size)
+        for p in params:
+            # Megatron's flag: a fused linear (pp-tensor's gradient_accumulation_fusion) that
+            # added the weight gradient into main_grad itself sets it and hands back a dummy.
+            p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -367,7 +373,10 @@ class DistributedDataParallel(torch.nn.Module):
     def _on_grad(self, param: torch.Tensor) -> None:
         if param.grad is None:
             return
-        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+        if getattr(param, "grad_added_to_main_grad", False):
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        else:
+            param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None
         if self.config.overlap_grad_reduce and self._sync_enabled:
             bucket = self._bucket_of[id(param)]

@@ -18,7 +18,7 @@ from pp_tensor.utils import tp_rank
 __all__ = ["MAX_DATA_DIM", "broadcast_data"]
 
 MAX_DATA_DIM = 5
-"""The most dimensions a broadcast tensor may have (Megatron's limit)."""
+"""Megatron's bound: a broadcast tensor has fewer dimensions than this."""
 
 
 def _sizes_of(
@@ -36,16 +36,16 @@ def _sizes_of(
             raise ValueError(
                 f"broadcast_data: {key!r} has dtype {tensor.dtype}, the call says {datatype}"
             )
-        if tensor.dim() > MAX_DATA_DIM:
+        if tensor.dim() >= MAX_DATA_DIM:
             raise ValueError(
-                f"broadcast_data: {key!r} has {tensor.dim()} dimensions; at most {MAX_DATA_DIM}"
+                f"broadcast_data: {key!r} has {tensor.dim()} dimensions; at most {MAX_DATA_DIM - 1}"
             )
         sizes += [*tensor.shape, *[0] * (MAX_DATA_DIM - tensor.dim())]
     return sizes
 
 
-def _src(tp_group: dist.ProcessGroup | None) -> int:
-    return 0 if tp_group is None else dist.get_global_rank(tp_group, 0)
+def _src(tp_group: dist.ProcessGroup) -> int:
+    return dist.get_global_rank(tp_group, 0)
 
 
 def broadcast_data(
@@ -61,15 +61,19 @@ def broadcast_data(
         keys: The keys to send, in the same order on every rank.
         data: Rank 0's tensors by key (ignored elsewhere), all of dtype `datatype`.
         datatype: Their dtype.
-        tp_group: The tensor-parallel group (None: rank 0's data, moved to the device).
+        tp_group: The tensor-parallel group (None: `data`'s tensors, checked, as they are).
 
     Returns:
         The tensors by key, on the group's device (CPU for gloo, the current GPU for NCCL).
 
     Raises:
-        ValueError: On rank 0: a key missing, a dtype other than `datatype`, more than
-            `MAX_DATA_DIM` dimensions.
+        ValueError: On rank 0: a key missing, a dtype other than `datatype`, `MAX_DATA_DIM`
+            dimensions or more.
     """
+    if tp_group is None:  # nothing to send: rank 0's tensors, checked
+        _sizes_of(keys, data, datatype)
+        assert data is not None
+        return {key: data[key] for key in keys}
     device = collective_device(tp_group)
     first = tp_rank(tp_group) == 0
     sizes = torch.tensor(
@@ -77,22 +81,20 @@ def broadcast_data(
         dtype=torch.int64,
         device=device,
     )
-    if tp_group is not None:
-        with collective("broadcast_data sizes", group=tp_group):
-            dist.broadcast(sizes, _src(tp_group), group=tp_group)
+    with collective("broadcast_data sizes", group=tp_group):
+        dist.broadcast(sizes, _src(tp_group), group=tp_group)
     shapes = [
         [int(n) for n in sizes[i * MAX_DATA_DIM : (i + 1) * MAX_DATA_DIM] if n > 0]
         for i in range(len(keys))
     ]
-    total = sum(int(torch.Size(shape).numel()) for shape in shapes)
-    if first:
+    if first and keys:
         assert data is not None
-        flat = torch.cat([data[key].to(device).reshape(-1) for key in keys]) if keys else None
-    if not first or flat is None:
+        flat = torch.cat([data[key].to(device).reshape(-1) for key in keys])
+    else:
+        total = sum(int(torch.Size(shape).numel()) for shape in shapes)
         flat = torch.empty(total, dtype=datatype, device=device)
-    if tp_group is not None:
-        with collective("broadcast_data", group=tp_group):
-            dist.broadcast(flat, _src(tp_group), group=tp_group)
+    with collective("broadcast_data", group=tp_group):
+        dist.broadcast(flat, _src(tp_group), group=tp_group)
     out, offset = {}, 0
     for key, shape in zip(keys, shapes, strict=True):
         numel = int(torch.Size(shape).numel())

@@ -394,6 +394,11 @@ class RowParallelLinear(_ParallelLinear):
                 "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (the "
                 "input must be the hidden-split output of a column-parallel layer)"
             )
+        if explicit_expert_comm and bias and not skip_bias_add:
+            raise ValueError(
+                "RowParallelLinear: explicit_expert_comm=True returns a partial sum, to which "
+                "the bias cannot be added: use skip_bias_add=True (as Megatron asserts)"
+            )
         self.input_size, self.output_size = input_size, output_size
         self.tp_group, self.device, self.params_dtype = tp_group, device, params_dtype
         self.input_size_per_partition = divide(

@@ -25,6 +25,7 @@ from pp_tensor.utils import all_gather_single, divide, reduce_scatter_single, tp
 __all__ = [
     "LinearWithFrozenWeight",
     "LinearWithGradAccumulationAndAsyncCommunication",
+    "check_linear_options",
     "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
 ]
@@ -37,6 +38,26 @@ def _check_flags(allreduce_dgrad: bool, sequence_parallel: bool) -> None:
         raise ValueError(
             "allreduce_dgrad=True and sequence_parallel=True exclude each other: under "
             "sequence parallelism the input gradient is reduce-scattered, not all-reduced"
+        )
+
+
+def check_linear_options(
+    gtp_remat_size: int, output_dtype: torch.dtype | None, input_dtype: torch.dtype
+) -> None:
+    """Refuses megatron-core 0.20's linear options pp has no feature for.
+
+    Raises:
+        ValueError: `gtp_remat_size` other than 1, or `output_dtype` other than None or
+            `input_dtype` (a mixed-dtype GEMM is Transformer Engine's).
+    """
+    if gtp_remat_size != 1:
+        raise ValueError(
+            f"gtp_remat_size={gtp_remat_size}: pp has no generalized tensor parallelism; use 1"
+        )
+    if output_dtype is not None and output_dtype != input_dtype:
+        raise ValueError(
+            f"output_dtype={output_dtype} differs from the input's {input_dtype}: that needs "
+            "Transformer Engine's GEMM, which pp does not use; leave output_dtype None"
         )
 
 
@@ -136,8 +157,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_output_buffer: list[torch.Tensor] | None,
         wgrad_deferral_limit: int | None,
         tp_group: Group,
+        gtp_remat_size: int = 1,
+        output_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """The product; the input's sequence gathered first under sequence parallelism."""
+        """The product; the input's sequence gathered first under sequence parallelism.
+
+        `gtp_remat_size` and `output_dtype` (megatron-core 0.20's) must stay 1 and None or the
+        input's dtype: pp has no generalized tensor parallelism and no mixed-dtype GEMM.
+        """
+        check_linear_options(gtp_remat_size, output_dtype, input.dtype)
         ctx.save_for_backward(input, weight)
         ctx.main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
         ctx.use_bias = bias is not None
@@ -185,7 +213,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if reducing is not None and finish is not None:
             reducing.wait()
             grad_input = finish()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(  # noqa: PLR0917 - Megatron's signature
@@ -252,8 +280,10 @@ class LinearWithFrozenWeight(torch.autograd.Function):
         bias: torch.Tensor | None,
         allreduce_dgrad: bool,
         tp_group: Group,
+        output_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """The product, keeping only the weight."""
+        """The product, keeping only the weight (`output_dtype`: None or the input's)."""
+        check_linear_options(1, output_dtype, input.dtype)
         ctx.save_for_backward(weight)
         ctx.allreduce_dgrad = allreduce_dgrad and tp_size(tp_group) > 1
         ctx.tp_group = tp_group
@@ -269,7 +299,7 @@ class LinearWithFrozenWeight(torch.autograd.Function):
                 "tensor-parallel all-reduce (frozen linear input gradient)", group=ctx.tp_group
             ):
                 dist.all_reduce(grad_input, group=ctx.tp_group)
-        return grad_input, None, None, None, None
+        return grad_input, None, None, None, None, None
 
 
 def linear_with_frozen_weight(  # noqa: PLR0917 - Megatron's signature

@@ -411,27 +411,31 @@ class AllToAll(torch.autograd.Function):
     """All-to-all of the first dimension; the gradient goes back by the reverse all-to-all."""
 
     @staticmethod
-    def forward(
+    def forward(  # noqa: PLR0917 - Megatron's signature
         ctx: Any,
         group: Group,
         input: torch.Tensor,
         output_split_sizes: Sizes,
         input_split_sizes: Sizes,
+        use_nccl_stream: bool = False,
     ) -> torch.Tensor:
         """The forward collective."""
         ctx.group = group
         ctx.output_split_sizes = output_split_sizes
         ctx.input_split_sizes = input_split_sizes
+        ctx.use_nccl_stream = use_nccl_stream  # Megatron's side stream: one stream here
         if tp_size(group) == 1:
             return input
         return _exchange(input, group, output_split_sizes, input_split_sizes)
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+    def backward(
+        ctx: Any, *grad_output: torch.Tensor
+    ) -> tuple[None, torch.Tensor, None, None, None]:
         """The conjugate collective on the gradient."""
         (grad,) = grad_output
         reverse = all_to_all(ctx.group, grad, ctx.input_split_sizes, ctx.output_split_sizes)
-        return None, reverse, None, None
+        return None, reverse, None, None, None
 
 
 def _apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:

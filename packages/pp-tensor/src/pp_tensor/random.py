@@ -360,7 +360,11 @@ def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
     tp_rank: int | None = None,
     ep_rank: int | None = None,
     etp_rank: int | None = None,
+    gtp_remat_rank: int | None = None,
+    egtp_remat_rank: int | None = None,
     force_reset_rng: bool = False,
+    gtp_remat_world_size: int | None = None,
+    egtp_remat_world_size: int | None = None,
 ) -> RNGStatesTracker:
     """Megatron's seeding: the CUDA default generator and the default tracker's three states.
 
@@ -377,11 +381,26 @@ def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
             (`pp_state.parallel_state`), as do `ep_rank` and `etp_rank`.
         ep_rank: This rank's expert-model-parallel rank.
         etp_rank: This rank's expert-tensor-parallel rank.
+        gtp_remat_rank: megatron-core 0.20's generalized tensor-parallel rank: ignored, as
+            the world sizes below are 1 (pp has no such parallelism).
+        egtp_remat_rank: The same for experts.
         force_reset_rng: Make the tracker anew (with the arguments above).
+        gtp_remat_world_size: None or 1; more is refused.
+        egtp_remat_world_size: None or 1; more is refused.
 
     Returns:
         The default tracker.
+
+    Raises:
+        ValueError: A generalized tensor-parallel world size above 1.
     """
+    del gtp_remat_rank, egtp_remat_rank  # no state of theirs at world size 1 (Megatron's rule)
+    for name, size in (
+        ("gtp_remat_world_size", gtp_remat_world_size),
+        ("egtp_remat_world_size", egtp_remat_world_size),
+    ):
+        if size not in (None, 1):
+            raise ValueError(f"{name}={size}: pp has no generalized tensor parallelism; use 1")
     check_int("seed", seed, 0)
     tp_rank = _default_rank(tp_rank, "get_tensor_model_parallel_rank")
     ep_rank = _default_rank(ep_rank, "get_expert_model_parallel_rank")

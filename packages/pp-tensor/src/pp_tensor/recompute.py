@@ -27,7 +27,15 @@ __all__ = [
     "CheckpointWithoutOutputManager",
     "RNGSnapshot",
     "checkpoint",
+    "is_checkpointing",
 ]
+
+_CHECKPOINTING = [0]  # how many checkpoint blocks are running now (forward or recompute)
+
+
+def is_checkpointing() -> bool:
+    """Whether a `checkpoint` block's forward or recomputation is running now."""
+    return _CHECKPOINTING[0] > 0
 
 
 class RNGSnapshot:
@@ -84,8 +92,10 @@ class _ForwardContext:
 
     def __enter__(self) -> None:
         self.owner.snapshot = RNGSnapshot(self.owner.tracker)
+        _CHECKPOINTING[0] += 1
 
     def __exit__(self, *exc: object) -> None:
+        _CHECKPOINTING[0] -= 1
         if self.owner.distributed is not None and exc[0] is None:
             self.owner.distributed.shrink()
 
@@ -101,8 +111,10 @@ class _RecomputeContext:
         assert self.owner.snapshot is not None, "recomputed before the forward ran"
         self.replay = self.owner.snapshot.replayed()
         self.replay.__enter__()
+        _CHECKPOINTING[0] += 1
 
     def __exit__(self, *exc: Any) -> None:
+        _CHECKPOINTING[0] -= 1
         assert self.replay is not None
         self.replay.__exit__(*exc)
 

@@ -16,10 +16,16 @@ def get_tensor_model_parallel_group_if_none(
 
     The expert-tensor-parallel group for `is_expert`, as megatron-core's helper of this name.
 
+    Without torch.distributed, or before ``initialize_model_parallel``, a None stays None
+    (no tensor parallelism), as Megatron's.
+
     Raises:
-        pp_state.NotInitializedError: None given before ``initialize_model_parallel``.
         ValueError: This rank is not in the group.
     """
+    if not dist.is_initialized():
+        return None
+    if tp_group is None and not parallel_state.model_parallel_is_initialized():
+        return None  # Megatron passes the group through: no tensor parallelism
     if tp_group is None:
         read = (
             parallel_state.get_expert_tensor_parallel_group

@@ -29,6 +29,7 @@ from pp_tensor import linear as _linear
 from pp_tensor.linear import (
     LinearWithFrozenWeight,
     LinearWithGradAccumulationAndAsyncCommunication,
+    check_linear_options,
 )
 from pp_tensor.megatron._groups import get_tensor_model_parallel_group_if_none
 from pp_tensor.megatron.model_parallel_config import ModelParallelConfig
@@ -63,21 +64,6 @@ __all__ = [
 Group = dist.ProcessGroup | None
 
 
-def _refuse_gtp(gtp_remat_size: int) -> None:
-    if gtp_remat_size != 1:
-        raise ValueError(
-            f"gtp_remat_size={gtp_remat_size}: pp has no generalized tensor parallelism; use 1"
-        )
-
-
-def _check_output_dtype(output_dtype: torch.dtype | None, input_dtype: torch.dtype) -> None:
-    if output_dtype is not None and output_dtype != input_dtype:
-        raise ValueError(
-            f"output_dtype={output_dtype} differs from the input's {input_dtype}: that needs "
-            "Transformer Engine's GEMM, which pp does not use; leave output_dtype None"
-        )
-
-
 def linear_with_grad_accumulation_and_async_allreduce(  # noqa: PLR0917 - Megatron's signature
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -98,10 +84,9 @@ def linear_with_grad_accumulation_and_async_allreduce(  # noqa: PLR0917 - Megatr
     ``async_grad_allreduce`` is megatron-core 0.16.1's former name of `allreduce_dgrad`
     (keyword-only here: 0.20 put `tp_group` in its place); given, it wins, as it did there.
     """
-    _refuse_gtp(gtp_remat_size)
+    check_linear_options(gtp_remat_size, output_dtype, input.dtype)
     if async_grad_allreduce is not None:
         allreduce_dgrad = async_grad_allreduce
-    _check_output_dtype(output_dtype, input.dtype)
     return _linear.linear_with_grad_accumulation_and_async_allreduce(
         input,
         weight,
@@ -129,8 +114,7 @@ def linear_with_frozen_weight(  # noqa: PLR0917 - Megatron's signature
     output_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`pp_tensor.linear.linear_with_frozen_weight`."""
-    _refuse_gtp(gtp_remat_size)
-    _check_output_dtype(output_dtype, input.dtype)
+    check_linear_options(gtp_remat_size, output_dtype, input.dtype)
     return _linear.linear_with_frozen_weight(
         input,
         weight,
@@ -241,7 +225,7 @@ class ColumnParallelLinear(_pp.ColumnParallelLinear):
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Megatron's forward: ``(output, bias or None)``."""
-        _check_output_dtype(self.output_dtype, input_.dtype)
+        check_linear_options(1, self.output_dtype, input_.dtype)
         return super().forward(input_, weight, runtime_gather_output)
 
 

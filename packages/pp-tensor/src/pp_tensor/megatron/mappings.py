@@ -153,12 +153,16 @@ def all_to_all(
     input_: torch.Tensor,
     output_split_sizes_: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
+    use_nccl_stream: bool = False,
 ) -> torch.Tensor:
     """All-to-all of the first dimension over `group` (required, as in Megatron).
+
+    ``use_nccl_stream`` (megatron-core 0.20's side stream) changes nothing here.
 
     Raises:
         ValueError: `group` is None.
     """
+    del use_nccl_stream  # one stream: the same result
     if group is None:
         raise ValueError("all_to_all needs a group (Megatron's all_to_all reads no default)")
     return _pp.all_to_all(group, input_, output_split_sizes_, input_split_sizes)

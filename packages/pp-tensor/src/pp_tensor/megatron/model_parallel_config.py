@@ -58,9 +58,8 @@ _ALSO_ACCEPTED: dict[str, tuple[object, ...]] = {
 class ModelParallelConfig:
     """megatron-core 0.20's ``ModelParallelConfig``: its fields, defaults and checks.
 
-    The three fields 0.16.1 had and 0.20 dropped are here too (`moe_extended_tp`, refused
-    when True; `async_tensor_model_parallel_allreduce` and `barrier_with_L1_time`, which
-    change nothing here).
+    The two fields 0.16.1 had and 0.20 dropped are here too (`moe_extended_tp`, refused
+    when True; `async_tensor_model_parallel_allreduce`, which changes nothing here).
 
     Raises:
         TypeError: A field Megatron's config does not have (the message names it and the
@@ -142,10 +141,10 @@ class ModelParallelConfig:
     cpu_offloading_weights: bool = False
     cpu_offloading_double_buffering: bool = False
     cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    barrier_with_L1_time: bool = True  # noqa: N815 - Megatron's name
     # megatron-core 0.16.1's fields that 0.20 dropped, kept so 0.16.1 code ports too.
     moe_extended_tp: bool = False
     async_tensor_model_parallel_allreduce: bool = True
-    barrier_with_L1_time: bool = True  # noqa: N815 - Megatron's name
 
     def __post_init__(self) -> None:
         """Refuses what pp cannot do, then applies Megatron's rules and derived defaults."""
@@ -187,13 +186,16 @@ class ModelParallelConfig:
 
     def _refuse_unsupported(self) -> None:
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        plain_shards = {  # one weight shard per tensor-parallel rank: plain tensor parallelism
+            "tensor_parallel_num_weight_shards": self.tensor_model_parallel_size,
+            "expert_tensor_parallel_num_weight_shards": (
+                self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+            ),
+        }
         for name, what in UNSUPPORTED_FIELDS.items():
             value = getattr(self, name)
-            if (
-                name == "tensor_parallel_num_weight_shards"
-                and value == self.tensor_model_parallel_size
-            ):
-                continue  # one shard per tensor-parallel rank: plain tensor parallelism
+            if value is not None and value == plain_shards.get(name):
+                continue
             if value != defaults[name]:
                 raise ValueError(
                     f"ModelParallelConfig.{name}={value!r}: pp has no {what}; leave it at "

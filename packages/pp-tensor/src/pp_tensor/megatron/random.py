@@ -49,6 +49,7 @@ __all__ = [
     "CudaRNGStatesTracker",
     "checkpoint",
     "convert_cuda_rng_state",
+    "get_all_rng_states",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_model_parallel_rank",
@@ -56,6 +57,7 @@ __all__ = [
     "get_expert_tensor_parallel_rank",
     "get_tensor_model_parallel_rank",
     "initialize_rng_tracker",
+    "is_checkpointing",
     "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
 ]
@@ -69,7 +71,11 @@ def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
     tp_rank: int | None = None,
     ep_rank: int | None = None,
     etp_rank: int | None = None,
+    gtp_remat_rank: int | None = None,
+    egtp_remat_rank: int | None = None,
     force_reset_rng: bool = False,
+    gtp_remat_world_size: int | None = None,
+    egtp_remat_world_size: int | None = None,
 ) -> CudaRNGStatesTracker:
     """Seeds the CUDA default generator and the tracker's three states (not the CPU one).
 
@@ -83,8 +89,22 @@ def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
         tp_rank=get_tensor_model_parallel_rank() if tp_rank is None else tp_rank,
         ep_rank=get_expert_model_parallel_rank() if ep_rank is None else ep_rank,
         etp_rank=get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank,
+        gtp_remat_rank=gtp_remat_rank,
+        egtp_remat_rank=egtp_remat_rank,
         force_reset_rng=force_reset_rng,
+        gtp_remat_world_size=gtp_remat_world_size,
+        egtp_remat_world_size=egtp_remat_world_size,
     )
+
+
+def get_all_rng_states() -> dict[str, Any]:
+    """The default tracker's states by name (Megatron's: what its tracker holds)."""
+    return get_cuda_rng_tracker().get_states()
+
+
+def is_checkpointing() -> bool:
+    """Whether a `checkpoint` block is running its forward or its recomputation now."""
+    return _recompute.is_checkpointing()
 
 
 def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from pp_tensor import utils as _pp
 from pp_tensor.megatron._groups import get_tensor_model_parallel_group_if_none
-from pp_tensor.utils import VocabUtility, divide, split_tensor_along_last_dim
+from pp_tensor.utils import VocabUtility, split_tensor_along_last_dim
 
 __all__ = [
     "VocabUtility",
@@ -17,6 +17,15 @@ __all__ = [
     "split_tensor_along_last_dim",
     "split_tensor_into_1d_equal_chunks",
 ]
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """``numerator / denominator``, which must be whole (Megatron's two-argument helper).
+
+    Raises:
+        ValueError: A remainder, naming both numbers.
+    """
+    return _pp.divide(numerator, denominator, "numerator", by="denominator")
 
 
 def split_tensor_into_1d_equal_chunks(
