@@ -411,7 +411,28 @@ def _dropout_block(x: torch.Tensor) -> torch.Tensor:
     return F.dropout(y.tanh(), p=0.5)
 
 
+def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, t)
+    return every
+
+
 def _recompute(rank: int, size: int) -> None:
+    tracker = tp.model_parallel_cuda_manual_seed(5)
+    # Megatron's rule: the data-parallel state draws alike on every tp rank, the
+    # tensor-parallel one differently; the expert one by (ep rank, etp rank).
+    drawn = {}
+    for name in (
+        tp.get_data_parallel_rng_tracker_name(),
+        "model-parallel-rng",
+        tp.get_expert_parallel_rng_tracker_name(),
+    ):
+        with tracker.fork(name):
+            drawn[name] = _gathered(torch.rand(4))
+    assert all(torch.equal(d, drawn["data-parallel-rng"][0]) for d in drawn["data-parallel-rng"])
+    assert len({tuple(d.tolist()) for d in drawn["model-parallel-rng"]}) == size
+    # expert tensor parallelism defaults to the tensor-parallel size: etp rank = tp rank
+    assert len({tuple(d.tolist()) for d in drawn["expert-parallel-rng"]}) == size
     tracker = tp.model_parallel_cuda_manual_seed(5)
     assert tracker is tp.get_cuda_rng_tracker()
     assert list(tracker.get_states()) == [
@@ -489,6 +510,19 @@ def _bad_input(rank: int, size: int) -> None:
 @pytest.mark.parametrize("size", SIZES)
 def test_bad_input_is_refused_with_the_numbers(size: int) -> None:
     run_distributed(_initialized, size, _bad_input)
+
+
+def test_rng_state_conversion_and_graph_safety() -> None:
+    state = torch.get_rng_state()
+    assert tp.convert_cuda_rng_state(state) is state
+    generator = torch.Generator().manual_seed(3)
+    assert torch.equal(tp.convert_cuda_rng_state(generator), generator.get_state())  # type: ignore[arg-type]
+    assert tp.convert_cuda_rng_state(generator, to_graphable=True) is generator
+    with pytest.raises(ValueError, match="pp keeps no CUDA-graph-safe RNG states"):
+        tp.convert_cuda_rng_state(state, to_graphable=True)
+    assert not tp.is_graph_safe_cuda_rng_tracker(tp.get_cuda_rng_tracker())
+    with pytest.raises(ValueError, match="use_cudagraphable_rng=True: pp has no"):
+        tp.random.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
 
 
 def test_megatron_0_20_arguments_and_helpers_without_a_state() -> None:
