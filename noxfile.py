@@ -413,6 +413,7 @@ BENCHMARKS = [
     ("pp-schedules", "schedules_vs_torch.py", [], 8),
     ("pp-schedules", "zero_bubble_vs_torch.py", [], 4),
     ("pp-schedules", "any_model_vs_torch.py", [], 2),
+    ("pp-schedules", "planning_at_scale.py", [], 1),
     ("pp-optim", "grad_allreduce.py", [], 2),
     ("pp-optim", "distopt_bench.py", [], 2),
     ("pp-optim", "distopt_bench.py", [], 4),

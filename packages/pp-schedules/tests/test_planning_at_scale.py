@@ -20,6 +20,7 @@ import random
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -29,10 +30,15 @@ from pp_schedules import (
     MemoryModel,
     Plan,
     PlanError,
+    PlanOption,
+    ScheduleSpec,
     StageMemory,
+    choose_fitting,
     format_plan,
     placement_for,
     plan,
+    plan_cache,
+    resolve_schedule,
     simulate,
     validate,
     zero_bubble,
@@ -240,6 +246,100 @@ def test_moved_steps_are_judged_as_0_11_judged_them(
     name, pp, vp, m, seed = config
     expected = json.loads(GOLDEN.read_text())[f"{name} pp{pp} vp{vp} m{m} moved {seed}"]
     assert mutated(*config) == expected
+
+
+def test_a_plan_over_the_budget_is_refused_before_planning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        ScheduleSpec, "generate", lambda *a, **k: pytest.fail("planned over the budget")
+    )
+    message = (
+        r"planning zbv for 4 ranks x 2 chunks with 1,000,000 microbatches makes 24,000,000 "
+        r"compute steps \(3 per microbatch and chunk\), over the planning budget of 4,000,000 "
+        r"steps .*raise max_plan_steps \(None: no limit\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        plan("zbv", pp_size=4, num_microbatches=1_000_000, vp_size=2)
+    with pytest.raises(ValueError, match=r"makes 64 compute steps .* budget of 63 steps"):
+        resolve_schedule("1f1b", pp_size=4, microbatch_counts=[8], max_plan_steps=63)
+    with pytest.raises(ValueError, match=r"no schedule runs .*over the planning budget of 10"):
+        resolve_schedule("auto", pp_size=2, microbatch_counts=[4], max_plan_steps=10)
+
+
+def test_no_budget_plans_any_size() -> None:
+    plan("1f1b", pp_size=2, num_microbatches=8, max_plan_steps=None)
+    assert resolve_schedule("1f1b", pp_size=2, microbatch_counts=[4], max_plan_steps=32).name
+
+
+def test_auto_plans_and_validates_each_candidate_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+    validated: list[tuple[int, bool]] = []
+    generate, check = ScheduleSpec.generate, vars(plan_cache)["validate"]
+
+    def counted_generate(spec: ScheduleSpec, **options: Any) -> Any:
+        made.append(f"{spec.name}{' forward' if options['forward_only'] else ''}")
+        return generate(spec, **options)
+
+    def counted_validate(chosen: Plan, **options: Any) -> Any:
+        validated.append((chosen.num_microbatches, chosen.forward_only))
+        return check(chosen, **options)
+
+    monkeypatch.setattr(ScheduleSpec, "generate", counted_generate)
+    monkeypatch.setattr(plan_cache, "validate", counted_validate)
+    resolved = resolve_schedule("auto", pp_size=4, microbatch_counts=[8], transport="nccl")
+    assert sorted(made) == sorted(
+        f"{name}{forward}" for name in ("1f1b", "zb_h1", "gpipe") for forward in ("", " forward")
+    )
+    # Each candidate's training plan once (NCCL's rules, then simulated), and the chosen
+    # schedule's forward-only plan.
+    assert sorted(validated) == [(8, False)] * 3 + [(8, True)]
+    assert resolved.report(8).steps
+
+
+def test_the_memory_planner_plans_once_per_schedule_and_times_once_per_cost_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[str] = []
+    timed: list[object] = []
+    generate, timeline = ScheduleSpec.generate, vars(plan_cache)["simulate"]
+
+    def counted_generate(spec: ScheduleSpec, **options: Any) -> Any:
+        made.append(spec.name)
+        return generate(spec, **options)
+
+    def counted_simulate(report: Any, costs: Any) -> Any:
+        timed.append(costs)
+        return timeline(report, costs)
+
+    monkeypatch.setattr(ScheduleSpec, "generate", counted_generate)
+    monkeypatch.setattr(plan_cache, "simulate", counted_simulate)
+    stages = tuple(StageMemory(parameters=100, activation_bytes=1000) for _ in range(4))
+    options = [
+        PlanOption(label, 1, Costs(forward=f, backward=2 * f), MemoryModel(stages=stages))
+        for label, f in (("a", 1.0), ("b", 1.0), ("c", 1.5))
+    ]
+    choice = choose_fitting(options, pp_size=4, num_microbatches=8, memory_limit_bytes=None)
+    assert sorted(made) == ["1f1b", "gpipe", "zb_h1"]
+    assert len(timed) == 3 * 2  # three schedules, two cost sets
+    assert len(choice.candidates) == 9
+
+
+def test_the_benchmark_runs_in_a_cheap_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    path = Path(__file__).parent.parent / "benchmarks" / "planning_at_scale.py"
+    spec = importlib.util.spec_from_file_location("planning_at_scale", path)
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    records = bench.main(["--sizes", "2", "4", "--json"])
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == records
+    assert [(r["schedule"], r["pp"]) for r in records][:2] == [("1f1b", 2), ("1f1b", 4)]
+    assert len(records) == 2 * (len(bench.SCHEDULES) + len(bench.AUTO))
+    grown = [r for r in records if r["pp"] == 4 and r["schedule"] != "auto"]
+    assert all(r["plan_validate_nccl_growth"] > 0 and "passed" in r for r in grown)
+    assert all(r["resolve_nccl"] > 0 for r in records)
+    assert bench.render(records[1]).startswith("1f1b                 4   32      256")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

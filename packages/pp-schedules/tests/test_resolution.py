@@ -224,7 +224,7 @@ def _run_resolved() -> dict[str, Any]:
     counter = _Counter()
     targets = [
         (pp_schedules, "plan"), (pp_schedules, "validate"), (pp_schedules, "resolve_schedule"),
-        (pp_schedules.resolution, "plan"), (pp_schedules.resolution, "validate"),
+        (pp_schedules.resolution, "plan"), (pp_schedules.plan_cache, "validate"),
         (pp_schedules.resolution, "resolve_schedule"), (pp_schedules.validation, "validate"),
         (pp_schedules.executor, "resolve_schedule"), (pp_schedules.registry.ScheduleSpec, "plan"),
         (pp_schedules.registry.ScheduleSpec, "generate"),

@@ -17,7 +17,9 @@
 - `SCHEDULE_REGISTRY` (`ScheduleSpec` per schedule: placement, chunks per rank, split
   backward, generator), `default_schedule`, `placement_for`, `schedules_for`: the rules about
   named schedules, written once. `resolve_schedule(...)` -> `ResolvedSchedule`: a run's
-  schedule planned and validated once for every microbatch count it steps with.
+  schedule planned and validated once for every microbatch count it steps with, in time
+  near-linear in the plan's steps (`PlanCache`: what auto's candidates share; plans over
+  `max_plan_steps`, `DEFAULT_MAX_PLAN_STEPS` by default, are refused before planning).
 - `get_forward_backward_func(...)`: the executor, Megatron's interface over pp-comm; it walks
   the validated plan's steps (a `ResolvedSchedule`'s, when given one).
 - `PipelineModel`: any model split into this rank's chunks (`PipelineChunk`) for a
@@ -81,6 +83,8 @@ from pp_schedules.memory import (
     format_bytes,
     format_bytes_apart,
 )
+from pp_schedules.plan_cache import PlanCache
+from pp_schedules.planning_cost import DEFAULT_MAX_PLAN_STEPS, check_plan_budget, plan_steps
 from pp_schedules.plans import Plan, as_plan, format_schedule, parse_schedule
 from pp_schedules.registry import (
     SCHEDULE_REGISTRY,
@@ -186,6 +190,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BACKWARD",
     "COMPUTE",
+    "DEFAULT_MAX_PLAN_STEPS",
     "SCHEDULES",
     "SCHEDULE_REGISTRY",
     "Action",
@@ -211,6 +216,7 @@ __all__ = [
     "PipelineModel",
     "Placement",
     "Plan",
+    "PlanCache",
     "PlanError",
     "PlanLike",
     "PlanOption",
@@ -237,6 +243,7 @@ __all__ = [
     "bubble_formula",
     "candidates_for",
     "chain",
+    "check_plan_budget",
     "check_trace_path",
     "choose_fitting",
     "choose_schedule",
@@ -271,6 +278,7 @@ __all__ = [
     "parse_schedule",
     "placement_for",
     "plan",
+    "plan_steps",
     "post_receives_early",
     "render_grid",
     "resolve_schedule",

@@ -22,10 +22,12 @@ import dataclasses
 from collections.abc import Sequence
 
 from pp_schedules.memory import MemoryModel, format_bytes, format_bytes_apart
+from pp_schedules.plan_cache import PlanCache
+from pp_schedules.planning_cost import DEFAULT_MAX_PLAN_STEPS, collection_paused
 from pp_schedules.plans import Plan
-from pp_schedules.registry import schedule_spec, schedules_for
-from pp_schedules.simulation import Costs, Simulation, StageCosts, simulate
-from pp_schedules.validation import PlanError, validate
+from pp_schedules.registry import schedules_for
+from pp_schedules.simulation import Costs, Simulation, StageCosts
+from pp_schedules.validation import PlanError
 
 __all__ = [
     "Candidate",
@@ -191,10 +193,15 @@ class _Limits:
 
 @dataclasses.dataclass(frozen=True)
 class _Lowering:
-    """How the run posts its exchanges: the simulated plan is the one that runs."""
+    """How the run posts its exchanges, and what the candidates share.
 
-    prefetch: int = 0
-    transport: str = "gloo"
+    The simulated plan is the one that runs; `cache` holds the plans, validations and
+    timelines made for the candidates.
+    """
+
+    prefetch: int
+    transport: str
+    cache: PlanCache
 
 
 def _candidate(
@@ -210,21 +217,21 @@ def _candidate(
     pp_size, num_microbatches = sizes
     label = "" if option is None else option.label
     try:
-        chosen = schedule_spec(name).plan(
-            pp_size=pp_size,
-            num_microbatches=num_microbatches,
-            vp_size=vp_size,
+        chosen = lowering.cache.plan(
+            name, pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size,
             placement=placement,
-        )
+        )  # fmt: skip
     except ValueError as error:
         return Candidate(name, placement, note=f"cannot run: {error}", option=label)
     try:
-        report = validate(chosen, prefetch=lowering.prefetch, transport=lowering.transport)
+        report = lowering.cache.report(
+            chosen, prefetch=lowering.prefetch, transport=lowering.transport
+        )
     except PlanError as error:
         reason = str(error).splitlines()[0]
         return Candidate(name, placement, note=f"cannot run on {lowering.transport}: {reason}",
                          option=label)  # fmt: skip
-    simulation = simulate(report, costs, memory=None if option is None else option.memory)
+    simulation = lowering.cache.simulate(report, costs, None if option is None else option.memory)
     units = max(report.peak_in_flight) / vp_size
     return Candidate(
         name,
@@ -239,6 +246,7 @@ def _candidate(
     )
 
 
+@collection_paused
 def choose_schedule(
     *,
     pp_size: int,
@@ -252,6 +260,7 @@ def choose_schedule(
     memory_limit_bytes: float | None = None,
     prefetch: int = 0,
     transport: str = "gloo",
+    cache: PlanCache | None = None,
 ) -> Choice:
     """The schedule with the smallest simulated makespan that fits the memory limits.
 
@@ -273,6 +282,7 @@ def choose_schedule(
             (`resolve_schedule`'s default is 1 on gloo): the simulated step, its peak bytes
             included, is the one that runs.
         transport: Whose rules the plans run under (a plan NCCL's rules refuse cannot run).
+        cache: Plans, validations and timelines to reuse, with the planning budget.
 
     Returns:
         The choice and every candidate (`Choice.table` draws them).
@@ -288,7 +298,7 @@ def choose_schedule(
     _check_choice(unit, (pp_size, vp_size), memory, memory_limit_bytes)
     option = None if memory is None else PlanOption("", vp_size, unit, memory, placement)
     limits = _Limits(memory_limit, memory_limit_bytes)
-    lowering = _Lowering(prefetch, transport)
+    lowering = _Lowering(prefetch, transport, cache or PlanCache())
     sizes = (pp_size, num_microbatches)
     considered = [
         _candidate((name, where, vp_size), sizes, unit, limits, option, lowering=lowering)
@@ -320,6 +330,7 @@ def _check_choice(
         raise ValueError("memory_limit_bytes needs a memory model (memory=MemoryModel(...))")
 
 
+@collection_paused
 def choose_fitting(
     options: Sequence[PlanOption],
     *,
@@ -329,11 +340,14 @@ def choose_fitting(
     names: Sequence[str] | None = None,
     prefetch: int = 0,
     transport: str = "gloo",
+    max_plan_steps: int | None = DEFAULT_MAX_PLAN_STEPS,
 ) -> Choice:
     """The shortest simulated (option, schedule) whose peak bytes fit on every rank.
 
-    Every schedule that runs each option's chunks per rank is planned and simulated with the
-    option's costs and memory model.
+    Every schedule that runs each option's chunks per rank is simulated with the option's
+    costs and memory model. Options share the work that does not depend on them: each
+    schedule is planned and validated once per chunks per rank, its timeline simulated
+    once per cost set, and only the bytes are followed per option.
 
     Args:
         options: The ways to build the model (chunks per rank, layout, recomputation).
@@ -344,6 +358,8 @@ def choose_fitting(
         prefetch: Receives are posted this many exchanges early, as the run posts them (see
             `choose_schedule`).
         transport: Whose rules the plans run under.
+        max_plan_steps: Refuse candidates of more compute steps before planning them
+            (`pp_schedules.planning_cost`); None: no limit.
 
     Returns:
         The choice (`Choice.option` is the chosen option) and every candidate.
@@ -359,7 +375,7 @@ def choose_fitting(
     considered: list[Candidate] = []
     by_label = {option.label: option for option in options}
     sizes = (pp_size, num_microbatches)
-    lowering = _Lowering(prefetch, transport)
+    lowering = _Lowering(prefetch, transport, PlanCache(max_plan_steps=max_plan_steps))
     for option in options:
         for name, where in candidates_for(option.vp_size):
             if (option.placement is None or where == option.placement) and (

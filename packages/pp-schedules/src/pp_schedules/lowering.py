@@ -23,7 +23,8 @@ only when it is needed costs a round trip more than one posted a compute step ah
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from pp_schedules.actions import Action
@@ -82,9 +83,9 @@ class Message:
     channel: Channel
     slot: Slot
 
-    @property
+    @functools.cached_property
     def is_send(self) -> bool:
-        """Whether this rank sends."""
+        """Whether this rank sends (asked for every message at every step: kept)."""
         return self.action.kind.startswith("SEND")
 
     def key(self, rank: int) -> tuple[str, int, int, int]:
@@ -271,10 +272,46 @@ def lower(
     for rank, actions in enumerate(plan):
         for action in actions:
             _check_chunk(action, rank, where.vp_size)
-        incoming = [incoming_message(a, rank, where) for a in actions]
-        outgoing = [outgoing_message(a, rank, where) for a in actions]
-        lowered.append(_interleave(actions, incoming, outgoing))
+        incoming = _Messages(incoming_message, rank, where)
+        outgoing = _Messages(outgoing_message, rank, where)
+        lowered.append(_interleave(actions, incoming.of(actions), outgoing.of(actions)))
     return post_receives_early(lowered, prefetch) if prefetch else lowered
+
+
+class _Messages:
+    """One rank's receives (or sends) of its compute steps, the peer looked up once a chunk.
+
+    Which peer, chunk, channel and slot a step's message has depends on its kind and chunk
+    only; each message is then that template with the step's microbatch.
+    """
+
+    def __init__(
+        self,
+        find: Callable[[Action, int, Placement], Message | None],
+        rank: int,
+        placement: Placement,
+    ) -> None:
+        self.find, self.rank, self.placement = find, rank, placement
+        self.templates: dict[tuple[str, int], Message | None] = {}
+
+    def of(self, actions: Sequence[Action]) -> list[Message | None]:
+        """The message of each action (None where it moves nothing)."""
+        found: list[Message | None] = []
+        for action in actions:
+            kind = "B" if action.kind == "I" else action.kind  # I moves what B moves
+            key = (kind, action.chunk)
+            if key not in self.templates:
+                probe = Action(kind, 0, action.chunk)
+                self.templates[key] = self.find(probe, self.rank, self.placement)
+            template = self.templates[key]
+            if template is None:
+                found.append(None)
+                continue
+            moved = Action(template.action.kind, action.microbatch, action.chunk)
+            found.append(
+                Message(moved, template.peer, template.peer_chunk, template.channel, template.slot)
+            )
+        return found
 
 
 def post_receives_early(steps: Sequence[Sequence[Step]], by: int) -> list[list[Step]]:

@@ -15,6 +15,11 @@ from typing import Literal
 
 from pp_schedules.actions import Action
 from pp_schedules.generators import gpipe, interleaved_1f1b, no_pipelining, one_f_one_b
+from pp_schedules.planning_cost import (
+    DEFAULT_MAX_PLAN_STEPS,
+    check_plan_budget,
+    collection_paused,
+)
 from pp_schedules.plans import Plan
 from pp_schedules.zero_bubble import zb_h1, zbv
 from pp_state.numbers import check_int
@@ -143,6 +148,7 @@ class ScheduleSpec:
             )
         return where
 
+    @collection_paused
     def plan(
         self,
         *,
@@ -152,15 +158,22 @@ class ScheduleSpec:
         microbatch_group_size_per_vp_stage: int | None = None,
         forward_only: bool = False,
         placement: Placement | str | None = None,
+        max_plan_steps: int | None = DEFAULT_MAX_PLAN_STEPS,
     ) -> Plan:
         """The checked plan of this schedule (see `pp_schedules.plan` for the arguments).
 
         Raises:
-            ValueError: A size, placement or group size it refuses; the message says why.
+            ValueError: A size, placement or group size it refuses, or a plan of more than
+                `max_plan_steps` compute steps (refused before planning); the message says why.
         """
         group = microbatch_group_size_per_vp_stage
         self.check(pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size, group=group)
         where = self.placement_of(placement, pp_size, vp_size)
+        check_plan_budget(
+            self.name, pp_size=pp_size, vp_size=vp_size, num_microbatches=num_microbatches,
+            kinds=1 if forward_only else 3 if self.split_backward else 2,
+            max_plan_steps=max_plan_steps,
+        )  # fmt: skip
         actions = self.generate(
             pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size,
             microbatch_group_size_per_vp_stage=group, forward_only=forward_only,

@@ -6,6 +6,17 @@ prefetch, and the validated plan of every microbatch count the run steps with (a
 forward-only plans). The executor takes it and plans nothing more; a configuration check
 calls it before any process group starts, so every schedule error surfaces there.
 
+What it costs: near-linear in the compute steps planned (``pp_size * vp_size * m`` times 2,
+or 3 for the zero-bubble schedules, per count; forward-only plans a third of that). Each
+plan is generated once (ZB-V's list scheduler in O(steps log pp), the others in O(steps)),
+lowered and validated once per transport and prefetch (O(steps): the exchanges are run once,
+and NCCL's rules replay the posted batches once), and for "auto" each candidate is planned,
+validated under the transport's rules and simulated once (O(steps)) for the largest count,
+through one `PlanCache`, so the chosen plan's validation is the resolution's. On one core,
+any built-in schedule or "auto" resolves pp 32 with 256 microbatches in seconds and pp 64
+with 512 in well under half a minute (docs/pp-schedules.md has the table). A plan over
+`max_plan_steps` compute steps is refused, naming the sizes, before any planning.
+
 Pure Python (no torch). `plan` (a plan by name, "auto" included) lives here, above both the
 registry and `choose_schedule`.
 """
@@ -19,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from pp_schedules.actions import Action
 from pp_schedules.auto import Choice, choose_schedule
 from pp_schedules.nccl_rules import TRANSPORTS, check_transport
+from pp_schedules.plan_cache import PlanCache
+from pp_schedules.planning_cost import DEFAULT_MAX_PLAN_STEPS, collection_paused
 from pp_schedules.plans import Plan, as_plan
 from pp_schedules.registry import (
     SCHEDULE_REGISTRY,
@@ -27,7 +40,7 @@ from pp_schedules.registry import (
     schedules_for,
 )
 from pp_schedules.simulation import Costs, StageCosts
-from pp_schedules.validation import PlanError, PlanReport, validate
+from pp_schedules.validation import PlanError, PlanReport
 from pp_state.numbers import check_int
 from pp_state.placement import Placement
 
@@ -54,6 +67,7 @@ def plan(
     placement: Placement | str | None = None,
     costs: Costs | StageCosts | None = None,
     memory_limit: float | None = None,
+    max_plan_steps: int | None = DEFAULT_MAX_PLAN_STEPS,
 ) -> Plan:
     """One list of compute actions per pipeline rank, in execution order.
 
@@ -73,25 +87,29 @@ def plan(
             choice to schedules on it.
         costs: For "auto": the costs to simulate with (see `choose_schedule`).
         memory_limit: For "auto": the most activations a rank may hold, in stage-sized units.
+        max_plan_steps: Refuse a plan of more compute steps before making it
+            (`pp_schedules.planning_cost`); None: no limit.
 
     Returns:
         A `Plan`: for each rank, its actions (each has ``kind`` "F", "B", "I" or "W",
         ``microbatch`` and ``chunk``), and the placement.
 
     Raises:
-        ValueError: An unknown schedule, a size below 1, or a configuration the schedule
-            refuses; the message states the rule and the valid values.
+        ValueError: An unknown schedule, a size below 1, a configuration the schedule
+            refuses, or a plan over `max_plan_steps`; the message states the rule and the
+            valid values.
     """
     if name == "auto":
         chosen = choose_schedule(
             pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size, costs=costs,
             memory_limit=memory_limit, placement=_placement_name(placement),
+            cache=PlanCache(max_plan_steps=max_plan_steps),
         ).plan  # fmt: skip
         return chosen.without_backward() if forward_only else chosen
     return schedule_spec(name).plan(
         pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-        forward_only=forward_only, placement=placement,
+        forward_only=forward_only, placement=placement, max_plan_steps=max_plan_steps,
     )  # fmt: skip
 
 
@@ -268,13 +286,14 @@ class _Request:
     transport: str = "gloo"
     prefetch: int = 0
     exchanges_shapes: bool = False
+    cache: PlanCache = dataclasses.field(default_factory=PlanCache)
 
     def named(self, name: str, placement: Placement | str | None) -> dict[tuple[int, bool], Plan]:
         """Every plan of the schedule called `name` on `placement`."""
-        spec = schedule_spec(name)
         kinds = (False, True) if self.include_forward_only else (False,)
         return {
-            (count, fo): spec.plan(
+            (count, fo): self.cache.plan(
+                name,
                 pp_size=self.pp_size,
                 num_microbatches=count,
                 vp_size=self.vp_size,
@@ -300,18 +319,24 @@ class _Request:
         """Auto's choice among the candidates that run every count, and its plans."""
         where = _placement_name(self.placement)
         runnable: dict[str, dict[tuple[int, bool], Plan]] = {}
+        refused: list[str] = []
         for name, on in schedules_for(self.vp_size):
             if (where is None or on == where) and (choose.names is None or name in choose.names):
                 try:
                     runnable[name] = self.named(name, on)
                     self.check_transport_runs(runnable[name][(self.counts[-1], False)])
-                except ValueError:
+                except ValueError as error:
                     runnable.pop(name, None)
-                    continue
+                    refused.append(f"{name}: {str(error).splitlines()[0]}")
+        if not runnable and refused:
+            raise ValueError(
+                f"no schedule runs {self.pp_size} ranks x {self.vp_size} chunks with "
+                f"{', '.join(map(str, self.counts))} microbatches: {'; '.join(refused)}"
+            )
         choice = choose_schedule(
             pp_size=self.pp_size, num_microbatches=self.counts[-1], vp_size=self.vp_size,
             costs=choose.costs, memory_limit=choose.memory_limit, placement=where,
-            names=list(runnable),
+            names=list(runnable), cache=self.cache,
         )  # fmt: skip
         return choice, runnable[choice.chosen.name]
 
@@ -322,7 +347,7 @@ class _Request:
             PlanError: The plan would mis-pair or hang on NCCL as it is posted there.
         """
         if self.transport == "nccl":
-            validate(
+            self.cache.report(
                 plan, num_microbatches=self.counts[-1], prefetch=self.prefetch,
                 transport=self.transport, exchanges_shapes=self.exchanges_shapes,
             )  # fmt: skip
@@ -361,7 +386,7 @@ def _validated(
     reports = {}
     for (count, forward_only), plan in plans.items():
         check = functools.partial(
-            validate, plan, num_microbatches=count, forward_only=forward_only,
+            request.cache.report, plan, num_microbatches=count, forward_only=forward_only,
             transport=request.transport, exchanges_shapes=request.exchanges_shapes,
         )  # fmt: skip
         try:
@@ -374,8 +399,16 @@ def _validated(
     return reports
 
 
-def _default_vp(schedule: str | Plan | None) -> int:
-    """A schedule's own chunks per rank: the registry's (its fewest), a plan's, else 1."""
+def _prefetch(transport: str, exchanges_shapes: bool, prefetch: int | None) -> int:
+    """The prefetch asked for, checked, or the transport's default (checking the transport)."""
+    early = default_prefetch(transport, exchanges_shapes)
+    return early if prefetch is None else check_prefetch(prefetch, exchanges_shapes)
+
+
+def _default_vp(schedule: str | Plan | None, vp_size: int | None) -> int:
+    """`vp_size` checked, or the schedule's own: the registry's (its fewest), a plan's, else 1."""
+    if vp_size is not None:
+        return check_int("vp_size", vp_size, 1)
     if isinstance(schedule, Plan):
         return schedule.vp_size
     if isinstance(schedule, str) and schedule in SCHEDULE_REGISTRY:
@@ -384,6 +417,7 @@ def _default_vp(schedule: str | Plan | None) -> int:
     return 1
 
 
+@collection_paused
 def resolve_schedule(
     schedule: str | Plan | None = None,
     *,
@@ -399,48 +433,48 @@ def resolve_schedule(
     costs: Costs | StageCosts | None = None,
     memory_limit: float | None = None,
     names: Sequence[str] | None = None,
+    max_plan_steps: int | None = DEFAULT_MAX_PLAN_STEPS,
 ) -> ResolvedSchedule:
     """Plan and validate a run's schedule once, for every microbatch count it steps with.
 
+    Cost: O(steps) per plan (pp_size x vp_size x m x 2 steps, x 3 zero-bubble), each plan made
+    and validated once per transport and prefetch; "auto" plans, validates and simulates each
+    candidate once (module docstring). Plans over `max_plan_steps` are refused up front.
+
     Args:
-        schedule: A schedule name, "auto", a `Plan` or its text; None: the registry's
-            default for the sizes (`default_schedule`).
+        schedule: A schedule name, "auto", a `Plan` or its text; None: `default_schedule`.
         pp_size: Pipeline ranks.
-        vp_size: Model chunks per rank; by default the schedule's own (2 for
-            interleaved_1f1b and zbv, a given `Plan`'s, 1 otherwise).
+        vp_size: Chunks per rank; the schedule's own by default (2: interleaved_1f1b, zbv).
         microbatch_counts: Every number of microbatches a step runs (a given plan: its own).
         include_forward_only: Resolve each count's forward-only plan too (evaluation).
         placement: "looped", "v" or a `Placement`; by default the schedule's own.
         microbatch_group_size_per_vp_stage: Interleaving group size (interleaved_1f1b).
-        transport: "gloo" or "nccl": whose matching rules every plan is validated under
-            (`pp_schedules.nccl_rules`).
-        prefetch: Post receives this many exchanges early; `default_prefetch` by default.
+        transport: "gloo" or "nccl": whose rules plans are validated under (`nccl_rules`).
+        prefetch: Post receives this many exchanges early (default: `default_prefetch`).
         exchanges_shapes: Whether transfers carry shape headers (no prefetch then).
         costs: For "auto": the costs to simulate with.
         memory_limit: For "auto": the most activations a rank may hold (stage-sized units).
         names: For "auto": consider only these schedules.
+        max_plan_steps: The planning budget (`pp_schedules.planning_cost`); None: no limit.
 
     Returns:
-        The resolved schedule; `ResolvedSchedule.report` gives each count's validated plan.
+        The resolved schedule (`ResolvedSchedule.report`: each count's validated plan).
 
     Raises:
-        ValueError: An unknown schedule or transport, a configuration a schedule refuses, no auto
-            candidate for every count, a given plan of other sizes or count, a bad prefetch.
+        ValueError: A bad schedule, size, transport or prefetch, no auto candidate, a given
+            plan of other sizes or count, a plan over `max_plan_steps` (names the numbers).
         PlanError: A plan is invalid or would not run on the transport (with the grid).
     """
-    check_int("pp_size", pp_size, 1)
-    vp_size = check_int("vp_size", _default_vp(schedule) if vp_size is None else vp_size, 1)
-    counts = _checked_counts(microbatch_counts)
-    early = default_prefetch(transport, exchanges_shapes)  # checks the transport
-    early = early if prefetch is None else check_prefetch(prefetch, exchanges_shapes)
     request = _Request(
-        pp_size, vp_size, counts, microbatch_group_size_per_vp_stage, placement,
-        include_forward_only, transport, early, exchanges_shapes,
+        check_int("pp_size", pp_size, 1), _default_vp(schedule, vp_size),
+        _checked_counts(microbatch_counts), microbatch_group_size_per_vp_stage, placement,
+        include_forward_only, transport, _prefetch(transport, exchanges_shapes, prefetch),
+        exchanges_shapes, PlanCache(max_plan_steps=max_plan_steps),
     )  # fmt: skip
     name, choice, given, plans = _plans(schedule, request, _AutoOptions(costs, memory_limit, names))
-    where = next(iter(plans.values())).placement
-    reports = _validated(plans, request)
     return ResolvedSchedule(
-        name=name, placement=where, pp_size=pp_size, vp_size=vp_size, transport=transport,
-        prefetch=early, microbatch_counts=counts, choice=choice, plan=given, reports=reports,
+        name=name, placement=next(iter(plans.values())).placement, pp_size=pp_size,
+        vp_size=request.vp_size, transport=transport, prefetch=request.prefetch,
+        microbatch_counts=request.counts, choice=choice, plan=given,
+        reports=_validated(plans, request),
     )  # fmt: skip

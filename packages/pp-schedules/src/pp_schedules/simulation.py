@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pp_schedules.actions import CATEGORIES, Action
 from pp_schedules.memory import MemoryModel, StaticBytes, format_bytes, stage_ends
 from pp_schedules.memory_walk import walk_rank
+from pp_schedules.planning_cost import collection_paused
 from pp_schedules.validation import Links, PlanReport, sends_delivered
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "bubble_formula",
     "ideal_makespan",
     "simulate",
+    "with_memory",
 ]
 
 
@@ -492,6 +494,7 @@ def _memory_tracks(
     return tracks
 
 
+@collection_paused
 def simulate(
     report: PlanReport,
     costs: Costs | StageCosts | None = None,
@@ -520,24 +523,42 @@ def simulate(
     if isinstance(costs, StageCosts):
         _check_stages(report, costs.num_stages, "stage costs", "cover")
     if memory is not None:
-        _check_stages(report, memory.num_stages, "the memory model", "covers")
-        if report.forward_only:
-            raise ValueError(
-                "a memory model follows a training step's bytes, and this plan is forward "
-                "only (evaluation keeps no activations for backward); simulate it without "
-                "memory=, or simulate the training plan"
-            )
+        _check_memory(report, memory)
     simulator = _Simulator(report, costs or Costs())
     simulator.run()
     makespan = max(simulator.clock) if simulator.clock else 0.0
     bubbles = [1.0 - busy / makespan if makespan else 0.0 for busy in simulator.busy]
-    return Simulation(
+    timed = Simulation(
         spans=simulator.spans,
         makespan=makespan,
         bubble_fraction=bubbles,
         peak_activations=list(report.peak_in_flight),
-        memory=None if memory is None else _memory_tracks(report, memory, simulator.spans),
     )
+    return timed if memory is None else with_memory(timed, report, memory)
+
+
+def with_memory(timed: Simulation, report: PlanReport, memory: MemoryModel) -> Simulation:
+    """`timed` (a simulation of `report`) with every rank's bytes under `memory` added.
+
+    The bytes depend on the order of the steps, not on their times, so one timeline serves
+    every memory model (`pp_schedules.plan_cache` simulates once per cost set).
+
+    Raises:
+        ValueError: As `simulate` with this memory model.
+    """
+    _check_memory(report, memory)
+    tracks = _memory_tracks(report, memory, timed.spans)
+    return dataclasses.replace(timed, memory=tracks)
+
+
+def _check_memory(report: PlanReport, memory: MemoryModel) -> None:
+    _check_stages(report, memory.num_stages, "the memory model", "covers")
+    if report.forward_only:
+        raise ValueError(
+            "a memory model follows a training step's bytes, and this plan is forward "
+            "only (evaluation keeps no activations for backward); simulate it without "
+            "memory=, or simulate the training plan"
+        )
 
 
 def _check_stages(report: PlanReport, num_stages: int, what: str, verb: str) -> None:

@@ -30,6 +30,7 @@ from pp_schedules.lowering import (
     placement_of,
 )
 from pp_schedules.nccl_rules import check_transport, nccl_problem
+from pp_schedules.planning_cost import collection_paused
 from pp_state.placement import Placement
 
 __all__ = ["Links", "PlanError", "PlanReport", "render_grid", "validate"]
@@ -369,6 +370,7 @@ def _check_written(steps: Sequence[Sequence[Step]], placement: Placement) -> Non
             )
 
 
+@collection_paused
 def validate(
     plan: Sequence[Sequence[Action]],
     *,
