@@ -25,6 +25,7 @@ __all__ = [
     "TP_SEED_OFFSET",
     "CudaRNGStatesTracker",
     "RNGStatesTracker",
+    "add_model_parallel_states",
     "convert_cuda_rng_state",
     "expert_parallel_seed",
     "get_cuda_rng_tracker",
@@ -293,10 +294,14 @@ def expert_parallel_seed(seed: int, ep_rank: int, etp_rank: int) -> int:
     return seed + EP_SEED_OFFSET + 100 * ep_rank + etp_rank
 
 
-def _add_states(
-    tracker: RNGStatesTracker, seed: int, tp_rank: int, ep_rank: int, etp_rank: int
+def add_model_parallel_states(
+    tracker: RNGStatesTracker, seed: int, *, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0
 ) -> RNGStatesTracker:
-    """Megatron's three states, in its order: data-, tensor- and expert-parallel."""
+    """Resets `tracker` to Megatron's three states: data-, tensor- and expert-parallel.
+
+    The default generators are left alone. A tracker built for a measurement (a memory
+    warm-up) then holds what the run's holds.
+    """
     for name, value in (("tp_rank", tp_rank), ("ep_rank", ep_rank), ("etp_rank", etp_rank)):
         check_int(name, value, 0)
     tracker.reset()
@@ -340,7 +345,9 @@ def model_parallel_manual_seed(
     tracker = get_rng_tracker() if tracker is None else tracker
     if device is not None:
         tracker.device = torch.device(device)
-    return _add_states(tracker, seed, tp_rank, ep_rank, etp_rank)
+    return add_model_parallel_states(
+        tracker, seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank
+    )
 
 
 def _default_rank(value: int | None, getter: str) -> int:
@@ -410,4 +417,6 @@ def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
     )
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
-    return _add_states(get_rng_tracker(), seed, tp_rank, ep_rank, etp_rank)
+    return add_model_parallel_states(
+        get_rng_tracker(), seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank
+    )

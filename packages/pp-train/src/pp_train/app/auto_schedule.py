@@ -27,7 +27,7 @@ from pp_schedules import Choice, Costs, MemoryProbe, StageMemory, choose_schedul
 from pp_schedules.memory_probe import measure_stage
 from pp_schedules.split_backward import backward_input
 from pp_state.collectives import collective
-from pp_tensor import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_seeds
+from pp_tensor import RNGStatesTracker, add_model_parallel_states
 from pp_train.app.gpt import GPTChunk, GPTConfig
 from pp_train.memory_plan import MemoryPlanError, ModelFigures, PartFigures
 from pp_train.recompute import RecomputeConfig
@@ -202,10 +202,9 @@ def model_figures(
         "embedding": (dataclasses.replace(config, recompute=None), True, False, 0),
         "loss": (dataclasses.replace(config, recompute=None), False, True, 0),
     }
-    # Dropout draws under a model-parallel RNG tracker, as in the run (recomputation then
-    # keeps copies of its states).
-    tracker = RNGStatesTracker("cpu")
-    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seeds(seed, 0)[1])
+    # Dropout draws under a model-parallel RNG tracker holding the run's states (recomputation
+    # keeps copies of all of them: the three of pp-tensor 0.2's seeding, 5 KB each).
+    tracker = add_model_parallel_states(RNGStatesTracker("cpu"), seed, tp_rank=0)
     built, figures = {}, {}
     for name, (shape, pre, post, layers) in parts.items():
         try:
