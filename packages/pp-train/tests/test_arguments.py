@@ -118,6 +118,16 @@ def test_switches_tuples_and_overridden_flag_names() -> None:
     assert config.logging.timing_log_level == 2
 
 
+def test_gpt2s_model_switches_parse_with_megatrons_spelling() -> None:
+    default = pretrain_config_from_args(_parser().parse_args([])).model
+    assert (default.untie_embeddings_and_output_weights, default.openai_gelu) == (False, False)
+    argv = ["--untie-embeddings-and-output-weights", "--openai-gelu"]
+    model = pretrain_config_from_args(_parser().parse_args(argv)).model
+    assert (model.untie_embeddings_and_output_weights, model.openai_gelu) == (True, True)
+    with pytest.raises(SystemExit):  # switches: they take no value
+        _parser().parse_args(["--openai-gelu", "true"])
+
+
 def test_groups_are_frozen_and_keyword_only() -> None:
     for cls in (*_groups(), PretrainConfig):
         params: Any = cls.__dataclass_params__  # type: ignore[attr-defined]

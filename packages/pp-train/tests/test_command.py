@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pp_testing import run_distributed
+from pp_train import CheckpointError
 from pp_train.app import build_parser, load_corpus, main, validate_args
 from pp_train.app.command import run
 from pp_train.preprocess import main as preprocess
@@ -458,3 +459,65 @@ def test_the_command_converts_a_checkpoint_that_then_resumes_exactly(tmp_path: P
     resume = ["--train-iters", "4", "--load", target, "--ckpt-format", "torch_dist"]
     resumed = _losses(_train([*PP2, *resume]))
     assert resumed == pytest.approx(unbroken[3:], rel=1e-6)
+
+
+# --- GPT-2's settings: an untied output layer and the tanh GELU ----------------------------
+
+GPT2 = ["--untie-embeddings-and-output-weights", "--openai-gelu"]
+
+
+def test_an_untied_tanh_gelu_gpt_trains_alike_at_pp_vp_and_tp() -> None:
+    """Padded vocabulary 512 everywhere (256 x tp 2 at tp 2), so every layout is one model."""
+    one = _losses(_train_on(1, [*TINY, *GPT2, "--make-vocab-size-divisible-by", "512"]))
+    tied = _losses(_train_on(1, [*TINY, "--make-vocab-size-divisible-by", "512"]))
+    assert len(one) == 3
+    assert one[-1] != pytest.approx(tied[-1], rel=1e-3)  # the flags change the model
+    interleaved = [*PP2, *GPT2, "--num-layers-per-virtual-pipeline-stage", "1"]
+    vp = _losses(_train_on(2, [*interleaved, "--make-vocab-size-divisible-by", "512"]))
+    assert vp == pytest.approx(one, rel=2e-5)
+    tp2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "256"]
+    assert _losses(_train_on(2, [*TINY, *GPT2, *tp2])) == pytest.approx(one, rel=2e-5)
+
+
+def _refusal(argv: list[str]) -> str:
+    """The CheckpointError the command's run raises on this rank ("trained" if none)."""
+    try:
+        _command(argv)
+    except CheckpointError as error:
+        return str(error)
+    return "trained"
+
+
+def _saved_args(root: Path, ckpt_format: str) -> dict[str, Any]:
+    """The args a checkpoint of iteration 1 records, read without building any model."""
+    iteration = root / "iter_0000001"
+    path = iteration / (
+        "common.pt" if ckpt_format == "torch_dist" else "mp_rank_00/model_optim_rng.pt"
+    )
+    args: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)["args"]
+    return args
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_a_checkpoint_records_gpt2s_settings_and_a_resume_must_match_them(
+    tmp_path: Path, ckpt_format: str
+) -> None:
+    root = tmp_path / ckpt_format
+    flags = [*TINY, "--ckpt-format", ckpt_format, "--train-iters", "2"]
+    saved = run_distributed(
+        _command, 1, [*flags, *GPT2, "--exit-interval", "1", "--save", str(root)]
+    )
+    assert saved[0]["reason"] == "exit_interval"
+    args = _saved_args(root, ckpt_format)
+    assert args["untie_embeddings_and_output_weights"] is True
+    assert args["openai_gelu"] is True
+    (tied,) = run_distributed(_refusal, 1, [*flags, "--openai-gelu", "--load", str(root)])
+    (exact,) = run_distributed(_refusal, 1, [*flags, GPT2[0], "--load", str(root)])
+    if ckpt_format == "torch":
+        assert "was saved with untie_embeddings_and_output_weights=True; this run has False" in tied
+        assert "was saved with openai_gelu=True; this run has False" in exact
+    else:
+        assert "untie_embeddings_and_output_weights: expected False (this run), found True" in tied
+        assert "openai_gelu: expected False (this run), found True" in exact
+    (resumed,) = run_distributed(_refusal, 1, [*flags, *GPT2, "--load", str(root)])
+    assert resumed == "trained"

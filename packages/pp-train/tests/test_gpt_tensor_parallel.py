@@ -48,10 +48,12 @@ def _chunk(
     tp: bool = False,
     sp: bool = False,
     tracker: RNGStatesTracker | None = None,
+    share: bool = True,
 ) -> GPTChunk:
     return GPTChunk(
         config, layers=layers, pre_process=pre, post_process=post, seed=SEED,
         tp_group=dist.group.WORLD if tp else None, sequence_parallel=sp, rng_tracker=tracker,
+        share_embeddings_and_output_weights=share,
     )  # fmt: skip
 
 
@@ -84,14 +86,14 @@ def _my_slice(full: torch.Tensor, name: str, dims: dict[str, int]) -> torch.Tens
 
 
 # ------------------------------------------------------------------------ a whole GPT at tp N
-def _whole_gpt_matches_tp1() -> None:
+def _whole_gpt_matches_tp1(config: GPTConfig = CONFIG, share: bool = True) -> None:
     tokens, labels = _data()
-    reference = _chunk()
+    reference = _chunk(config, share=share)
     expected_loss = reference(tokens, labels)
     expected_loss.mean().backward()
     expected = _grads(reference)
     for sp in (False, True):
-        chunk = _chunk(tp=True, sp=sp)
+        chunk = _chunk(config, tp=True, sp=sp, share=share)
         dims = chunk.tensor_parallel_dims()
         for name, param in chunk.global_named_parameters():  # the same full weights
             full = dict(reference.global_named_parameters())[name].detach()
@@ -112,6 +114,11 @@ def _whole_gpt_matches_tp1() -> None:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_whole_gpt_at_tensor_parallel_size_n_equals_size_1(tp: int) -> None:
     run_distributed(_whole_gpt_matches_tp1, tp)
+
+
+def test_an_untied_tanh_gelu_gpt_at_tensor_parallel_size_2_equals_size_1() -> None:
+    """GPT-2's settings (--untie-embeddings-and-output-weights, --openai-gelu) split too."""
+    run_distributed(_whole_gpt_matches_tp1, 2, dataclasses.replace(CONFIG, openai_gelu=True), False)
 
 
 def _marks_and_dims() -> None:

@@ -246,6 +246,15 @@ class ModelArgs:
     decoder_seq_length: int | None = None
     """Encoder-decoder models: the decoder's tokens per sample (None: --seq-length)."""
 
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer a weight of its own instead of reusing the word embedding's
+    (tied, the default); the last pipeline stage then builds it and no embedding-group sum
+    touches it. Saved in checkpoints; a resumed run must use the same setting."""
+
+    openai_gelu: bool = False
+    """The MLP's activation is GELU's tanh approximation (GPT-2's gelu_new) instead of the
+    exact, erf-based GELU. Saved in checkpoints; a resumed run must use the same setting."""
+
     hidden_dropout: float = 0.1
     """Dropout probability on the embedding's, the attention's and the MLP's output (before
     each residual add); Megatron's default 0.1 (the pp-train command's is 0)."""

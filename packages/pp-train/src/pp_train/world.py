@@ -384,7 +384,8 @@ def _resolve_plan(
             microbatch_counts=[count], include_forward_only=config.training.eval_iters > 0,
             transport=transport,
         )  # fmt: skip
-        tied_embedding_sync(schedule.placement)
+        if not config.model.untie_embeddings_and_output_weights:
+            tied_embedding_sync(schedule.placement)  # an untied output layer needs no sync
     except ValueError as error:
         raise ValueError(f"{flag}: {error}") from error
     return resolved

@@ -179,6 +179,7 @@ def model_figures(
     dtype: torch.dtype = torch.float32,
     rounds: int = 5,
     tensor_model_parallel_size: int = 1,
+    tied: bool = True,
 ) -> ModelFigures:
     """Each part of the GPT alone, one microbatch: parameters, saved bytes and times.
 
@@ -189,6 +190,7 @@ def model_figures(
 
     Built whole (before the process groups exist); at `tensor_model_parallel_size` > 1 the
     parameters are one rank's share (`_rank_elements`), the bytes and times the whole's.
+    `tied`: the output layer is the word embedding's copy, kept once by a stage with both.
 
     Raises:
         MemoryPlanError: A part cannot be built or run, or its forward saves nothing for
@@ -223,9 +225,9 @@ def model_figures(
         count = sum(_rank_elements(p, tp) for p in part.parameters())
         memory = dataclasses.replace(measured, parameters=count)
         figures[name] = PartFigures(count, saved, slowest[2 * i], slowest[2 * i + 1], memory)
-    # The last stage's output layer is a copy of the word embedding (tied weights), split by
-    # vocabulary rows over tensor parallelism.
-    shared = config.vocab_size * config.hidden_size // tp
+    # A tied output layer is a copy of the word embedding, split by vocabulary rows over
+    # tensor parallelism; an untied one is a weight of its own, counted whole on every stage.
+    shared = config.vocab_size * config.hidden_size // tp if tied else 0
     return ModelFigures(**figures, shared_parameters=shared)
 
 

@@ -233,13 +233,18 @@ def _gpt_config(config: PretrainConfig, tokenizer_vocab_size: int | None = None)
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         recompute=model.recompute,
+        openai_gelu=model.openai_gelu,
     )
 
 
 def _gpt_provider(
-    gpt: GPTConfig, seed: int, parallel: ParallelArgs
+    gpt: GPTConfig, seed: int, parallel: ParallelArgs, *, tied: bool
 ) -> Callable[..., torch.nn.Module]:
-    """The model provider `pretrain` calls for each chunk of this rank."""
+    """The model provider `pretrain` calls for each chunk of this rank.
+
+    `tied`: the output layer reuses the word embedding (no
+    ``--untie-embeddings-and-output-weights``).
+    """
     sequence_parallel = parallel.sequence_parallel_in_use
     tp = parallel.tensor_model_parallel_size
 
@@ -257,7 +262,8 @@ def _gpt_provider(
         shape = dataclasses.replace(gpt, recompute=recompute)
         return GPTChunk(
             shape, layers=layers, pre_process=pre_process, post_process=post_process,
-            seed=seed, tp_group=state.group("tp") if tp > 1 else None,
+            seed=seed, share_embeddings_and_output_weights=tied,
+            tp_group=state.group("tp") if tp > 1 else None,
             sequence_parallel=sequence_parallel, rng_tracker=get_rng_tracker(),
         )  # fmt: skip
 
@@ -269,6 +275,7 @@ def run(args: argparse.Namespace) -> str:
     config: PretrainConfig = args.config
     tokens = _tokenizer_vocab_size(config)
     gpt, seed = _gpt_config(config, tokens), config.training.seed
+    tied = not config.model.untie_embeddings_and_output_weights
     print_once(
         f"> padded vocab (size: {tokens}) with {gpt.vocab_size - tokens} dummy tokens "
         f"(new size: {gpt.vocab_size})"
@@ -299,14 +306,14 @@ def run(args: argparse.Namespace) -> str:
         return model_figures(
             gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
             dtype=dtype or torch.float32,
-            tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
+            tensor_model_parallel_size=config.parallel.tensor_model_parallel_size, tied=tied,
         )  # fmt: skip
 
     def measure_layout() -> tuple[Costs, float, float]:
         return layout_times(measure_memory(), gpt.recompute)
 
     return pretrain(
-        datasets_provider, _gpt_provider(gpt, seed, config.parallel), gpt_forward_step,
+        datasets_provider, _gpt_provider(gpt, seed, config.parallel, tied=tied), gpt_forward_step,
         config=config, checkpoint_args={"vocab_size": tokens, "padded_vocab_size": gpt.vocab_size},
         measure_schedule=measure,
         measure_layout=measure_layout, measure_memory=measure_memory, layout=args.layout,

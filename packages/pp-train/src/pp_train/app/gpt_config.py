@@ -78,12 +78,16 @@ class GPTConfig:
     recompute: RecomputeConfig | None = None
     """Which activations backward recomputes instead of keeping; None: none."""
 
+    openai_gelu: bool = False
+    """The MLP's activation: GELU's tanh approximation (Megatron's ``--openai-gelu``, GPT-2's
+    ``gelu_new``) when True; the exact, erf-based GELU when False."""
+
     def __post_init__(self) -> None:
         """Checks that the sizes are positive ints and the heads split the hidden size.
 
         Raises:
             TypeError: A size is not an int (bools are refused), a float field is not a real
-                number, or `recompute` is not a `RecomputeConfig`.
+                number, `recompute` is not a `RecomputeConfig`, or `openai_gelu` not a bool.
             ValueError: A size is below 1, ``hidden_size`` is not divisible by
                 ``num_attention_heads``, a float field is not positive and finite, or a
                 dropout probability is outside [0, 1).
@@ -104,6 +108,11 @@ class GPTConfig:
         if self.recompute is not None and not isinstance(self.recompute, RecomputeConfig):
             raise TypeError(
                 f"recompute must be a RecomputeConfig or None, got {type(self.recompute).__name__}"
+            )
+        if not isinstance(self.openai_gelu, bool):
+            raise TypeError(
+                f"openai_gelu must be a bool, got {type(self.openai_gelu).__name__} "
+                f"{self.openai_gelu!r}"
             )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(

@@ -203,7 +203,11 @@ class SelfAttention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    """``fc2(gelu(fc1(x)))``, the hidden layer split over the tensor-parallel ranks."""
+    """``fc2(gelu(fc1(x)))``, the hidden layer split over the tensor-parallel ranks.
+
+    The GELU is exact (erf) by default, its tanh approximation with ``config.openai_gelu``;
+    either is elementwise, so each rank applies it to its own slice of the hidden layer.
+    """
 
     def __init__(self, config: GPTConfig, parallel: TensorParallelism, init: WeightInit) -> None:
         super().__init__()
@@ -217,11 +221,13 @@ class MLP(torch.nn.Module):
             ffn, hidden, tp_group=group, init_method=init("mlp.fc2.weight"),
             input_is_parallel=True, sequence_parallel=sequence,
         )  # fmt: skip
+        self.approximate = "tanh" if config.openai_gelu else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP of `x`, shaped like `x`."""
         hidden = self.fc1(x)[0]
-        out: torch.Tensor = self.fc2(torch.nn.functional.gelu(hidden))[0]
+        activated = torch.nn.functional.gelu(hidden, approximate=self.approximate)
+        out: torch.Tensor = self.fc2(activated)[0]
         return out
 
 

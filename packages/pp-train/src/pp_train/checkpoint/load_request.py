@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -12,7 +14,13 @@ from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
 from pp_train.checkpoint.validation import check_count
 
-__all__ = ["ABSENT", "DEFAULT_STRICT_ARGS", "LoadRequest", "LoadedCheckpoint"]
+__all__ = [
+    "ABSENT",
+    "DEFAULT_STRICT_ARGS",
+    "STRICT_ARG_DEFAULTS",
+    "LoadRequest",
+    "LoadedCheckpoint",
+]
 
 DEFAULT_STRICT_ARGS: tuple[str, ...] = (
     "num_layers",
@@ -23,11 +31,21 @@ DEFAULT_STRICT_ARGS: tuple[str, ...] = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
+    "untie_embeddings_and_output_weights",
+    "openai_gelu",
 )
 """Settings a checkpoint must share with the run that loads it."""
 
 ABSENT = "<absent>"
-"""How a strict arg missing from the checkpoint or the run is shown (it counts as a value)."""
+"""How a strict arg missing from the checkpoint or the run is shown (it counts as a value),
+unless `STRICT_ARG_DEFAULTS` gives it a value."""
+
+STRICT_ARG_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"untie_embeddings_and_output_weights": False, "openai_gelu": False}
+)
+"""What a strict arg that a checkpoint or a run does not record stands for: settings added
+after checkpoints were first written (an older checkpoint tied its output layer to the word
+embedding and used the exact GELU)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,3 +113,27 @@ class LoadRequest:
 
     load_rng: bool
     """Restore the random generator states."""
+
+    def strict_differences(
+        self, saved: Mapping[str, Any], *, ignore: Container[str] = ()
+    ) -> list[tuple[str, Any, Any]]:
+        """The strict args on which the saved configuration differs from this run's.
+
+        Args:
+            saved: The checkpoint's args.
+            ignore: Strict args not compared (e.g. the layout, for a format that reshards).
+
+        Returns:
+            ``(key, saved value, this run's value)`` for each difference, in `strict_args`
+            order; a key one side does not record has its `STRICT_ARG_DEFAULTS` value there,
+            else `ABSENT`.
+        """
+        differences = []
+        for key in self.strict_args:
+            if key in ignore:
+                continue
+            default = STRICT_ARG_DEFAULTS.get(key, ABSENT)
+            was, now = saved.get(key, default), self.args.get(key, default)
+            if was != now:
+                differences.append((key, was, now))
+        return differences

@@ -27,7 +27,7 @@ from pp_optim import DistributedOptimizer, Float16OptimizerWithFloat16Params
 from pp_train.checkpoint.agreement import raise_if_any_failed
 from pp_train.checkpoint.errors import CheckpointError, DamagedCheckpointError, listed
 from pp_train.checkpoint.keys import MODEL_PREFIX, chunk_global_keys, main_params, model_targets
-from pp_train.checkpoint.load_request import ABSENT, LoadedCheckpoint, LoadRequest
+from pp_train.checkpoint.load_request import LoadedCheckpoint, LoadRequest
 from pp_train.checkpoint.optimizer_shards import (
     MAIN_PARAM_ENTRY,
     OwnedShard,
@@ -249,10 +249,8 @@ def read_common(directory: Path, iteration: int, where: str) -> dict[str, Any]:
 def _check_model_args(saved: dict[str, Any], request: LoadRequest, where: str) -> None:
     """The model's shape must match; the layout (pipeline, virtual, data) may differ."""
     differences = [
-        f"{key}: expected {request.args.get(key, ABSENT)!r} (this run), found "
-        f"{saved.get(key, ABSENT)!r}"
-        for key in request.strict_args
-        if key not in LAYOUT_ARGS and saved.get(key, ABSENT) != request.args.get(key, ABSENT)
+        f"{key}: expected {now!r} (this run), found {was!r}"
+        for key, was, now in request.strict_differences(saved, ignore=LAYOUT_ARGS)
     ]
     if differences:
         raise CheckpointError(

@@ -52,7 +52,6 @@ from pp_train.checkpoint.errors import (
 )
 from pp_train.checkpoint.files import atomic_write, fsync_directory, move_in
 from pp_train.checkpoint.load_request import (
-    ABSENT,
     DEFAULT_STRICT_ARGS,
     LoadedCheckpoint,
     LoadRequest,
@@ -345,7 +344,8 @@ def load_torch_checkpoint(
             ``--finetune``).
         no_load_optim: Leave the optimizer and scheduler as they are.
         no_load_rng: Leave the random generators as they are.
-        strict_args: Keys whose saved value must equal `args`'s (absent counts as a value).
+        strict_args: Keys whose saved value must equal `args`'s (absent counts as a value,
+            or as its `STRICT_ARG_DEFAULTS` entry).
 
     Returns:
         The iteration, consumed samples and saved args; None on every rank when `root` holds
@@ -541,9 +541,8 @@ def torch_header_problem(content: dict[str, Any], iteration: int) -> str | None:
 
 def _strict_args_problem(saved: dict[str, Any], request: LoadRequest) -> str | None:
     differences = [
-        f"{key}={saved.get(key, ABSENT)!r}; this run has {request.args.get(key, ABSENT)!r}"
-        for key in request.strict_args
-        if saved.get(key, ABSENT) != request.args.get(key, ABSENT)
+        f"{key}={was!r}; this run has {now!r}"
+        for key, was, now in request.strict_differences(saved)
     ]
     if not differences:
         return None
