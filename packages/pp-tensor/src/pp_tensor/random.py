@@ -376,8 +376,7 @@ def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
     """Megatron's seeding: the CUDA default generator and the default tracker's three states.
 
     The CPU generator is left alone, as Megatron leaves it (seed it with ``torch.manual_seed``
-    first, as Megatron's training setup does). Without CUDA nothing but the tracker is
-    seeded: its states then swap the CPU generator in `fork`.
+    first, as Megatron's training setup does). Without CUDA only the tracker is seeded.
 
     Args:
         seed: The run's seed.
@@ -388,12 +387,12 @@ def model_parallel_cuda_manual_seed(  # noqa: PLR0917 - Megatron's signature
             (`pp_state.parallel_state`), as do `ep_rank` and `etp_rank`.
         ep_rank: This rank's expert-model-parallel rank.
         etp_rank: This rank's expert-tensor-parallel rank.
-        gtp_remat_rank: megatron-core 0.20's generalized tensor-parallel rank: ignored, as
-            the world sizes below are 1 (pp has no such parallelism).
-        egtp_remat_rank: The same for experts.
+        gtp_remat_rank: 0.20's generalized tensor-parallel rank (experts: `egtp_remat_rank`):
+            ignored, the world sizes below being 1 (pp has no such parallelism).
+        egtp_remat_rank: See `gtp_remat_rank`.
         force_reset_rng: Make the tracker anew (with the arguments above).
-        gtp_remat_world_size: None or 1; more is refused.
-        egtp_remat_world_size: None or 1; more is refused.
+        gtp_remat_world_size: None or 1 (so is `egtp_remat_world_size`); more is refused.
+        egtp_remat_world_size: See `gtp_remat_world_size`.
 
     Returns:
         The default tracker.
