@@ -360,6 +360,16 @@ def _linear_functions(rank: int, size: int) -> None:
         else:
             close(w.grad, expected_w, rtol=1e-5, atol=1e-5)
             w.grad = None
+    # sequence parallelism: this rank's part of the sequence in, the gradient reduce-scattered
+    w.main_grad.zero_()  # type: ignore[attr-defined]
+    leaf = _chunk(x, 0, rank, size).clone().requires_grad_(True)
+    out = tp.linear_with_grad_accumulation_and_async_allreduce(leaf, w, None, True, False, True)
+    out.backward(_chunk(grad, -1, rank, size))
+    close(out, _chunk(F.linear(x, w_full), -1, rank, size), rtol=1e-5, atol=1e-5)
+    whole_grad_x = grad.reshape(-1, 2 * size).matmul(w_full).view(S, B, H)
+    close(leaf.grad, _chunk(whole_grad_x, 0, rank, size), rtol=1e-5, atol=1e-5)
+    expected_w = _chunk(grad, -1, rank, size).reshape(-1, 2).t().matmul(x.reshape(-1, H))
+    close(w.main_grad, expected_w, rtol=1e-5, atol=1e-5)  # type: ignore[attr-defined]
     frozen = w.detach()
     leaf = x.clone().requires_grad_(True)
     out = tp.layers.linear_with_frozen_weight(leaf, frozen, None, False, True, False, group)
