@@ -31,14 +31,15 @@ PACKAGES = ROOT / "packages"
 TORCH = "torch==2.13.0"
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "numpy", "tomli>=1.1; python_version < '3.11'")
 TEST_HELPERS = "pp-testing"
-# Optional extras a package's tests exercise (pp-train writes TensorBoard events and reads
-# Hugging Face tokenizer files).
-TEST_EXTRAS = {"pp-train": ("tensorboard>=2.14", "tokenizers>=0.13")}
+# Optional extras a package's tests exercise (pp-train writes TensorBoard events, reads
+# Hugging Face tokenizer files and converts checkpoints to and from safetensors files).
+TEST_EXTRAS = {"pp-train": ("tensorboard>=2.14", "tokenizers>=0.13", "safetensors>=0.4")}
 # The oracle pp-state's layouts are checked against, from the package registry. Importing its
 # parallel_state on CPU needs only its declared numpy and packaging; its hierarchical
 # (distributed-optimizer instance) groups need einops, an optional dependency of it.
 MEGATRON_ORACLE = ("megatron-core==0.16.1", "einops~=0.8")
-# The Hugging Face models docs/examples pipeline (hf_llama.py, hf_gpt2.py), a test-time oracle.
+# The Hugging Face models docs/examples pipeline (hf_llama.py, hf_gpt2.py), a test-time oracle
+# (of pp-train's Hugging Face export and import too: nox -s hf_oracle).
 TRANSFORMERS = "transformers==5.25.0"
 
 nox.needs_version = ">=2024.3.2"
@@ -53,6 +54,7 @@ nox.options.sessions = [
     "megatron_oracle",
     "megatron_tensor_oracle",
     "megatron_data_oracle",
+    "hf_oracle",
     "examples",
 ]
 
@@ -339,6 +341,16 @@ def megatron_tensor_oracle(session: nox.Session) -> None:
 def megatron_data_oracle(session: nox.Session) -> None:
     """pp-train's indexed files and GPT samples against megatron-core's, token for token."""
     _oracle(session, "pp-train", "test_megatron_data_oracle.py", "PP_TRAIN_MEGATRON_ORACLE")
+
+
+@nox.session
+def hf_oracle(session: nox.Session) -> None:
+    """pp-train's Hugging Face export and import against the transformers library's GPT-2."""
+    _install(session, ["pp-train", TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS["pp-train"],
+             TRANSFORMERS)  # fmt: skip
+    with _unless_passed(session, _package_inputs("pp-train")):
+        test = str(PACKAGES / "pp-train" / "tests" / "test_hf_transformers.py")
+        _pytest(session, test, "--durations=10", env={**TEST_ENV, "PP_TRAIN_HF_ORACLE": "1"})
 
 
 @nox.session

@@ -18,12 +18,8 @@ input is only read.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pickle
 import shutil
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +34,7 @@ from pp_train.checkpoint.files import atomic_write, fsync_directory
 from pp_train.checkpoint.formats import CKPT_FORMATS, CkptFormat, detect_format
 from pp_train.checkpoint.keys import FP32_PARAM_PREFIX, MODEL_PREFIX, OPTIMIZER_STATE_PREFIX
 from pp_train.checkpoint.loading import load_planner, read_common, read_metadata
+from pp_train.checkpoint.model_free import no_records, position_files, single_process
 from pp_train.checkpoint.tensor_parallel import name_of_key
 from pp_train.checkpoint.torch_dist import (
     CONVERSION_KEY,
@@ -46,9 +43,8 @@ from pp_train.checkpoint.torch_dist import (
     write_common,
     writer_and_planner,
 )
-from pp_train.checkpoint.torch_format import model_keys, torch_header_problem
+from pp_train.checkpoint.torch_format import model_keys
 from pp_train.checkpoint.tracker import (
-    CHECKPOINT_FILENAME,
     CHECKPOINT_VERSION,
     TRACKER_FILENAME,
     checkpoint_path,
@@ -57,7 +53,12 @@ from pp_train.checkpoint.tracker import (
 )
 from pp_train.temporaries import temporary_path
 
-__all__ = ["convert_checkpoint"]
+__all__ = [
+    "check_output",
+    "convert_checkpoint",
+    "publish",
+    "source_iteration",
+]
 
 
 def convert_checkpoint(
@@ -85,8 +86,8 @@ def convert_checkpoint(
     source, target = Path(source), Path(target)
     if to not in CKPT_FORMATS:
         raise CheckpointError(f"--to must be one of {list(CKPT_FORMATS)}, got {to!r}")
-    _check_target(source, target)
-    iteration = _source_iteration(source, iteration)
+    check_output(source, target)
+    iteration = source_iteration(source, iteration)
     directory = iteration_directory(source, iteration)
     found = detect_format(directory)
     if found is None or found == to:
@@ -96,10 +97,17 @@ def convert_checkpoint(
         write = _torch_writer(_read_torch(directory, iteration), iteration)
     else:
         write = _dist_writer(directory, iteration)
-    return _publish(target, iteration, write)
+    publish(target, write, iteration=iteration)
+    return iteration_directory(target, iteration)
 
 
-def _check_target(source: Path, target: Path) -> None:
+def check_output(source: Path, target: Path) -> None:
+    """Refuses an input that is no directory and an output that is not new or empty.
+
+    Raises:
+        CheckpointError: `source` is not a directory, `target` exists and is not an empty
+            directory, or `target` is `source` or inside it.
+    """
     if not source.is_dir():
         raise CheckpointError(f"input {source} is not a directory; nothing was written")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -114,13 +122,19 @@ def _check_target(source: Path, target: Path) -> None:
         )
 
 
-def _source_iteration(source: Path, iteration: int | None) -> int:
+def source_iteration(source: Path, iteration: int | None) -> int:
+    """`iteration`, or the tracker's when None, once `source` has its directory.
+
+    Raises:
+        CheckpointError: No iteration was given and `source` has no tracker, or `source`
+            has no directory of the iteration (the message lists those it has).
+    """
     if iteration is None:
         iteration = read_tracker(source)
         if iteration is None:
             raise CheckpointError(
                 f"input {source} has no {TRACKER_FILENAME}; pass --iteration N to name the "
-                "iteration to convert (nothing was written)"
+                "iteration to read (nothing was written)"
             )
     if not iteration_directory(source, iteration).is_dir():
         present = sorted(p.name for p in source.glob("iter_*"))
@@ -131,15 +145,20 @@ def _source_iteration(source: Path, iteration: int | None) -> int:
     return iteration
 
 
-def _publish(target: Path, iteration: int, write: Any) -> Path:
-    """Runs `write` into a temporary directory, writes the tracker, renames it to `target`."""
+def publish(target: Path, write: Any, *, iteration: int | None = None) -> None:
+    """Runs `write` into a temporary sibling of `target` and renames it to `target`.
+
+    With `iteration`, Megatron's tracker naming it is written last, before the rename.
+    `target` is then complete or absent; a failure removes the temporary directory.
+    """
     staging = temporary_path(target)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir(parents=True)
         write(staging)
-        tracker = staging / TRACKER_FILENAME
-        atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
+        if iteration is not None:
+            tracker = staging / TRACKER_FILENAME
+            atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
         fsync_directory(staging)
         if target.exists():
             target.rmdir()  # checked empty
@@ -148,53 +167,15 @@ def _publish(target: Path, iteration: int, write: Any) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return iteration_directory(target, iteration)
-
-
-@contextlib.contextmanager
-def _single_process() -> Iterator[None]:
-    """DCP without a process group, without its warning that this is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _old_file(what: str) -> CheckpointError:
-    return CheckpointError(
-        f"{what} records no global tensor names (saved before conversion records were "
-        "written, or by a model without sharded_state_keys()); convert it with the training "
-        "command and the flags of the run that saved it: --load IN --ckpt-convert-format "
-        "FORMAT --ckpt-convert-save OUT (docs/checkpoints.md); nothing was written"
-    )
 
 
 # ----------------------------------------------------------------------------- torch -> dist
 def _read_torch(directory: Path, iteration: int) -> list[dict[str, Any]]:
     """Every position's file of a torch checkpoint, checked to hold one whole layout."""
-    files = []
-    for path in sorted(directory.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}")):
-        content = _load(path)
-        problem = torch_header_problem(content, iteration)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {path} {problem}; nothing was written")
-        if not isinstance(content.get(CONVERSION_KEY), dict):
-            raise _old_file(f"checkpoint {path}")
+    files = position_files(directory, iteration)
+    for path, content in files:
         _refuse_distributed_optimizer(content[CONVERSION_KEY], f"checkpoint {path}")
-        files.append(content)
-    records = [content[CONVERSION_KEY] for content in files]
-    layout = records[0]["layout"] if records else None
-    positions = {(r["tensor_rank"], r["pipeline_rank"]) for r in records if r["layout"] == layout}
-    expected = (
-        0
-        if layout is None
-        else layout["tensor_model_parallel_size"] * layout["pipeline_model_parallel_size"]
-    )
-    if not files or len(positions) != len(files) or len(files) != expected:
-        raise CheckpointError(
-            f"checkpoint {directory} holds {len(files)} files of {len(positions)} positions; "
-            f"its layout {layout} needs {expected}; nothing was written"
-        )
-    return files
+    return [content for _, content in files]
 
 
 def _refuse_distributed_optimizer(record: dict[str, Any], where: str) -> None:
@@ -205,20 +186,6 @@ def _refuse_distributed_optimizer(record: dict[str, Any], where: str) -> None:
             "sharded optimizer state: convert it with pretrain's --ckpt-convert-format (the "
             "run's model and optimizer load it and save it again); nothing was written"
         )
-
-
-def _load(path: Path) -> dict[str, Any]:
-    try:
-        content = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
-        first = (str(error).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or unsafe: {type(error).__name__}: {first}; "
-            "nothing was written"
-        ) from error
-    if not isinstance(content, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(content).__name__}, not a dict")
-    return content
 
 
 def _torch_writer(files: list[dict[str, Any]], iteration: int) -> Any:
@@ -249,7 +216,7 @@ def _torch_writer(files: list[dict[str, Any]], iteration: int) -> Any:
         directory.mkdir()
         write_common(directory, common)
         writer, planner = writer_and_planner(directory)
-        with _single_process():
+        with single_process():
             dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=True)
 
     return write
@@ -325,14 +292,14 @@ def _dist_writer(directory: Path, iteration: int) -> Any:
     metadata = read_metadata(directory, where)
     records = sorted(key for key in metadata.state_dict_metadata if key.startswith(RECORD_PREFIX))
     if not records:
-        raise _old_file(where)
+        raise no_records(where)
     buffers: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             buffers[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         elif key.startswith((RECORD_PREFIX, "rng_state.")):
             buffers[key] = None
-    with _single_process():
+    with single_process():
         reader = FileSystemReader(directory)
         dcp.load(buffers, storage_reader=reader, planner=load_planner(), no_dist=True)
 
