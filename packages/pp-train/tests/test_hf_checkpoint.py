@@ -5,7 +5,10 @@ A GPT-2 directory is written by hand (config.json and model.safetensors of rando
 fine-tuned 5 steps at pp 2 must give the losses of the same fine-tune at pp 1. Checkpoints of
 any layout export the same model: a torch_dist checkpoint and its conversion to the torch
 format, and the fp32 main copies of a bf16 run with the distributed optimizer (rounded, the
-bf16 model). Every bad input is one error naming the file and the tensor, nothing written.
+bf16 model), and a run split unevenly over the pipeline exports the tensors pp-train's own
+loader reads at one stage. A run with a Hugging Face tokenizer exports its files and its
+end-of-document id. Every bad input is one error naming the file and the tensor, nothing
+written.
 (test_hf_transformers.py checks the exports against the transformers library.)
 """
 
@@ -24,13 +27,25 @@ import safetensors.torch as safetensors_torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pp_state import ParallelConfig, ParallelState
+from pp_tensor import pad_vocab_size
 from pp_testing import run_distributed
-from pp_train.app import build_parser, validate_args
+from pp_train.app import build_parser, load_corpus, validate_args
 from pp_train.app.command import run
-from pp_train.checkpoint import CheckpointError, export_hf, import_hf, read_tracker
+from pp_train.app.gpt import GPTChunk, GPTConfig
+from pp_train.checkpoint import (
+    CheckpointError,
+    export_hf,
+    import_hf,
+    load_checkpoint,
+    read_tracker,
+)
 from pp_train.checkpoint.__main__ import main as checkpoint_main
 from pp_train.checkpoint.hf import to_hf_tensors
+from pp_train.data import HuggingFaceTokenizer
+from pp_train.preprocess import main as preprocess
 
 HIDDEN, HEADS, SEQ, VOCAB = 32, 4, 32, 256
 TRAIN = [
@@ -188,6 +203,103 @@ def test_a_bf16_run_with_the_distributed_optimizer_exports_its_fp32_main_copies(
     assert all(torch.equal(main[name].bfloat16(), half[name]) for name in main)
     assert all(torch.equal(model[name], half[name]) for name in main)
     assert any(not torch.equal(main[name], half[name].float()) for name in main)
+
+
+def _loaded_at_one_stage(root: str, layers: int) -> dict[str, torch.Tensor]:
+    """The model tensors pp-train's own loader puts in a one-process GPT (tp 1, pp 1)."""
+    state = ParallelState.create(ParallelConfig())
+    padded = pad_vocab_size(VOCAB, 96, 1)
+    config = GPTConfig(
+        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+        vocab_size=padded,
+    )  # fmt: skip
+    chunk = GPTChunk(config, layers=range(layers), pre_process=True, post_process=True, seed=0)
+    args = {
+        "num_layers": layers, "hidden_size": HIDDEN, "num_attention_heads": HEADS,
+        "seq_length": SEQ, "vocab_size": VOCAB, "padded_vocab_size": padded,
+        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "untie_embeddings_and_output_weights": False, "openai_gelu": False,
+    }  # fmt: skip
+    loaded = load_checkpoint(
+        root, state=state, model=[chunk], optimizer=None, scheduler=None, args=args,
+        finetune=True, ckpt_format="torch_dist", report=None,
+    )  # fmt: skip
+    assert loaded is not None
+    return {name: value.detach().clone() for name, value in chunk.state_dict().items()}
+
+
+def test_an_uneven_pipeline_exports_what_the_loader_reads_at_one_stage(tmp_path: Path) -> None:
+    """pp 2 with 1 layer on the first stage and 2 on the last (Et|ttL), both formats.
+
+    The second opinion is pp-train's checkpoint loader (not the exporter's reader) putting the
+    torch_dist checkpoint in a one-stage GPT; its tensors, renamed, must be the export's.
+    """
+    uneven = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]
+    argv = [*SAVE, "--num-layers", "3", *uneven, "--ckpt-format", "torch_dist"]
+    printed = run_distributed(_command, 2, [*argv, "--save", str(tmp_path / "dist")])
+    assert "layer layout Et|ttL" in "".join(printed)
+    assert checkpoint_main(["convert", "--input", str(tmp_path / "dist"), "--output",
+                            str(tmp_path / "torch"), "--to", "torch"]) == 0  # fmt: skip
+    export_hf(tmp_path / "dist", tmp_path / "a")
+    export_hf(tmp_path / "torch", tmp_path / "b")
+    loaded = run_distributed(_loaded_at_one_stage, 1, str(tmp_path / "dist"), 3)[0]
+    expected = to_hf_tensors(loaded, num_attention_heads=HEADS, vocab_size=VOCAB)
+    a, b = _load(tmp_path / "a"), _load(tmp_path / "b")
+    assert sorted(a) == sorted(b) == sorted(expected) == sorted(_shapes(3, tied=True))
+    assert all(torch.equal(a[name], expected[name]) for name in expected)
+    assert all(torch.equal(b[name], expected[name]) for name in expected)
+    fc = [expected[f"transformer.h.{i}.mlp.c_fc.weight"] for i in range(3)]
+    assert not any(torch.equal(fc[i], fc[j]) for i, j in ((0, 1), (0, 2), (1, 2)))
+
+
+def _tiny_tokenizer(directory: Path, lines: list[str]) -> None:
+    """A byte-level BPE of 300 ids whose tokenizer_config.json names ``</s>`` (id 2) as eos."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<|endoftext|>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tokenizer.train_from_iterator(lines, trainer)
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
+def test_a_run_with_a_hugging_face_tokenizer_exports_its_files_and_its_eod_id(
+    tmp_path: Path,
+) -> None:
+    lines = [line for line in load_corpus().decode().splitlines() if line.strip()][:200]
+    _tiny_tokenizer(tmp_path / "tokenizer", lines)
+    eod = HuggingFaceTokenizer(tmp_path / "tokenizer").eod
+    assert eod == 2  # the config's eos_token, not the <|endoftext|> found by name
+    documents = tmp_path / "docs.jsonl"
+    documents.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    prefix = str(tmp_path / "corpus")
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer",
+          "--tokenizer-model", str(tmp_path / "tokenizer")]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert preprocess(["--input", str(documents), "--output-prefix", prefix,
+                           "--json-keys", "text", "--append-eod", *hf]) == 0  # fmt: skip
+    data = ["--data-path", f"{prefix}_text_document", "--split", "100,0,0"]
+    run_distributed(_command, 1, [*SAVE, *hf, *data, "--save", str(tmp_path / "ckpt")])
+    exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert exported.tokenizer == "copied"
+    written = sorted(path.name for path in (tmp_path / "hf").iterdir())
+    assert written == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "tokenizer" / name).read_bytes()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text(encoding="utf-8"))
+    assert config["bos_token_id"] == config["eos_token_id"] == eod
+    assert config["vocab_size"] == 300
+    assert _load(tmp_path / "hf")["transformer.wte.weight"].shape == (300, HIDDEN)
 
 
 # ----------------------------------------------------------------------------- refusals
