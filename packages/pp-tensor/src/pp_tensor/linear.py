@@ -11,7 +11,6 @@ is the same product for a weight that gets no gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +19,12 @@ import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
 from pp_state.collectives import collective
 from pp_tensor.mappings import gather_from_sequence_parallel_region
-from pp_tensor.utils import all_gather_single, divide, reduce_scatter_single, tp_rank, tp_size
+from pp_tensor.utils import (
+    PendingCollective,
+    start_all_gather_first,
+    start_reduce_scatter_first,
+    tp_size,
+)
 
 __all__ = [
     "LinearWithFrozenWeight",
@@ -61,60 +65,25 @@ def check_linear_options(
         )
 
 
-class _Pending:
-    """An asynchronous collective, waited for inside pp-state's `collective` (named errors)."""
-
-    def __init__(self, operation: str, group: Group, start: Callable[[], Any]) -> None:
-        self.operation, self.group = operation, group
-        with collective(operation, group=group):
-            self.work = start()
-
-    def wait(self) -> None:
-        with collective(self.operation, group=self.group):
-            self.work.wait()
-
-
-def _gather_sequence(
-    x: torch.Tensor, group: Group, *, async_op: bool
-) -> tuple[torch.Tensor, _Pending | None]:
-    out = torch.empty((tp_size(group) * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    pending = _Pending(
-        "sequence-parallel all-gather (linear input)",
-        group,
-        lambda: all_gather_single(out, x.contiguous(), group=group, async_op=True),
-    )
-    if not async_op:
-        pending.wait()
-        return out, None
-    return out, pending
-
-
 def _start_input_grad_reduction(
-    grad_input: torch.Tensor, group: Group, sequence_parallel: bool
-) -> tuple[Callable[[], torch.Tensor], _Pending]:
-    """Starts the input gradient's all-reduce or reduce-scatter; returns how to finish it."""
-    if not sequence_parallel:
-        pending = _Pending(
-            "tensor-parallel all-reduce (linear input gradient)",
-            group,
-            lambda: dist.all_reduce(grad_input, group=group, async_op=True),
-        )
-        return lambda: grad_input, pending
-    part = divide(grad_input.size(0), tp_size(group), "first dimension (the sequence)")
-    if dist.get_backend(group) == "gloo":  # see mappings: gloo's reduce-scatter is slower
-        pending = _Pending(
-            "sequence-parallel reduce-scatter (linear input gradient)",
-            group,
-            lambda: dist.all_reduce(grad_input, group=group, async_op=True),
-        )
-        return lambda: grad_input.narrow(0, tp_rank(group) * part, part).contiguous(), pending
-    out = grad_input.new_empty((part, *grad_input.shape[1:]))
-    pending = _Pending(
-        "sequence-parallel reduce-scatter (linear input gradient)",
+    grad_input: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool
+) -> PendingCollective:
+    """Starts the input gradient's all-reduce (sequence parallelism: reduce-scatter).
+
+    `grad_input` is the backward's own tensor: the sum may go into it.
+    """
+    if sequence_parallel:
+        operation = "sequence-parallel reduce-scatter (linear input gradient)"
+        return start_reduce_scatter_first(grad_input, group, operation, reuse_input=True)
+    return PendingCollective(
+        "tensor-parallel all-reduce (linear input gradient)",
         group,
-        lambda: reduce_scatter_single(out, grad_input.contiguous(), group=group, async_op=True),
+        lambda: dist.all_reduce(grad_input, group=group, async_op=True),
+        lambda: grad_input,
     )
-    return lambda: out, pending
+
+
+_GATHER_INPUT = "sequence-parallel all-gather (linear input)"
 
 
 def _weight_grad(
@@ -177,7 +146,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.tp_group = tp_group
         total_input = input
         if ctx.sequence_parallel:
-            total_input, _ = _gather_sequence(input, tp_group, async_op=False)
+            assert tp_group is not None  # sequence parallelism needs a group of 2 or more
+            total_input = start_all_gather_first(input, tp_group, _GATHER_INPUT).wait()
         return F.linear(total_input, weight, bias)
 
     @staticmethod
@@ -192,16 +162,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ):
             buffer.append(grad_output)  # the caller computes this weight gradient later
             wgrad_compute = False
-        gathering: _Pending | None = None
-        total_input = input
+        gathering = None
         if ctx.sequence_parallel and wgrad_compute:
-            total_input, gathering = _gather_sequence(input, group, async_op=True)
+            gathering = start_all_gather_first(input, group, _GATHER_INPUT)
         grad_input = grad_output.matmul(weight)
-        if gathering is not None:
-            gathering.wait()
-        finish, reducing = None, None
+        total_input = input if gathering is None else gathering.wait()
+        reducing = None
         if ctx.allreduce_dgrad or ctx.sequence_parallel:
-            finish, reducing = _start_input_grad_reduction(grad_input, group, ctx.sequence_parallel)
+            reducing = _start_input_grad_reduction(grad_input, group, ctx.sequence_parallel)
         grad_weight = None
         if wgrad_compute:  # overlaps the input gradient's reduction
             grad_weight = _weight_grad(
@@ -210,9 +178,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_bias = (
             grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0) if ctx.use_bias else None
         )
-        if reducing is not None and finish is not None:
-            reducing.wait()
-            grad_input = finish()
+        if reducing is not None:
+            grad_input = reducing.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 

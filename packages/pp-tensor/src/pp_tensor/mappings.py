@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from pp_state.collectives import collective
 from pp_tensor.utils import (
-    all_gather_single,
+    SEQUENCE,
     divide,
-    reduce_scatter_single,
+    start_all_gather_first,
+    start_reduce_scatter_first,
     tp_rank,
     tp_size,
 )
@@ -60,7 +61,7 @@ __all__ = [
 Group = dist.ProcessGroup | None
 Sizes = Sequence[int] | None
 
-_LAST, _FIRST = "last dimension", "first dimension (the sequence)"
+_LAST, _FIRST = "last dimension", SEQUENCE
 
 
 def _reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -111,7 +112,7 @@ def _gather_along_first_dim(x: torch.Tensor, group: Group, sizes: Sizes = None) 
     size = tp_size(group)
     if size == 1:
         return x
-    x = x.contiguous()
+    assert group is not None
     rows = x.size(0)
     if sizes is not None:
         sizes = _check_sizes(sizes, group, "output_split_sizes")
@@ -122,9 +123,7 @@ def _gather_along_first_dim(x: torch.Tensor, group: Group, sizes: Sizes = None) 
             )
         rows = max(sizes)  # every rank sends `rows`; the padding is dropped after
         x = torch.cat([x, x.new_zeros((rows - x.size(0), *x.shape[1:]))]) if rows > x.size(0) else x
-    out = torch.empty((size * rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with collective("sequence-parallel all-gather (first dimension)", group=group):
-        all_gather_single(out, x, group=group)
+    out = start_all_gather_first(x, group, "sequence-parallel all-gather (first dimension)").wait()
     if sizes is None:
         return out
     return torch.cat([out.narrow(0, r * rows, n) for r, n in enumerate(sizes)])
@@ -137,17 +136,11 @@ def _reduce_scatter_along_first_dim(
     size = tp_size(group)
     if size == 1:
         return x
-    if sizes is not None or dist.get_backend(group) == "gloo":
-        # Uneven parts, and gloo: torch 2.13's gloo reduce-scatter moved as much data as its
-        # all-reduce and measured 1.3-2.4x slower (pp-optim's distopt_bench); keeping this
-        # rank's part of the all-reduced sum gives the same numbers.
+    assert group is not None
+    if sizes is not None:  # uneven parts: this rank's part of the all-reduced sum
         return _split_along_first_dim(_reduce(x, group), group, sizes)
-    part = divide(x.size(0), size, _FIRST)
-    x = x.contiguous()
-    out = torch.empty((part, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with collective("sequence-parallel reduce-scatter (first dimension)", group=group):
-        reduce_scatter_single(out, x, group=group)
-    return out
+    operation = "sequence-parallel reduce-scatter (first dimension)"
+    return start_reduce_scatter_first(x, group, operation).wait()
 
 
 def _gather_along_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -20,7 +20,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from pp_tensor.random import RNGStatesTracker, get_rng_tracker
-from pp_tensor.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+from pp_tensor.utils import (
+    divide,
+    gather_split_1d_tensor,
+    split_tensor_into_1d_equal_chunks,
+    tp_size,
+)
 
 __all__ = [
     "CheckpointWithoutOutput",
@@ -163,7 +168,7 @@ def checkpoint(
     if distribute_saved_activations:
         if not args or not isinstance(args[0], torch.Tensor):
             raise ValueError("distribute_saved_activations=True needs a tensor as first input")
-        split_tensor_into_1d_equal_chunks(args[0].detach().reshape(-1), tp_group=tp_group)
+        divide(args[0].numel(), tp_size(tp_group), "number of elements")  # before the forward
         distributed = _Distributed(args[0], tp_group)
     return torch_checkpoint(
         function,

@@ -148,13 +148,41 @@ def _sequence_parallel(config: ModelParallelConfig, group: Group) -> bool:
     if config.sequence_parallel and tp_size(group) <= 1:
         warnings.warn(
             "sequence_parallel=True with tensor-parallel size 1: sequence parallelism is off",
-            stacklevel=3,
+            stacklevel=4,
         )
         return False
     return config.sequence_parallel
 
 
-def _mark_allreduce(module: torch.nn.Module, own_groups: bool) -> None:
+def _linear_keywords(
+    config: ModelParallelConfig, tp_group: Group, is_expert: bool
+) -> tuple[dict[str, Any], bool]:
+    """pp-tensor's keywords a linear layer takes from Megatron's config and group.
+
+    Also whether its parameters live in the expert topology.
+    """
+    group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+    explicit, own_groups = _expert_layout(config, group, is_expert)
+    keywords = {
+        "tp_group": group,
+        "sequence_parallel": _sequence_parallel(config, group),
+        "device": _device(config),
+        "params_dtype": config.params_dtype,
+        "perform_initialization": config.perform_initialization,
+        "gradient_accumulation_fusion": config.gradient_accumulation_fusion,
+        "explicit_expert_comm": explicit,
+    }
+    return keywords, own_groups
+
+
+def _keep_megatron_fields(
+    module: torch.nn.Module, config: ModelParallelConfig, is_expert: bool, own_groups: bool
+) -> None:
+    """Megatron's attributes of a built layer, and its parameters' ``allreduce`` marks."""
+    fields = {"config": config, "is_expert": is_expert}
+    fields["expert_parallel"] = config.expert_model_parallel_size > 1
+    for name, value in fields.items():
+        setattr(module, name, value)
     for param in (module.weight, module.bias):
         if isinstance(param, torch.nn.Parameter):
             param.allreduce = not own_groups  # type: ignore[attr-defined]
@@ -190,33 +218,25 @@ class ColumnParallelLinear(_pp.ColumnParallelLinear):
         output_dtype: torch.dtype | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
-        group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
-        explicit, own_groups = _expert_layout(config, group, is_expert)
+        keywords, own_groups = _linear_keywords(config, tp_group, is_expert)
         super().__init__(
             input_size,
             output_size,
-            tp_group=group,
             init_method=init_method,
             bias=bias,
             gather_output=gather_output,
             skip_bias_add=skip_bias_add,
-            sequence_parallel=_sequence_parallel(config, group),
             skip_weight_param_allocation=skip_weight_param_allocation,
-            device=_device(config),
-            params_dtype=config.params_dtype,
             stride=stride,
             keep_master_weight_for_test=keep_master_weight_for_test,
-            perform_initialization=config.perform_initialization,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             disable_grad_reduce=disable_grad_reduce,
-            explicit_expert_comm=explicit,
+            **keywords,
         )
-        self.config, self.is_expert, self.output_dtype = config, is_expert, output_dtype
-        self.expert_parallel = config.expert_model_parallel_size > 1
+        _keep_megatron_fields(self, config, is_expert, own_groups)
+        self.output_dtype = output_dtype
         self.allreduce_dgrad = (
-            tp_size(group) > 1 and not self.sequence_parallel and not disable_grad_reduce
+            tp_size(self.tp_group) > 1 and not self.sequence_parallel and not disable_grad_reduce
         )
-        _mark_allreduce(self, own_groups)
 
     def forward(
         self,
@@ -253,28 +273,19 @@ class RowParallelLinear(_pp.RowParallelLinear):
         name: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
-        group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
-        explicit, own_groups = _expert_layout(config, group, is_expert)
+        keywords, own_groups = _linear_keywords(config, tp_group, is_expert)
         super().__init__(
             input_size,
             output_size,
-            tp_group=group,
             init_method=init_method,
             bias=bias,
             input_is_parallel=input_is_parallel,
             skip_bias_add=skip_bias_add,
-            sequence_parallel=_sequence_parallel(config, group),
-            device=_device(config),
-            params_dtype=config.params_dtype,
             stride=stride,
             keep_master_weight_for_test=keep_master_weight_for_test,
-            perform_initialization=config.perform_initialization,
-            gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-            explicit_expert_comm=explicit,
+            **keywords,
         )
-        self.config, self.is_expert = config, is_expert
-        self.expert_parallel = config.expert_model_parallel_size > 1
-        _mark_allreduce(self, own_groups)
+        _keep_megatron_fields(self, config, is_expert, own_groups)
 
 
 class VocabParallelEmbedding(_pp.VocabParallelEmbedding):
