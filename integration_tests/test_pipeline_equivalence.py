@@ -9,6 +9,7 @@ import torch
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import ScheduleConfig, get_forward_backward_func
+from pp_schedules.runtime import resolve_for
 from pp_state import Placement
 from pp_testing import (
     reference_run,
@@ -32,10 +33,11 @@ def _pipelined(
     layers = tiny_layers(LAYERS, WIDTH)
     chunks = stage_chunks(layers, stages=placement.stages[rank], num_stages=placement.num_stages)
     data = tiny_microbatches(MICROBATCHES, seq=SEQ, batch=BATCH, width=WIDTH)
+    resolved = resolve_for(
+        comm, schedule, vp_size=vp_size, placement=placement, microbatch_counts=[MICROBATCHES]
+    )
     forward_backward = get_forward_backward_func(
-        comm,
-        vp_size=vp_size,
-        config=ScheduleConfig(hidden_size=WIDTH, schedule=schedule, placement=placement),
+        comm, resolved, config=ScheduleConfig(hidden_size=WIDTH)
     )
     losses = forward_backward(
         forward_step_func=tiny_forward_step(),

@@ -13,6 +13,7 @@ import torch
 from pp_comm import CommConfig, P2PCommunicator
 from pp_optim import DistributedDataParallel, DynamicGradScaler
 from pp_schedules import ScheduleConfig, get_forward_backward_func
+from pp_schedules.runtime import resolve_for
 from pp_state import Placement
 from pp_testing import (
     reference_run,
@@ -64,10 +65,9 @@ def _scaled_step(schedule: str, vp: int) -> dict[str, Any]:
 
     forward_backward = get_forward_backward_func(
         comm,
-        vp_size=vp,
+        resolve_for(comm, schedule, vp_size=vp, microbatch_counts=[MICROBATCHES]),
         config=ScheduleConfig(
             hidden_size=WIDTH,
-            schedule=schedule,
             grad_scale_func=lambda loss: loss * scaler.scale.to(loss.dtype),
             no_sync_func=[note_sync(c) for c in chunks],
         ),

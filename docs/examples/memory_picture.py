@@ -29,7 +29,14 @@ import torch.distributed as dist
 
 from pp_comm import CommConfig, frame_buffers
 from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
-from pp_schedules import MemoryProbe, MemoryTrack, PlanReport, TransferBuffers, simulate
+from pp_schedules import MemoryProbe
+from pp_schedules.planning import (
+    MemoryTrack,
+    PlanReport,
+    TransferBuffers,
+    resolve_on_demand,
+    simulate,
+)
 from pp_state import ParallelConfig, ParallelState
 from pp_train import (
     PretrainConfig,
@@ -79,8 +86,9 @@ def measure(state: ParallelState, schedule: str) -> Series:
         provider, state, optimizer_config=CONFIG.optimizer, ddp_config=CONFIG.ddp,
         lr_schedule=LRScheduleConfig(max_lr=1e-3, lr_decay_steps=100, lr_decay_style="constant"),
     )  # fmt: skip
+    resolved = resolve_on_demand(schedule, pp_size=PP)
     executor = build_forward_backward_func(
-        state, model, optimizer, hidden_size=GPT.hidden_size, schedule=schedule
+        state, model, optimizer, hidden_size=GPT.hidden_size, resolved=resolved
     )
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, GPT.vocab_size, (1 << 14,), generator=generator)

@@ -27,7 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the usual spelling
 
 from pp_comm import CommConfig, P2PCommunicator
-from pp_schedules import ScheduleConfig, get_forward_backward_func, plan
+from pp_schedules import ScheduleConfig, get_forward_backward_func
+from pp_schedules.planning import plan
+from pp_schedules.runtime import resolve_for
 from pp_state import ParallelConfig, ParallelState, Placement
 
 __all__ = [
@@ -400,13 +402,14 @@ def train(config: TrainerConfig) -> list[float]:
     chunks = build_chunks(config, state.pipeline_model_parallel_rank)
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, config)
-    forward_backward = get_forward_backward_func(
+    resolved = resolve_for(
         comm,
         vp_size=config.vp_size,
-        config=ScheduleConfig(
-            hidden_size=config.hidden_size,
-            microbatch_group_size_per_vp_stage=config.microbatch_group_size,
-        ),
+        microbatch_counts=[config.microbatches],
+        microbatch_group_size_per_vp_stage=config.microbatch_group_size,
+    )
+    forward_backward = get_forward_backward_func(
+        comm, resolved, config=ScheduleConfig(hidden_size=config.hidden_size)
     )
     m, dp_rank = config.microbatches, state.data_parallel_rank
     losses = []

@@ -25,12 +25,8 @@ import torch
 import torch.distributed as dist
 
 from pp_comm import CommConfig, P2PCommunicator
-from pp_schedules import (
-    ScheduleConfig,
-    check_trace_path,
-    get_forward_backward_func,
-    write_schedule_trace,
-)
+from pp_schedules import ScheduleConfig, get_forward_backward_func, write_schedule_trace
+from pp_schedules.runtime import check_trace_path, resolve_for
 
 
 class _Sleep(torch.autograd.Function):
@@ -141,8 +137,12 @@ def main() -> None:
     chunks = [
         SleepChunk(args.forward_ms / 1e3 / vp, args.backward_ms / 1e3 / vp) for _ in range(vp)
     ]
-    config = ScheduleConfig(hidden_size=1, schedule=args.schedule, placement=args.placement)
-    forward_backward = get_forward_backward_func(comm, vp_size=vp, config=config)
+    resolved = resolve_for(
+        comm, args.schedule, vp_size=vp, placement=args.placement, microbatch_counts=[m]
+    )
+    forward_backward = get_forward_backward_func(
+        comm, resolved, config=ScheduleConfig(hidden_size=1)
+    )
     data = [torch.ones(1, 1, 1) for _ in range(m)]
     for step in range(2):  # the first step validates the plan and connects the ranks
         forward_backward.record_timeline(step == 1)

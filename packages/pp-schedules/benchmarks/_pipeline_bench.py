@@ -22,6 +22,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import PipelineExecutor, Placement, ScheduleConfig, get_forward_backward_func
+from pp_schedules.runtime import resolve_for
 
 Step = Callable[[], None]
 # One of torch's schedules: a single stage per rank, or a list of them.
@@ -79,8 +80,9 @@ def ours(
 ) -> tuple[Step, PipelineExecutor]:
     """One training step with this package's executor, and the executor."""
     rows, cols, width = data[0]["x"].shape
+    resolved = resolve_for(comm, name, vp_size=vp, microbatch_counts=[len(data)])
     forward_backward = get_forward_backward_func(
-        comm, vp_size=vp, config=ScheduleConfig(hidden_size=width, schedule=name)
+        comm, resolved, config=ScheduleConfig(hidden_size=width)
     )
 
     def forward_step(it: Iterator[Batch], model: StageChunk) -> tuple[Any, Any]:

@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pp_schedules import Costs, plan, resolve_schedule, simulate, validate
-from pp_schedules.zero_bubble import _zb_h1, _zbv
+from pp_schedules import Costs, resolve_schedule
+from pp_schedules.planning import plan, simulate, validate
+from pp_schedules.planning._zero_bubble import _zb_h1, _zbv
 
 SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("gpipe", 1)]
 AUTO = [("auto", 1), ("auto", 2)]

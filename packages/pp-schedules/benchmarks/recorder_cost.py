@@ -23,8 +23,8 @@ import _pipeline_bench as bench
 import torch
 
 from pp_comm import CommConfig, P2PCommunicator, P2PMessage
-from pp_schedules import PipelineExecutor, ScheduleConfig
-from pp_schedules.flight_recorder import FlightRecorder, NullFlightRecorder
+from pp_schedules import PipelineExecutor, ScheduleConfig, get_forward_backward_func
+from pp_schedules.runtime._flight_recorder import FlightRecorder, NullFlightRecorder
 
 PP, RANK, WIDTH, SEQ, BATCH = 4, 1, 4, 2, 2
 GOAL_US = 5.0
@@ -107,7 +107,7 @@ def _bare_us(executor: PipelineExecutor, repeats: int) -> float:
 def measure(microbatches: int, rounds: int) -> dict[str, Any]:
     """Median call time with the recorder on and off, and the cost per recorded step."""
     communicator = cast("P2PCommunicator", LoopbackCommunicator())
-    executor = PipelineExecutor(communicator, config=ScheduleConfig(hidden_size=WIDTH))
+    executor = get_forward_backward_func(communicator, config=ScheduleConfig(hidden_size=WIDTH))
     recorders = {"on": FlightRecorder(), "off": NullFlightRecorder()}
     times: dict[str, list[float]] = {"on": [], "off": []}
     _call(executor, microbatches)  # plan, validate and warm up once

@@ -38,7 +38,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from pp_comm import P2PCommunicator
-from pp_schedules import Costs, Placement, PlanReport, gather_timeline, measured_costs, simulate
+from pp_schedules import Costs, Placement
+from pp_schedules.planning import PlanReport, simulate
+from pp_schedules.runtime import gather_timeline, measured_costs
 
 TORCH_SCHEDULES: dict[str, bench.TorchSchedule] = {
     "gpipe": ScheduleGPipe,

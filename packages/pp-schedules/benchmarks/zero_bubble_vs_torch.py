@@ -53,8 +53,9 @@ from torch.distributed.pipelining import (
 )
 
 from pp_comm import P2PCommunicator
-from pp_schedules import Costs, Placement, PlanReport, simulate
-from pp_schedules.split_backward import backward_input
+from pp_schedules import Costs, Placement
+from pp_schedules.planning import PlanReport, simulate
+from pp_schedules.runtime._split_backward import backward_input
 
 TORCH_SCHEDULES: dict[str, bench.TorchSchedule] = {
     "1f1b": Schedule1F1B,

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pp_schedules import Action, Costs, Plan, simulate, validate
-from pp_schedules.lowering import incoming_message, outgoing_message
+from pp_schedules import Costs, Plan
+from pp_schedules.planning import Action, simulate, validate
+from pp_schedules.planning._lowering import incoming_message, outgoing_message
 from pp_state.placement import Placement
 
 Actions = list[list[Action]]
@@ -109,7 +110,7 @@ class _Scheduler:
 def list_schedule(
     placement: Placement, num_microbatches: int, limits: Sequence[int], prefer: str = "IFW"
 ) -> Actions:
-    """0.11.0's `pp_schedules.zero_bubble.list_schedule`."""
+    """0.11.0's `pp_schedules.planning._zero_bubble.list_schedule`."""
     return _Scheduler(placement, num_microbatches, limits, prefer).run()
 
 

@@ -6,10 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from pp_schedules import (
-    Costs,
+from pp_schedules import Costs, StageCosts
+from pp_schedules.planning import (
     LayerBalance,
-    StageCosts,
     balance_layers,
     balanced_counts,
     even_counts,

@@ -18,9 +18,9 @@ from pp_schedules import (
     deallocate_output_tensor,
     get_forward_backward_func,
     parse_schedule,
-    plan,
-    validate,
 )
+from pp_schedules.planning import plan, validate
+from pp_schedules.runtime import resolve_for
 from pp_state import Placement
 from pp_testing import (
     StageStack,
@@ -52,12 +52,17 @@ def _step(  # noqa: PLR0917 - run_distributed passes arguments by position
     forward_only: bool = False,
     collect: bool = False,
     comm_config: CommConfig | None = None,
+    schedule: str | None = None,
 ) -> dict[str, Any]:
     comm_config = comm_config or CommConfig(timeout=datetime.timedelta(seconds=60))
     comm = P2PCommunicator(None, config=comm_config)
     chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, vp, comm.stage)
     data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
-    forward_backward = get_forward_backward_func(comm, vp_size=vp, config=config)
+    if schedule is None:  # Megatron's choice for the sizes, resolved on demand
+        forward_backward = get_forward_backward_func(comm, vp_size=vp, config=config)
+    else:
+        resolved = resolve_for(comm, schedule, vp_size=vp, microbatch_counts=[m])
+        forward_backward = get_forward_backward_func(comm, resolved, config=config)
     store = forward_backward(
         forward_step_func=tiny_forward_step(),
         data_iterator=[iter(data) for _ in range(vp)],
@@ -96,8 +101,8 @@ def test_zero_bubble_holds_activations_from_f_until_w_as_validated() -> None:
     """ZB-H1 keeps a microbatch's outputs until its W; every rank holds min(p, m)."""
     pp, m = 4, 8
     predicted = validate(plan("zb_h1", pp_size=pp, num_microbatches=m))
-    config = ScheduleConfig(hidden_size=WIDTH, schedule="zb_h1")
-    results = run_distributed(_step, pp, 1, m, config, timeout=120)
+    config = ScheduleConfig(hidden_size=WIDTH)
+    results = run_distributed(_step, pp, 1, m, config, False, False, None, "zb_h1", timeout=120)
     assert [r["peak"] for r in results] == predicted.peak_in_flight == [pp] * pp
 
 
@@ -456,11 +461,13 @@ def _spied_step(text: str, forward_only: bool = False) -> dict[str, Any]:
     written = parse_schedule(text)
     chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, written.vp_size, comm.stage)
     data = tiny_microbatches(written.num_microbatches, seq=SEQ, batch=BATCH, width=WIDTH)
-    forward_backward = get_forward_backward_func(
-        comm, config=ScheduleConfig(hidden_size=WIDTH), plan=text
-    )
-    forward_backward.record_timeline()
     try:
+        # An invalid plan is refused here, by its resolution, before anything is sent.
+        forward_backward = get_forward_backward_func(
+            comm, resolve_for(comm, text, microbatch_counts=[written.num_microbatches]),
+            config=ScheduleConfig(hidden_size=WIDTH),
+        )  # fmt: skip
+        forward_backward.record_timeline()
         store = forward_backward(
             forward_step_func=tiny_forward_step(), data_iterator=iter(data), model=chunks,
             num_microbatches=written.num_microbatches, seq_length=SEQ, micro_batch_size=BATCH,
@@ -545,9 +552,8 @@ def test_timeline_is_off_unless_asked() -> None:
 
 
 def test_a_plan_for_other_microbatches_is_refused() -> None:
-    forward_backward = get_forward_backward_func(None, plan="F0 B0 F1 B1")
     with pytest.raises(ValueError, match="the plan covers 2 microbatches, but this step runs 3"):
-        forward_backward.plan_for(3, forward_only=False)
+        resolve_for(None, "F0 B0 F1 B1", microbatch_counts=[3])
 
 
 def _prefetched_step(vp: int, m: int, prefetch: int | None) -> dict[str, Any]:
@@ -555,8 +561,9 @@ def _prefetched_step(vp: int, m: int, prefetch: int | None) -> dict[str, Any]:
     comm.calls = []
     chunks = _chunks(tiny_layers(LAYERS, WIDTH), comm.num_stages, vp, comm.stage)
     data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+    resolved = resolve_for(comm, vp_size=vp, microbatch_counts=[m], prefetch=prefetch)
     forward_backward = get_forward_backward_func(
-        comm, vp_size=vp, config=ScheduleConfig(hidden_size=WIDTH, prefetch_receives=prefetch)
+        comm, resolved, config=ScheduleConfig(hidden_size=WIDTH)
     )
     store = forward_backward(
         forward_step_func=tiny_forward_step(), data_iterator=[iter(data) for _ in range(vp)],
@@ -624,11 +631,16 @@ def test_prefetch_needs_fixed_shapes_and_is_not_negative() -> None:
     fixed = _FakeComm(CommConfig())
     headers = _FakeComm(CommConfig(variable_seq_lengths=True))
     with pytest.raises(ValueError, match=r"prefetch_receives must be 0 .* got -1"):
-        get_forward_backward_func(fixed, config=ScheduleConfig(prefetch_receives=-1))  # type: ignore[arg-type]
+        resolve_for(fixed, microbatch_counts=[2], prefetch=-1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="prefetch_receives=1 needs fixed shapes"):
-        get_forward_backward_func(headers, config=ScheduleConfig(prefetch_receives=1))  # type: ignore[arg-type]
+        resolve_for(headers, microbatch_counts=[2], prefetch=1)  # type: ignore[arg-type]
+    # A schedule resolved for fixed shapes is refused by an executor whose shapes travel.
+    early = resolve_for(fixed, microbatch_counts=[2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefetch_receives=1 needs fixed shapes"):
+        get_forward_backward_func(headers, early)  # type: ignore[arg-type]
     assert get_forward_backward_func(headers).prefetch == 0  # type: ignore[arg-type]
     assert get_forward_backward_func(fixed).prefetch == 1  # type: ignore[arg-type]
+    assert get_forward_backward_func(fixed, early).prefetch == 1  # type: ignore[arg-type]
 
 
 def test_deallocate_output_tensor_has_megatrons_signature() -> None:
@@ -652,8 +664,9 @@ def _on_stream_groups(pp: int, vp: int, name: str, headers: bool) -> dict[str, A
     comm = P2PCommunicator(None, config=config)
     m = 2 * pp
     forward_backward = get_forward_backward_func(
-        comm, vp_size=vp, config=ScheduleConfig(schedule=name, hidden_size=WIDTH)
-    )
+        comm, resolve_for(comm, name, vp_size=vp, microbatch_counts=[m]),
+        config=ScheduleConfig(hidden_size=WIDTH),
+    )  # fmt: skip
     chunks = stage_chunks(
         tiny_layers(LAYERS, WIDTH),
         stages=forward_backward.placement.stages[comm.stage],
@@ -691,3 +704,39 @@ def test_zbv_and_interleaving_run_on_a_group_per_stream_as_on_nccl(
         assert result["groups"] == (8 if pp > 2 else 4)  # to and from each neighbour, 2 channels
     last = results[0] if name == "zbv" else results[-1]  # where the loss is computed
     assert last["losses"] == pytest.approx(expected, rel=1e-6)
+
+
+def _argument_free_step() -> dict[str, Any]:
+    """Ported Megatron code: the parallel state set once, then `get_forward_backward_func()`."""
+    from pp_state import parallel_state as mpu
+
+    mpu.initialize_model_parallel(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
+    try:
+        forward_backward = get_forward_backward_func(config=ScheduleConfig(hidden_size=WIDTH))
+        rank, m = mpu.get_pipeline_model_parallel_rank(), 4
+        chunks = _chunks(tiny_layers(LAYERS, WIDTH), 2, 2, rank)
+        data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)
+        store = forward_backward(
+            forward_step_func=tiny_forward_step(), data_iterator=[iter(data) for _ in chunks],
+            model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=BATCH,
+        )  # fmt: skip
+        assert forward_backward.communicator is not None
+        forward_backward.communicator.destroy()
+        return {
+            "schedule": forward_backward.schedule,
+            "counts": forward_backward.resolved.microbatch_counts,
+            "losses": [float(d["lm loss"]) for d in store],
+        }
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def test_megatrons_argument_free_call_takes_its_choice_from_the_parallel_state() -> None:
+    results = run_distributed(_argument_free_step, 2, timeout=120)
+    assert [(r["schedule"], r["counts"]) for r in results] == [("interleaved_1f1b", (4,))] * 2
+    expected, _ = reference_run(
+        tiny_layers(LAYERS, WIDTH), tiny_microbatches(4, seq=SEQ, batch=BATCH, width=WIDTH)
+    )
+    assert results[1]["losses"] == pytest.approx(expected, rel=1e-6)

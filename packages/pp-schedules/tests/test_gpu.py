@@ -10,6 +10,7 @@ import torch
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import ScheduleConfig, get_forward_backward_func
+from pp_schedules.runtime import resolve_for
 from pp_testing import (
     cuda_device_count,
     reference_run,
@@ -36,8 +37,9 @@ def _on_nccl(pp: int, vp: int, name: str, headers: bool) -> dict[str, Any]:
     comm = P2PCommunicator(None, config=config, device=device)
     m = 2 * pp
     forward_backward = get_forward_backward_func(
-        comm, vp_size=vp, config=ScheduleConfig(schedule=name, hidden_size=WIDTH)
-    )
+        comm, resolve_for(comm, name, vp_size=vp, microbatch_counts=[m]),
+        config=ScheduleConfig(hidden_size=WIDTH),
+    )  # fmt: skip
     chunks = stage_chunks(
         tiny_layers(LAYERS, WIDTH),
         stages=forward_backward.placement.stages[comm.stage],

@@ -11,7 +11,7 @@ import torch
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import ScheduleConfig, ScheduleConfigError, get_forward_backward_func
-from pp_schedules.executor import ChunkIteratorError
+from pp_schedules.runtime._executor import ChunkIteratorError
 from pp_state import Placement
 from pp_testing import (
     run_distributed,

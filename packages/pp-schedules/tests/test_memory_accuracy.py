@@ -22,18 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pp_comm import CommConfig, P2PCommunicator
-from pp_schedules import (
-    AllocationCounter,
-    MemoryModel,
-    MemoryProbe,
-    ScheduleConfig,
-    StageMemory,
-    TransferBuffers,
-    chain,
-    get_forward_backward_func,
-    measure_stage,
-    simulate,
-)
+from pp_schedules import MemoryProbe, ScheduleConfig, get_forward_backward_func
+from pp_schedules.planning import MemoryModel, StageMemory, TransferBuffers, chain, simulate
+from pp_schedules.runtime import AllocationCounter, measure_stage, resolve_for
 from pp_state import Placement
 from pp_testing import run_distributed
 
@@ -141,10 +132,10 @@ def _run(schedule: str, vp: int, placement_name: str, variant: str = "") -> dict
     chunks = _chunks(placement, comm.stage)
     params = [p for chunk in chunks for p in chunk.parameters()]
     probe = MemoryProbe(lambda: [*params, *(p.grad for p in params if p.grad is not None)])
-    executor = get_forward_backward_func(
-        comm, vp_size=vp,
-        config=ScheduleConfig(hidden_size=WIDTH, schedule=schedule, placement=placement),
-    )  # fmt: skip
+    resolved = resolve_for(
+        comm, schedule, vp_size=vp, placement=placement, microbatch_counts=[MICROBATCHES]
+    )
+    executor = get_forward_backward_func(comm, resolved, config=ScheduleConfig(hidden_size=WIDTH))
     if variant == "batched":  # a batch's sends complete with its receives, as on NCCL
         executor.independent = False
     batches = _batches(MICROBATCHES)

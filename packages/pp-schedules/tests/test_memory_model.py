@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pp_schedules import (
-    Costs,
-    MemoryLimitError,
+from pp_schedules import Costs, MemoryLimitError
+from pp_schedules.planning import (
     MemoryModel,
     PlanOption,
     StageMemory,

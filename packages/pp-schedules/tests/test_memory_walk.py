@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pp_schedules import (
+from pp_schedules.planning import (
     MemoryModel,
     StageMemory,
     TransferBuffers,
@@ -16,8 +16,8 @@ from pp_schedules import (
     simulate,
     validate,
 )
-from pp_schedules.memory_walk import walk_rank
-from pp_schedules.validation import sends_delivered
+from pp_schedules.planning._memory_walk import walk_rank
+from pp_schedules.planning._validation import sends_delivered
 
 A = StageMemory(
     parameters=1, activation_bytes=100, output_bytes=10, forward_transient_bytes=5,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pp_schedules import Plan, PlanError, parse_schedule, plan, validate
-from pp_schedules.nccl_rules import nccl_problem
-from pp_schedules.registry import schedules_for
-from pp_schedules.validation import Links
+from pp_schedules import Plan, PlanError, parse_schedule
+from pp_schedules.planning import plan, validate
+from pp_schedules.planning._nccl_rules import nccl_problem
+from pp_schedules.planning._registry import schedules_for
+from pp_schedules.planning._validation import Links
 
 # Rank 0 sends two activations in two calls; rank 1 takes both in one.
 _GROUPED_RECEIVES = """placement: looped

@@ -24,12 +24,10 @@ from typing import Any
 
 import pytest
 
-from pp_schedules import (
+from pp_schedules import Costs, Plan, PlanError, resolve_schedule
+from pp_schedules.planning import (
     Action,
-    Costs,
     MemoryModel,
-    Plan,
-    PlanError,
     PlanOption,
     ScheduleSpec,
     StageMemory,
@@ -37,14 +35,13 @@ from pp_schedules import (
     format_plan,
     placement_for,
     plan,
-    plan_cache,
-    resolve_schedule,
     simulate,
     validate,
-    zero_bubble,
 )
-from pp_schedules.nccl_rules import nccl_problem
-from pp_schedules.validation import Links, sends_delivered
+from pp_schedules.planning import _plan_cache as plan_cache
+from pp_schedules.planning import _zero_bubble as zero_bubble
+from pp_schedules.planning._nccl_rules import nccl_problem
+from pp_schedules.planning._validation import Links, sends_delivered
 from pp_state.placement import Placement
 
 GOLDEN = Path(__file__).parent / "data" / "planning_golden.json"

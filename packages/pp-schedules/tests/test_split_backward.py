@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pp_schedules.split_backward import backward_input
+from pp_schedules.runtime._split_backward import backward_input
 
 
 class _Fused(torch.autograd.Function):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pp_schedules.split_backward import backward_input
+from pp_schedules.runtime._split_backward import backward_input
 
 
 class _CountedMLP(torch.nn.Module):

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pp_schedules import (
-    Costs,
-    StageCosts,
-    choose_schedule,
-    plan,
-    simulate,
-    validate,
-)
+from pp_schedules import Costs, StageCosts
+from pp_schedules.planning import choose_schedule, plan, simulate, validate
 
 LAYER = Costs(forward=1.0, backward=2.0)
 

@@ -12,10 +12,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from pp_schedules import plan, validate
-from pp_schedules.flight_recorder import FlightRecorder, NullFlightRecorder, check_recorder_size
-from pp_schedules.lowering import Step
-from pp_schedules.stop_channel import (
+from pp_schedules.planning import plan, validate
+from pp_schedules.planning._lowering import Step
+from pp_schedules.runtime._flight_recorder import (
+    FlightRecorder,
+    NullFlightRecorder,
+    check_recorder_size,
+)
+from pp_schedules.runtime._stop_channel import (
     answer_ask,
     ask_to_publish,
     foreign,
@@ -24,7 +28,7 @@ from pp_schedules.stop_channel import (
     publish_head,
     read_position,
 )
-from pp_schedules.stop_report import build_stop_report, describe_step
+from pp_schedules.runtime._stop_report import build_stop_report, describe_step
 from pp_state.store_channel import StoreChannel
 
 PP, M = 3, 4

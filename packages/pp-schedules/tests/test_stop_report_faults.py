@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import ScheduleConfig, get_forward_backward_func
-from pp_schedules.stop_report import StopReport
+from pp_schedules.runtime._stop_report import StopReport
 from pp_state import Placement
 from pp_testing import (
     StageStack,

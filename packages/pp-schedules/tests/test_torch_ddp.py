@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from pp_schedules import ScheduleConfig, get_forward_backward_func
+from pp_schedules import ScheduleConfig, get_forward_backward_func, resolve_schedule
 from pp_testing import StageStack, reference_run, run_distributed, tiny_layers, tiny_microbatches
 
 WIDTH, SEQ, BATCH, LAYERS, MICROBATCHES = 4, 3, 2, 2, 4
@@ -85,8 +85,9 @@ def test_torch_ddp_reduces_once_per_step_and_gets_the_averaged_gradients(explici
 def _gpipe_on_one_stage() -> str:
     ddp = DistributedDataParallel(StageStack(tiny_layers(LAYERS, WIDTH)))
     forward_backward = get_forward_backward_func(
-        None, config=ScheduleConfig(hidden_size=WIDTH, schedule="gpipe")
-    )
+        None, resolve_schedule("gpipe", pp_size=1, microbatch_counts=[2]),
+        config=ScheduleConfig(hidden_size=WIDTH),
+    )  # fmt: skip
     with pytest.raises(ValueError, match="DistributedDataParallel") as error:
         forward_backward(
             forward_step_func=_forward_step,

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pp_schedules import (
+from pp_schedules import PlanError, parse_schedule
+from pp_schedules.planning import (
     Action,
-    PlanError,
     Step,
     format_plan,
     lower,
     lowered_actions,
     parse_plan,
-    parse_schedule,
     plan,
     validate,
 )

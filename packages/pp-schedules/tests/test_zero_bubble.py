@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pp_schedules import (
+from pp_schedules import Costs, PlanError
+from pp_schedules.planning import (
     Action,
-    Costs,
-    PlanError,
     format_plan,
     lower,
     lowered_actions,

@@ -34,6 +34,7 @@ from pp_optim import (
     OptimizerParamScheduler,
 )
 from pp_schedules import MemoryProbe, PipelineExecutor, ScheduleConfig, get_forward_backward_func
+from pp_schedules.planning import resolve_on_demand
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_tensor import MODEL_PARALLEL_RNG, RNGStatesTracker
 from pp_train import (
@@ -152,10 +153,12 @@ class Training:
         self.state = parallel_state(setup.pp, setup.vp)
         self.placement = Placement.named(setup.placement, setup.pp, setup.vp)
         self.model, self.optimizer, self.scheduler = self._build()
+        resolved = resolve_on_demand(
+            setup.schedule, pp_size=setup.pp, vp_size=setup.vp, placement=self.placement
+        )
         self.executor: PipelineExecutor = build_forward_backward_func(
-            self.state, self.model, self.optimizer, hidden_size=gpt.hidden_size,
-            schedule=setup.schedule, placement=self.placement,
-        )  # fmt: skip
+            self.state, self.model, self.optimizer, hidden_size=gpt.hidden_size, resolved=resolved
+        )
         dp = self.state.group_size("dp")
         self.streams = [
             microbatches(CorpusDataset(_corpus(), gpt.seq_length, seed=3), consumed_samples=0,
@@ -313,8 +316,8 @@ class PipelinePair:
             state.group("pp"), config=CommConfig(pipeline_dtype=torch.float32)
         )
         self.ours = get_forward_backward_func(
-            self.communicator, vp_size=1,
-            config=ScheduleConfig(hidden_size=gpt.hidden_size, schedule=setup.schedule),
+            self.communicator, resolve_on_demand(setup.schedule, pp_size=pp),
+            config=ScheduleConfig(hidden_size=gpt.hidden_size),
         )  # fmt: skip
         stage = PipelineStage(TorchStage(self.chunk), rank, pp, torch.device("cpu"),
                               group=state.group("pp"))  # fmt: skip

@@ -75,7 +75,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from pp_comm import CommConfig, frame_buffers
-from pp_schedules import MemoryProbe, MemoryTrack, TransferBuffers, simulate
+from pp_schedules import MemoryProbe
+from pp_schedules.planning import MemoryTrack, TransferBuffers, simulate
 from pp_train import RecomputeConfig
 from pp_train.app import GPTConfig
 from pp_train.app.auto_schedule import model_figures

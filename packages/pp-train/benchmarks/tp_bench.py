@@ -403,9 +403,7 @@ def ours(
         {key: value.transpose(0, 1).contiguous() for key, value in batch.items()}
         for batch in microbatches(args)
     ]
-    executor = get_forward_backward_func(
-        comm, config=ScheduleConfig(hidden_size=args.hidden, schedule="1f1b" if comm else None)
-    )
+    executor = get_forward_backward_func(comm, config=ScheduleConfig(hidden_size=args.hidden))
     optimizer = torch.optim.SGD(chunk.parameters(), lr=args.lr)
     seq_length = args.seq // TP if sp else args.seq
 

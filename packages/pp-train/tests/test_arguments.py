@@ -142,7 +142,7 @@ def test_groups_are_frozen_and_keyword_only() -> None:
 def test_the_schedule_flag_offers_the_registrys_pipelined_schedules_and_auto() -> None:
     from typing import get_args
 
-    from pp_schedules import SCHEDULE_REGISTRY
+    from pp_schedules.planning import SCHEDULE_REGISTRY
     from pp_train.arguments import PipelineScheduleName
 
     pipelined = set(SCHEDULE_REGISTRY) - {"no_pipelining"}

@@ -216,7 +216,7 @@ def test_an_unwritable_trace_folder_is_refused(
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("pp_schedules.profiling.tempfile.NamedTemporaryFile", refuse)
+    monkeypatch.setattr("pp_schedules.runtime._profiling.tempfile.NamedTemporaryFile", refuse)
     err = _refused([*PP2, "--profile-schedule", str(tmp_path / "t.json")], monkeypatch, capsys)
     assert "cannot be written: Permission denied" in err
 

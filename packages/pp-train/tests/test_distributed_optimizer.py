@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, DistributedOptimizer, LRScheduleConfig, OptimizerConfig
+from pp_schedules.planning import resolve_on_demand
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
@@ -130,8 +131,10 @@ def _train(
         )
         for _ in range(vp)
     ]  # fmt: skip
+    resolved = resolve_on_demand(case.schedule, pp_size=state.pipeline_model_parallel_size,
+                                 vp_size=vp)  # fmt: skip
     forward_backward = build_forward_backward_func(
-        state, model, optimizer, hidden_size=GPT.hidden_size, schedule=case.schedule
+        state, model, optimizer, hidden_size=GPT.hidden_size, resolved=resolved
     )
     losses: list[float] = []
     norms: list[float | None] = []

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from pp_schedules import MemoryProbe, StageMemory
+from pp_schedules import MemoryProbe
+from pp_schedules.planning import StageMemory
 from pp_tensor import RNGStatesTracker, add_model_parallel_states
 from pp_train.app.auto_schedule import model_figures, part_memory
 from pp_train.app.gpt import GPTChunk, GPTConfig

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
+from pp_schedules.planning import resolve_on_demand
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
@@ -98,10 +99,10 @@ def _train(case: Case, state: ParallelState, recompute: RecomputeConfig | None) 
         ddp_config=DDPConfig(), placement=placement,
     )  # fmt: skip
     assert all(chunk.training for chunk in model)
+    resolved = resolve_on_demand(case.schedule, pp_size=2, vp_size=case.vp, placement=placement)
     forward_backward = build_forward_backward_func(
-        state, model, optimizer, hidden_size=gpt.hidden_size, schedule=case.schedule,
-        placement=placement,
-    )  # fmt: skip
+        state, model, optimizer, hidden_size=gpt.hidden_size, resolved=resolved
+    )
     streams = [
         microbatches(CorpusDataset(_tokens(), SEQ, seed=3), consumed_samples=0,
                      micro_batch_size=MICRO, data_parallel_rank=0, data_parallel_size=1)

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-import pp_schedules.auto
-import pp_schedules.validation
+import pp_schedules.planning._auto
+import pp_schedules.planning._validation
 import pp_train.world
 from pp_testing import run_distributed
 from pp_train.app import build_parser, main, validate_args
@@ -54,7 +54,10 @@ def _counted_launch(argv: list[str], plan_path: str | None) -> dict[str, int]:
     counts: Counter[str] = Counter()
     checked = False
     real_open, real_check = builtins.open, pp_train.world.check_world
-    real_choose, real_validate = pp_schedules.auto.choose_schedule, pp_schedules.validation.validate
+    real_choose, real_validate = (
+        pp_schedules.planning._auto.choose_schedule,
+        pp_schedules.planning._validation.validate,
+    )
 
     def counting_open(file: Any, *args: Any, **kwargs: Any) -> Any:
         if plan_path is not None and isinstance(file, (str, Path)) and str(file) == plan_path:

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import PipelineExecutor, ScheduleConfig, get_forward_backward_func
-from pp_schedules.stop_channel import report_stop
-from pp_schedules.stop_report import RankPosition, StopReport
+from pp_schedules.runtime import RankPosition, StopReport, report_stop
 from pp_state import Placement, coordinates_in, rank_layout
 from pp_state.collectives import CollectiveError
 from pp_state.store_channel import StoreChannel

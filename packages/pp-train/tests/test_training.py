@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import DDPConfig, LRScheduleConfig, OptimizerConfig
+from pp_schedules.planning import resolve_on_demand
 from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import (
@@ -156,7 +157,9 @@ def _forward_backward(run: Run, state: ParallelState, model: Any, optimizer: Any
         model,
         optimizer,
         hidden_size=GPT.hidden_size,
-        placement=Placement.named(run.placement, run.pp, vp),
+        resolved=resolve_on_demand(
+            pp_size=run.pp, vp_size=vp, placement=Placement.named(run.placement, run.pp, vp)
+        ),
     )
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pp_schedules import Costs, LayerBalance, balance_layers, schedule_spec
+from pp_schedules import Costs, schedule_spec
+from pp_schedules.planning import LayerBalance, balance_layers
 from pp_state import LayerLayoutError, PipelineLayerLayout
 from pp_state.numbers import divisors
 from pp_train.arguments import ParallelArgs

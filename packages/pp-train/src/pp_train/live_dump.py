@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pp_schedules import PipelineExecutor
-from pp_schedules.stop_channel import answer_ask, first_line
+from pp_schedules.runtime import answer_ask, first_line
 from pp_state import liveness
 from pp_state.store_channel import StoreChannel
 from pp_train.stop_reports import report_on_sigterm, use_default_store, write_line

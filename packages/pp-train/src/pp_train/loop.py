@@ -18,8 +18,9 @@ import torch
 
 from pp_comm import NullTimers
 from pp_optim import MegatronOptimizer, OptimizerParamScheduler
-from pp_schedules import PipelineExecutor, Simulation
-from pp_schedules.stop_report import StopReport
+from pp_schedules import PipelineExecutor
+from pp_schedules.planning import Simulation
+from pp_schedules.runtime import StopReport
 from pp_state import ParallelState, Placement
 from pp_state.collectives import CollectiveError
 from pp_train.arguments import PretrainConfig

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from pp_optim import MegatronOptimizer
-from pp_schedules import MemoryProbe, MemorySample, MemoryTrack, PipelineExecutor
+from pp_schedules import MemoryProbe, MemorySample, PipelineExecutor
+from pp_schedules.planning import MemoryTrack
 from pp_state import ParallelState
 
 __all__ = [

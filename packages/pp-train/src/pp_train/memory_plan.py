@@ -18,20 +18,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from pp_comm import CommConfig, frame_buffers
-from pp_schedules import (
-    Choice,
-    Costs,
-    MemoryLimitError,
+from pp_schedules import Choice, Costs, MemoryLimitError, StageCosts, schedule_spec
+from pp_schedules.planning import (
     MemoryModel,
     PlanOption,
     Simulation,
-    StageCosts,
     StageMemory,
     TransferBuffers,
     chain,
     choose_fitting,
     format_bytes_apart,
-    schedule_spec,
     schedules_for,
     simulate,
 )

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pp_schedules import MemoryProbe, PipelineExecutor, check_trace_path, write_schedule_trace
+from pp_schedules import MemoryProbe, PipelineExecutor, write_schedule_trace
+from pp_schedules.runtime import check_trace_path
 from pp_state import ParallelState
 from pp_state.collectives import collective, collective_device
 from pp_train.arguments import LoggingArgs

@@ -23,11 +23,12 @@ from pp_optim import (
 )
 from pp_schedules import (
     PipelineExecutor,
-    Plan,
     ResolvedSchedule,
     ScheduleConfig,
     get_forward_backward_func,
 )
+from pp_schedules.planning import default_prefetch, resolve_on_demand
+from pp_schedules.runtime import transport_of
 from pp_state import ParallelState, Placement
 from pp_state.collectives import collective, collective_device
 from pp_train.checkpoint.agreement import gather_ints
@@ -88,9 +89,6 @@ def build_forward_backward_func(
     device: torch.device | None = None,
     timers: Timers | None = None,
     comm_config: CommConfig | None = None,
-    schedule: str | None = None,
-    plan: Plan | str | None = None,
-    placement: Placement | None = None,
     resolved: ResolvedSchedule | None = None,
     sequence_parallel: bool = False,
 ) -> PipelineExecutor:
@@ -109,51 +107,44 @@ def build_forward_backward_func(
         device: Where received tensors go.
         timers: Megatron-style timers for the compute and communication phases.
         comm_config: pp-comm settings; by default the model's dtype on the wire.
-        schedule: A schedule name (`pp_schedules.SCHEDULE_REGISTRY`); by default the
-            registry's default for the sizes (Megatron's choice).
-        plan: A plan to run instead (a `pp_schedules.Plan` or its text, with its placement).
-        placement: The placement the model was built for (`get_model`); checked against
-            the plan's. Looped when None and no plan is given.
-        resolved: The schedule resolved once (`pp_schedules.resolve_schedule`; `check_world`'s
-            `RunLayout.resolved`): the executor plans nothing itself. Given alone.
+        resolved: The schedule resolved once (`pp_schedules.resolve_schedule`, or the run's
+            `pp_train.RunPlan.resolved`): a name, ``auto``'s pick or a plan, with its
+            placement and every validated plan; the executor plans nothing itself. None:
+            Megatron's choice for the sizes (1F1B, interleaved 1F1B with several chunks),
+            resolved for each microbatch count when first run.
         sequence_parallel: The chunks' activations between stages are split along the
             sequence over `state`'s tensor-parallel group (``--sequence-parallel``).
 
     Raises:
-        ValueError: A schedule and a plan together, a resolved schedule with either, or a
-            plan, placement or resolved schedule that does not fit the pipeline.
+        ValueError: A resolved schedule that does not fit the pipeline or the chunks.
     """
-    _check_one_schedule(schedule, plan, placement, resolved)
     communicator = _pipeline_communicator(
         state, model, device=device, timers=timers, comm_config=comm_config
     )
+    if resolved is None:
+        headers = communicator is not None and communicator.config.exchanges_shapes
+        transport = transport_of(communicator)
+        resolved = resolve_on_demand(
+            pp_size=state.pipeline_model_parallel_size, vp_size=len(model), transport=transport,
+            prefetch=default_prefetch(transport, headers), exchanges_shapes=headers,
+        )  # fmt: skip
+    elif resolved.vp_size != len(model):
+        raise ValueError(
+            f"the resolved schedule runs {resolved.vp_size} model chunk(s) per rank, but "
+            f"{len(model)} were given; build the model for the resolved schedule"
+        )
     pipelined = state.pipeline_model_parallel_size > 1
     config = ScheduleConfig(
-        hidden_size=hidden_size, schedule=schedule, plan=plan, placement=placement,
+        hidden_size=hidden_size,
         pipeline_model_parallel_split_rank=state.pipeline_model_parallel_split_rank
         if pipelined else None,
         grad_scale_func=optimizer.scale_loss, no_sync_func=_no_sync_func(model), timers=timers,
     )  # fmt: skip
-    split = state.tensor_model_parallel_size if sequence_parallel else 1
-    return _executor(communicator, len(model), config, resolved, sequence_split=split)
-
-
-def _executor(
-    communicator: P2PCommunicator | None,
-    vp_size: int,
-    config: ScheduleConfig,
-    resolved: ResolvedSchedule | None,
-    *,
-    sequence_split: int,
-) -> PipelineExecutor:
-    """pp-schedules' executor; one that splits the sequence when `sequence_split` > 1."""
-    if sequence_split > 1:
+    if sequence_parallel and state.tensor_model_parallel_size > 1:
         return _SequenceSplitExecutor(
-            sequence_split, communicator, vp_size=vp_size, config=config, resolved=resolved
+            state.tensor_model_parallel_size, communicator, resolved, config=config
         )
-    return get_forward_backward_func(
-        communicator, vp_size=vp_size, config=config, resolved=resolved
-    )
+    return get_forward_backward_func(communicator, resolved, config=config)
 
 
 class _SequenceSplitExecutor(PipelineExecutor):
@@ -167,12 +158,11 @@ class _SequenceSplitExecutor(PipelineExecutor):
         self,
         split: int,
         communicator: P2PCommunicator | None,
+        resolved: ResolvedSchedule,
         *,
-        vp_size: int,
         config: ScheduleConfig,
-        resolved: ResolvedSchedule | None,
     ) -> None:
-        super().__init__(communicator, vp_size=vp_size, config=config, resolved=resolved)
+        super().__init__(communicator, resolved, config=config)
         self.sequence_split = split
 
     def __call__(
@@ -194,23 +184,6 @@ class _SequenceSplitExecutor(PipelineExecutor):
                 f"{self.sequence_split}, which sequence parallelism splits it over"
             )
         return length // self.sequence_split
-
-
-def _check_one_schedule(
-    schedule: str | None,
-    plan: Plan | str | None,
-    placement: Placement | None,
-    resolved: ResolvedSchedule | None,
-) -> None:
-    """A name or a plan, or a resolved schedule alone (it carries its name, plan, placement)."""
-    if schedule is not None and plan is not None:
-        raise ValueError(f"give a schedule name or a plan, not both (schedule {schedule!r})")
-    if resolved is not None and (schedule, plan, placement) != (None, None, None):
-        raise ValueError(
-            "a resolved schedule carries its schedule, plan and placement; give it alone "
-            f"(schedule {schedule!r}, plan {'given' if plan is not None else None}, "
-            f"placement {placement})"
-        )
 
 
 def _pipeline_communicator(

@@ -34,8 +34,7 @@ import torch.distributed as dist
 
 from pp_comm import P2PError
 from pp_schedules import PipelineExecutor
-from pp_schedules.stop_channel import first_line, read_position, report_stop
-from pp_schedules.stop_report import StopReport
+from pp_schedules.runtime import StopReport, first_line, read_position, report_stop
 from pp_state.collectives import (
     CollectiveError,
     collective,

@@ -17,15 +17,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from pp_schedules import (
-    Choice,
-    MemoryModel,
-    Plan,
-    ResolvedSchedule,
-    check_trace_path,
-    parse_schedule,
-    resolve_schedule,
-)
+from pp_schedules import Choice, Plan, ResolvedSchedule, parse_schedule, resolve_schedule
+from pp_schedules.planning import MemoryModel
+from pp_schedules.runtime import check_trace_path
 from pp_state import PipelineLayerLayout, Placement
 from pp_state.numbers import divisors
 from pp_train.arguments import PretrainConfig

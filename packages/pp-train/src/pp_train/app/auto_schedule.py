@@ -23,9 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from pp_schedules import Choice, Costs, MemoryProbe, StageMemory, choose_schedule
-from pp_schedules.memory_probe import measure_stage
-from pp_schedules.split_backward import backward_input
+from pp_schedules import Choice, Costs, MemoryProbe
+from pp_schedules.planning import StageMemory, choose_schedule
+from pp_schedules.runtime import backward_input, measure_stage
 from pp_state.collectives import collective
 from pp_tensor import RNGStatesTracker, add_model_parallel_states
 from pp_train.app.gpt import GPTChunk, GPTConfig

@@ -18,8 +18,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from pp_schedules.actions import CATEGORIES
-from pp_schedules.simulation import Simulation
+from pp_schedules.planning import CATEGORIES, Simulation
 
 __all__ = [
     "MeasuredSpan",

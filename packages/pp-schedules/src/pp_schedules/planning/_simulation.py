@@ -11,7 +11,7 @@ gradients, optimizer state) plus, step by step, everything the executor holds: t
 activations of every forward not yet released by its last backward step (``B``, or ``W``
 after a split backward), outputs until their sends complete, received tensors, gradients
 made and not yet sent, what an ``I`` keeps for its ``W``, each step's transient and the
-transport's frames (see `pp_schedules.memory_walk`); `Simulation.memory` holds one
+transport's frames (see the memory walk); `Simulation.memory` holds one
 `MemoryTrack` per rank.
 """
 
@@ -22,11 +22,11 @@ import json
 from collections import defaultdict
 from collections.abc import Sequence
 
-from pp_schedules.actions import CATEGORIES, Action
-from pp_schedules.memory import MemoryModel, StaticBytes, format_bytes, stage_ends
-from pp_schedules.memory_walk import walk_rank
-from pp_schedules.planning_cost import collection_paused
-from pp_schedules.validation import Links, PlanReport, sends_delivered
+from pp_schedules.planning._actions import CATEGORIES, Action
+from pp_schedules.planning._memory import MemoryModel, StaticBytes, format_bytes, stage_ends
+from pp_schedules.planning._memory_walk import walk_rank
+from pp_schedules.planning._planning_cost import collection_paused
+from pp_schedules.planning._validation import Links, PlanReport, sends_delivered
 
 __all__ = [
     "Costs",
@@ -541,7 +541,7 @@ def with_memory(timed: Simulation, report: PlanReport, memory: MemoryModel) -> S
     """`timed` (a simulation of `report`) with every rank's bytes under `memory` added.
 
     The bytes depend on the order of the steps, not on their times, so one timeline serves
-    every memory model (`pp_schedules.plan_cache` simulates once per cost set).
+    every memory model (`PlanCache` simulates once per cost set).
 
     Raises:
         ValueError: As `simulate` with this memory model.

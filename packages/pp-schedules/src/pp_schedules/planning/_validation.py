@@ -20,8 +20,8 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
-from pp_schedules.actions import Action
-from pp_schedules.lowering import (
+from pp_schedules.planning._actions import Action
+from pp_schedules.planning._lowering import (
     Message,
     Step,
     incoming_message,
@@ -29,8 +29,8 @@ from pp_schedules.lowering import (
     outgoing_message,
     placement_of,
 )
-from pp_schedules.nccl_rules import check_transport, nccl_problem
-from pp_schedules.planning_cost import collection_paused
+from pp_schedules.planning._nccl_rules import check_transport, nccl_problem
+from pp_schedules.planning._planning_cost import collection_paused
 from pp_state.placement import Placement
 
 __all__ = ["Links", "PlanError", "PlanReport", "render_grid", "validate"]
@@ -39,13 +39,15 @@ __all__ = ["Links", "PlanError", "PlanReport", "render_grid", "validate"]
 class PlanError(ValueError):
     """A plan is incomplete, out of order or would deadlock; the message draws the grid."""
 
+    __module__ = "pp_schedules"  # where users import it from, as tracebacks name it
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanReport:
     """What validation learnt about a valid plan.
 
     Attributes:
-        steps: The lowered plan the executor runs (see `pp_schedules.lowering.lower`).
+        steps: The lowered plan the executor runs (see `lower`).
         peak_in_flight: For each rank, the most (microbatch, chunk) forwards whose backward
             has not run yet: the activations it must hold at once.
         placement: Which virtual stage each (rank, chunk) holds.
@@ -248,7 +250,7 @@ def _run(steps: Sequence[Sequence[Step]], transport: str, exchanges_shapes: bool
     """Execute the plan under the executor's rules; raise PlanError on deadlock or mismatch.
 
     gloo's rules first (tags keep the streams apart); on NCCL, then its own rules too (see
-    `pp_schedules.nccl_rules`), which only refuse more.
+    NCCL's rules), which only refuse more.
     """
     links = Links(steps)
     links.check_pairs()
@@ -399,7 +401,7 @@ def validate(
         prefetch: Post each receive this many exchanges early (see `lower`); a plan that
             writes its exchanges is checked and kept as written.
         transport: Whose rules the exchanges run under: "gloo" (pairing by peer and tag)
-            or "nccl" (by posting order, batches blocking; `pp_schedules.nccl_rules`).
+            or "nccl" (by posting order, batches blocking; NCCL's rules).
         exchanges_shapes: Shape headers go ahead of messages (matters on NCCL only).
 
     Returns:

@@ -13,15 +13,15 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-from pp_schedules.actions import Action
-from pp_schedules.generators import gpipe, interleaved_1f1b, no_pipelining, one_f_one_b
-from pp_schedules.planning_cost import (
+from pp_schedules.planning._actions import Action
+from pp_schedules.planning._generators import gpipe, interleaved_1f1b, no_pipelining, one_f_one_b
+from pp_schedules.planning._planning_cost import (
     DEFAULT_MAX_PLAN_STEPS,
     check_plan_budget,
     collection_paused,
 )
-from pp_schedules.plans import Plan
-from pp_schedules.zero_bubble import zb_h1, zbv
+from pp_schedules.planning._plans import Plan
+from pp_schedules.planning._zero_bubble import zb_h1, zbv
 from pp_state.numbers import check_int
 from pp_state.placement import Placement
 

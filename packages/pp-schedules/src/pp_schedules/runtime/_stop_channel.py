@@ -6,7 +6,7 @@ on SIGTERM), each rank that can still act publishes one JSON document under
 group's store (torchrun's TCPStore, a FileStore in tests), which does not depend on the
 pipeline's connections. It then reads its neighbours' documents, and theirs', around the ring
 of stages, until every stage has answered or a short bounded wait is over; a rank that never
-answers is placed by the plan (`pp_schedules.stop_report`). Nothing here waits without a
+answers is placed by the plan (`StopReport`). Nothing here waits without a
 bound, and a store that fails only costs a one-line note on stderr.
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from pp_comm import P2PCommunicator, P2PError, P2PMismatchError, P2PTimeoutError
-from pp_schedules.flight_recorder import FlightRecorder
-from pp_schedules.stop_report import StopReport, build_stop_report
+from pp_schedules.runtime._flight_recorder import FlightRecorder
+from pp_schedules.runtime._stop_report import StopReport, build_stop_report
 from pp_state.collectives import CollectiveError
 from pp_state.coordinates import RankCoordinates
 from pp_state.liveness import assess

@@ -1,8 +1,8 @@
-"""What the executor takes besides the communicator: the schedule config and its types.
+"""What the executor takes besides the communicator and the schedule: its config and types.
 
-`ScheduleConfig` holds Megatron's ModelParallelConfig parts the executor reads (hidden size,
-schedule, loss scaling, no_sync, timers); `ForwardStepFunc` and `PlanLike` name what a call
-and a given plan may be.
+`ScheduleConfig` holds the parts of Megatron's ModelParallelConfig the executor reads (hidden
+size, encoder-decoder split, loss scaling, no_sync, timers); which schedule runs is the
+resolved schedule's alone. `ForwardStepFunc` names what a call takes.
 """
 
 from __future__ import annotations
@@ -15,51 +15,25 @@ from typing import Any
 import torch
 
 from pp_comm import Timers
-from pp_schedules.actions import Action
-from pp_schedules.plans import Plan
-from pp_state.placement import Placement
 
-__all__ = ["ForwardStepFunc", "PlanLike", "ScheduleConfig"]
+__all__ = ["ForwardStepFunc", "ScheduleConfig"]
 
 ForwardStepFunc = Callable[..., tuple[Any, Callable[..., Any]]]
 """``forward_step_func(data_iterator, model_chunk) -> (output, loss_func)``."""
 
-PlanLike = Plan | str | Sequence[Sequence[Action]]
-"""A plan, its text form (see `pp_schedules.parse_schedule`), or compute action lists."""
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
-    """What the executor needs besides the communicator (Megatron's ModelParallelConfig parts)."""
+    """What the executor needs besides the communicator and the resolved schedule.
+
+    The schedule, its placement, interleaving group and receive prefetch are the resolved
+    schedule's (`pp_schedules.resolve_schedule`); these are the rest of Megatron's
+    ModelParallelConfig fields the executor reads.
+    """
 
     hidden_size: int | None = None
     """Width of the activations between stages: they travel as (seq_length, micro_batch_size,
     hidden_size). None when the communicator exchanges shapes (variable_seq_lengths)."""
-
-    schedule: str | None = None
-    """A schedule name for `pp_schedules.plan` (or "auto"); by default the registry's
-    `default_schedule`: no_pipelining for one stage, interleaved_1f1b with virtual stages on
-    the looped placement (gpipe on another), 1f1b otherwise. Not needed with a resolved
-    schedule (if set, it must be its name)."""
-
-    plan: PlanLike | None = None
-    """A plan to run instead of a named schedule: a `Plan`, its text, or compute action lists.
-    It is validated before anything is sent; a forward-only call runs its forward steps."""
-
-    placement: str | Placement | None = None
-    """Which virtual stage each chunk holds for a named schedule: "looped" (Megatron's, the
-    default) or "v"; a given plan carries its own."""
-
-    microbatch_group_size_per_vp_stage: int | None = None
-    """Interleaving group size (the pipeline size by default)."""
-
-    prefetch_receives: int | None = None
-    """Post each receive this many exchanges before the one its step needs (see
-    `pp_schedules.lower`); the plan validated and run is the moved one. By default 1 on gloo
-    with fixed shapes, where a receive posted only when needed costs a round trip; 0 on NCCL,
-    where transfers complete in posting order and an early receive would hold up later
-    sends, and with shape headers, which are waited for when a receive is posted. A plan
-    that writes its exchanges runs as written."""
 
     pipeline_model_parallel_split_rank: int | None = None
     """Encoder-decoder models: the first decoder stage. From it on, stages receive and send two

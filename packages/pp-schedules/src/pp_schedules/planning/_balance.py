@@ -21,10 +21,10 @@ import inspect
 from collections.abc import Callable
 from typing import ParamSpec
 
-from pp_schedules.registry import default_schedule, schedules_for
-from pp_schedules.resolution import plan
-from pp_schedules.simulation import Costs, StageCosts, simulate
-from pp_schedules.validation import validate
+from pp_schedules.planning._registry import default_schedule, schedules_for
+from pp_schedules.planning._resolution import plan
+from pp_schedules.planning._simulation import Costs, StageCosts, simulate
+from pp_schedules.planning._validation import validate
 
 __all__ = ["LayerBalance", "balance_layers", "balanced_counts", "even_counts"]
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pp_schedules.actions import Action
-from pp_schedules.lowering import Exchange, Message, Step
-from pp_schedules.memory import MemoryModel, StageMemory, TransferBuffers
+from pp_schedules.planning._actions import Action
+from pp_schedules.planning._lowering import Exchange, Message, Step
+from pp_schedules.planning._memory import MemoryModel, StageMemory, TransferBuffers
 from pp_state.placement import Placement
 
 __all__ = ["RankBytes", "walk_rank"]
@@ -317,7 +317,7 @@ def walk_rank(
         rank: The pipeline rank.
         steps: Its lowered steps.
         delivered: After which step each exchange's sends are complete
-            (`pp_schedules.validation.sends_delivered` for the rank).
+            (`sends_delivered` for the rank).
     """
     walk = _Walk(model, placement, rank, delivered)
     for _ in range(2):  # the second step finds the frames the first one kept

@@ -18,21 +18,19 @@ from typing import Any, Protocol, cast
 import torch
 
 from pp_comm import P2PCommunicator, P2PHandle, P2PMessage, Timers
-from pp_schedules.actions import COMPUTE, Action
-from pp_schedules.autograd import (
+from pp_schedules.planning import COMPUTE, Action, Exchange, Message, PlanReport, Step
+from pp_schedules.runtime._autograd import (
     custom_backward,
     deallocate_output_tensor,
     is_torch_ddp,
     tensor_list,
 )
-from pp_schedules.flight_recorder import FlightRecorder
-from pp_schedules.lowering import Exchange, Message, Step
-from pp_schedules.memory_probe import MemoryProbe, storage_bytes
-from pp_schedules.schedule_config import ForwardStepFunc, ScheduleConfig
-from pp_schedules.split_backward import WeightGradients, backward_input
-from pp_schedules.stages import Boundary
-from pp_schedules.timeline import TimelineRecorder
-from pp_schedules.validation import PlanReport
+from pp_schedules.runtime._flight_recorder import FlightRecorder
+from pp_schedules.runtime._memory_probe import MemoryProbe, storage_bytes
+from pp_schedules.runtime._schedule_config import ForwardStepFunc, ScheduleConfig
+from pp_schedules.runtime._split_backward import WeightGradients, backward_input
+from pp_schedules.runtime._stages import Boundary
+from pp_schedules.runtime._timeline import TimelineRecorder
 from pp_state.placement import Placement
 
 __all__ = [
@@ -153,7 +151,7 @@ class WalkHost(Protocol):
     memory_probe: MemoryProbe | None
     """Samples the rank's bytes after each compute step, when set."""
     recorder: FlightRecorder
-    """Keeps the rank's last steps (always on; see `pp_schedules.flight_recorder`)."""
+    """Keeps the rank's last steps (always on; see `FlightRecorder`)."""
 
     @property
     def exchanges_shapes(self) -> bool:
@@ -190,7 +188,7 @@ class PlanWalk:
         self.placement = prepared.placement
         hidden = executor.config.hidden_size
         seq, batch = call.seq_and_batch
-        # Megatron's (seq, batch, hidden), for chunks without contracts (`pp_schedules.stages`).
+        # Megatron's (seq, batch, hidden), for chunks without contracts (`Boundary`).
         self.shape: tuple[int, ...] | None = None
         self.decoder_shape: tuple[int, ...] | None = None
         if hidden is not None and seq is not None and batch is not None:

@@ -16,7 +16,7 @@ one can be matched), the call it follows and the training iteration (`set_traini
 
 `head` is what the rank is doing: a collective it is in (begun and not ended), else the step
 it is in (started and not ended) or last ended. A stopped pipeline's ranks publish their
-heads so that one report says where every rank was (`pp_schedules.stop_report`).
+heads so that one report says where every rank was (`StopReport`).
 
 Pure Python, no torch.
 """
@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pp_schedules.lowering import Message, Step
+from pp_schedules.planning import Message, Step
 
 __all__ = [
     "DEFAULT_RECORDER_SIZE",

@@ -1,7 +1,7 @@
 """Schedule generators: the per-rank order of forward and backward steps, as data.
 
 Each generator returns, for every pipeline rank, its compute actions in execution order; the
-registry (`pp_schedules.registry`) names them and says where each runs. For
+registry (`SCHEDULE_REGISTRY`) names them and says where each runs. For
 every configuration Megatron-LM accepts, the order equals Megatron's (checked against data
 recorded from Megatron itself); configurations Megatron refuses raise a ValueError that states
 the rule and suggests valid values.
@@ -9,7 +9,7 @@ the rule and suggests valid values.
 
 from __future__ import annotations
 
-from pp_schedules.actions import Action
+from pp_schedules.planning._actions import Action
 from pp_state.numbers import check_int
 
 __all__ = [
@@ -26,6 +26,8 @@ Actions = list[list[Action]]
 
 class ScheduleConfigError(ValueError, RuntimeError):
     """A configuration the interleaved schedule refuses (Megatron raises a RuntimeError)."""
+
+    __module__ = "pp_schedules"  # where users import it from, as tracebacks name it
 
 
 def no_pipelining(*, pp_size: int, num_microbatches: int, forward_only: bool = False) -> Actions:

@@ -50,7 +50,7 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
-from pp_schedules.lowering import Message, Step
+from pp_schedules.planning._lowering import Message, Step
 
 __all__ = ["TRANSPORTS", "Problem", "check_transport", "nccl_problem"]
 
@@ -335,9 +335,9 @@ def nccl_problem(
     """Why the lowered plan would mis-pair or hang on NCCL, or None if it runs there.
 
     Args:
-        steps: The lowered plan (see `pp_schedules.lowering.lower`).
+        steps: The lowered plan (see `lower`).
         consumer: For each (rank, compute step), the (exchange step, message) of each receive
-            it uses (`pp_schedules.validation.Links.consumer`).
+            it uses (`Links.consumer`).
         exchanges_shapes: Whether a shape header goes ahead of every message.
         stream_groups: Whether each stream has a process group of its own, as pp-comm gives
             it; False models one group for the whole pipeline.

@@ -2,7 +2,7 @@
 
 `build_stop_report` takes the plan's lowered steps, the positions the ranks published (each
 rank's flight-recorder head: the plan step or the collective it is in, its recent steps, its
-error; see `pp_schedules.stop_channel`) and what the store says of each rank's liveness
+error; see the stop channel) and what the store says of each rank's liveness
 (`pp_state.liveness`), and returns a `StopReport`: the rank x step grid of the pipeline with
 each rank's step marked, who waits for whom (in a transfer of the plan, or in a collective
 outside it), and the cause in one sentence. Every rank is named by its global rank, with its
@@ -38,13 +38,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pp_schedules.lowering import Step
-from pp_schedules.timeline import MeasuredSpan, chrome_trace
+from pp_schedules.planning import Step
+from pp_schedules.runtime._timeline import MeasuredSpan, chrome_trace
 
 __all__ = ["RankPosition", "StopReport", "Wait", "build_stop_report", "describe_step"]
 
 Head = Mapping[str, Any]
-"""What one rank published: see `pp_schedules.stop_channel.position_document`."""
+"""What one rank published: see `position_document`."""
 Describe = Callable[[int], str]
 """Names a global rank with its place: ``rank 3 (pipeline stage 1 of [1, 3], dp 1, tp 0)``."""
 

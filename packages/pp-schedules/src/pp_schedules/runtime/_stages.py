@@ -10,7 +10,7 @@ stage's own data iterator.
 What crosses each boundary (a tensor, a tuple or a dict of tensors, their shapes and dtypes)
 is a `Boundary`; the executor sends and receives by it, so no hidden size and no particular
 batch dimension is assumed. Gradients travel back for the floating-point tensors of a
-boundary. `pp_schedules.pipeline_model.PipelineModel` builds the chunks and their boundaries.
+boundary. `PipelineModel` builds the chunks and their boundaries.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from pp_schedules.actions import Action
+from pp_schedules.planning import Action
 
 __all__ = [
     "check_torch_ddp_order",

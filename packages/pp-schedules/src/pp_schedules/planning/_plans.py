@@ -25,11 +25,11 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from pp_schedules.actions import Action, parse_action
-from pp_schedules.lowering import Exchange, Step, message_for
+from pp_schedules.planning._actions import Action, parse_action
+from pp_schedules.planning._lowering import Exchange, Step, message_for
 from pp_state.placement import Placement
 
-__all__ = ["Plan", "as_plan", "format_schedule", "parse_schedule"]
+__all__ = ["Plan", "PlanLike", "as_plan", "format_schedule", "parse_schedule"]
 
 _TORCH = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 _CHUNK = re.compile(r"^[A-Z_]+\d+(?:\.(\d+))?$")
@@ -133,9 +133,11 @@ def _forward_steps(steps: Sequence[Step]) -> tuple[Step, ...]:
     return tuple(kept)
 
 
-def as_plan(
-    value: Plan | str | Sequence[Sequence[Action]], placement: Placement | None = None
-) -> Plan:
+PlanLike = Plan | str | Sequence[Sequence[Action]]
+"""A plan, its text form (see `parse_schedule`), or compute action lists."""
+
+
+def as_plan(value: PlanLike, placement: Placement | None = None) -> Plan:
     """A `Plan` from a plan, its text, or compute action lists.
 
     Raises:

@@ -28,11 +28,26 @@ from typing import Any
 import torch
 
 from pp_comm import NullTimers, P2PCommunicator, Timers
-from pp_schedules.actions import Action
-from pp_schedules.autograd import check_torch_ddp_order, custom_backward, deallocate_output_tensor
-from pp_schedules.flight_recorder import DEFAULT_RECORDER_SIZE, FlightRecorder
-from pp_schedules.memory_probe import MemoryProbe, MemorySample
-from pp_schedules.plan_walk import (
+from pp_schedules.planning import (
+    Action,
+    PlanLike,
+    PlanReport,
+    ResolvedSchedule,
+    as_plan,
+    check_prefetch,
+    default_prefetch,
+    resolve_on_demand,
+    resolve_schedule,
+    sends_delivered,
+)
+from pp_schedules.runtime._autograd import (
+    check_torch_ddp_order,
+    custom_backward,
+    deallocate_output_tensor,
+)
+from pp_schedules.runtime._flight_recorder import DEFAULT_RECORDER_SIZE, FlightRecorder
+from pp_schedules.runtime._memory_probe import MemoryProbe, MemorySample
+from pp_schedules.runtime._plan_walk import (
     CallArguments,
     PlanWalk,
     PreparedPlan,
@@ -40,26 +55,17 @@ from pp_schedules.plan_walk import (
     check_chunk_placement,
     chunk_contract,
 )
-from pp_schedules.plans import as_plan
-from pp_schedules.registry import default_schedule, schedule_spec
-from pp_schedules.resolution import (
-    ResolvedSchedule,
-    check_plan_fits,
-    check_prefetch,
-    default_prefetch,
-    resolve_schedule,
-)
-from pp_schedules.schedule_config import ForwardStepFunc, PlanLike, ScheduleConfig
-from pp_schedules.stop_channel import (
+from pp_schedules.runtime._schedule_config import ForwardStepFunc, ScheduleConfig
+from pp_schedules.runtime._stop_channel import (
     DEFAULT_REPORT_WAIT_S,
     check_report_wait,
     publish_head,
     report_stop,
 )
-from pp_schedules.stop_report import StopReport
-from pp_schedules.timeline import MeasuredSpan
-from pp_schedules.validation import PlanReport, sends_delivered
+from pp_schedules.runtime._stop_report import StopReport
+from pp_schedules.runtime._timeline import MeasuredSpan
 from pp_state.coordinates import RankCoordinates
+from pp_state.default import get_default_state, has_default_state
 from pp_state.placement import Placement
 from pp_state.store_channel import StoreChannel
 
@@ -67,12 +73,12 @@ __all__ = [
     "ChunkIteratorError",
     "ForwardStepFunc",
     "PipelineExecutor",
-    "PlanLike",
     "RunStats",
     "ScheduleConfig",
     "custom_backward",
     "deallocate_output_tensor",
     "get_forward_backward_func",
+    "resolve_for",
     "transport_of",
 ]
 
@@ -83,23 +89,26 @@ class ChunkIteratorError(ValueError, RuntimeError):
     A ValueError, and the RuntimeError a port of Megatron's schedule tests expects to catch.
     """
 
+    __module__ = "pp_schedules"  # where users import it from, as tracebacks name it
+
 
 class PipelineExecutor:
-    """Runs a validated plan on this rank's model chunks; see `get_forward_backward_func`."""
+    """Runs a resolved schedule's validated plans on this rank's model chunks.
+
+    See `get_forward_backward_func`.
+    """
 
     def __init__(
         self,
         communicator: P2PCommunicator | None,
+        resolved: ResolvedSchedule,
         *,
-        vp_size: int | None = None,
         config: ScheduleConfig | None = None,
-        plan: PlanLike | None = None,
-        resolved: ResolvedSchedule | None = None,
         recorder_size: int = DEFAULT_RECORDER_SIZE,
         channel: StoreChannel | None = None,
         report_wait: float = DEFAULT_REPORT_WAIT_S,
     ) -> None:
-        """Bind to a pipeline (None: a single stage), a config, and a plan or resolved schedule.
+        """Bind to a pipeline (None: a single stage), a resolved schedule and a config.
 
         `recorder_size` steps are kept by the flight recorder (`recorder`). When a call
         fails, this rank publishes its position through `channel` (default: the default
@@ -107,9 +116,9 @@ class PipelineExecutor:
         to build a `StopReport` (see `report_stop`).
 
         Raises:
-            ValueError: A plan, placement or resolved schedule that does not fit the
-                pipeline, a prefetch the communicator cannot take, a split rank with
-                virtual stages, a recorder size below 1 or a `report_wait` not above 0.
+            ValueError: A resolved schedule that does not fit the pipeline, a prefetch the
+                communicator cannot take, a split rank with virtual stages, a recorder size
+                below 1 or a `report_wait` not above 0.
         """
         self.communicator = communicator
         self.config = config or ScheduleConfig()
@@ -118,17 +127,13 @@ class PipelineExecutor:
         # gloo completes each transfer on its own; NCCL in posting order, a batch as one work.
         self.transport = transport_of(communicator)
         self.independent = self.transport == "gloo"
-        given = plan if plan is not None else self.config.plan
-        self.user_plan = None if given is None else as_plan(given)
-        if resolved is not None:
-            self._check_resolved(resolved, vp_size)
-        self.vp_size = self._vp_size(vp_size, resolved)
-        self._given = resolved
-        self.resolved: ResolvedSchedule | None = resolved
-        """The resolved schedule given, or the one built for the latest microbatch count."""
-        self._placement = self._requested_placement()
-        self.schedule = self._schedule_name()
-        self.prefetch = self._prefetch()
+        self._check_resolved(resolved)
+        self.resolved = resolved
+        """The resolved schedule every call runs (grown by a count for one resolved on
+        demand, Megatron's argument-free `get_forward_backward_func`)."""
+        self.vp_size = resolved.vp_size
+        self.schedule = resolved.name or "plan"
+        self.prefetch = resolved.prefetch
         self.timers: Timers = self.config.timers or NullTimers()
         self._check_split_rank()
         self.stats = RunStats()
@@ -138,7 +143,6 @@ class PipelineExecutor:
         """Counts saved tensors and samples bytes after each compute step (`record_memory`)."""
         self.memory_samples: list[MemorySample] = []
         """The samples of the last call, one per compute step (empty without a probe)."""
-        self._resolutions: dict[int, ResolvedSchedule] = {}
         self._plans: dict[tuple[int, bool], PreparedPlan] = {}
         self._init_stop_reports(recorder_size, channel, report_wait)
 
@@ -161,8 +165,8 @@ class PipelineExecutor:
 
     @property
     def placement(self) -> Placement:
-        """Which virtual stage each chunk holds (the resolved schedule's once resolved)."""
-        return self._placement if self.resolved is None else self.resolved.placement
+        """Which virtual stage each chunk holds: the resolved schedule's."""
+        return self.resolved.placement
 
     @property
     def _headers(self) -> bool:
@@ -174,22 +178,17 @@ class PipelineExecutor:
         """Whether shapes travel with the data (pp-comm's headers): receives need none."""
         return self._headers
 
-    def _vp_size(self, vp_size: int | None, resolved: ResolvedSchedule | None) -> int:
-        if resolved is not None:
-            return resolved.vp_size
-        if self.user_plan is not None and vp_size is None:
-            return self.user_plan.vp_size
-        return vp_size or 1
-
-    def _check_resolved(self, resolved: ResolvedSchedule, vp_size: int | None) -> None:
-        """Refuse a resolved schedule that does not fit the communicator or the config.
+    def _check_resolved(self, resolved: ResolvedSchedule) -> None:
+        """Refuse a resolved schedule that does not fit the communicator.
 
         Raises:
+            TypeError: Something other than a `ResolvedSchedule`.
             ValueError: Naming the resolved schedule's numbers and the pipeline's.
         """
-        if self.user_plan is not None:
-            raise ValueError(
-                "give a plan or a resolved schedule, not both (resolve_schedule takes the plan)"
+        if not isinstance(resolved, ResolvedSchedule):
+            raise TypeError(
+                f"the executor runs a ResolvedSchedule, got {type(resolved).__name__}; resolve "
+                "a schedule name or a plan once with pp_schedules.resolve_schedule(...)"
             )
         if resolved.pp_size != self.pp_size:
             raise ValueError(
@@ -201,57 +200,7 @@ class PipelineExecutor:
                 f"the resolved schedule is for {resolved.transport}, but the communicator's "
                 f"tensors go over {self.transport}; resolve it with transport={self.transport!r}"
             )
-        if vp_size is not None and vp_size != resolved.vp_size:
-            raise ValueError(
-                f"the resolved schedule has {resolved.vp_size} model chunks per rank, but "
-                f"vp_size is {vp_size}"
-            )
-        self._check_config_agrees(resolved)
-
-    def _check_config_agrees(self, resolved: ResolvedSchedule) -> None:
-        """The config's schedule, placement and prefetch, where set, are the resolved ones."""
-        config = self.config
-        asked = {
-            "schedule": (config.schedule, resolved.name, config.schedule in (None, "auto")),
-            "placement": (config.placement, resolved.placement, config.placement is None),
-            "prefetch_receives": (
-                config.prefetch_receives, resolved.prefetch, config.prefetch_receives is None,
-            ),
-        }  # fmt: skip
-        for field, (wanted, got, unset) in asked.items():
-            if not unset and str(wanted) != str(got):
-                raise ValueError(
-                    f"the config asks for {field} {wanted}, but the resolved schedule has {got}"
-                )
         check_prefetch(resolved.prefetch, self._headers)
-
-    def _requested_placement(self) -> Placement:
-        """The placement asked for, before any microbatch count is resolved."""
-        if self.resolved is not None:
-            return self.resolved.placement
-        chosen = self.config.placement
-        if self.user_plan is not None:
-            return check_plan_fits(self.user_plan, self.pp_size, self.vp_size, chosen)
-        if self.config.schedule == "auto":
-            # auto may choose another; each call's resolution says.
-            if isinstance(chosen, Placement):
-                return chosen
-            return Placement.named(chosen or "looped", self.pp_size, self.vp_size)
-        name = self.config.schedule or default_schedule(self.pp_size, self.vp_size, chosen)
-        return schedule_spec(name).placement_of(chosen, self.pp_size, self.vp_size)
-
-    def _schedule_name(self) -> str:
-        if self.resolved is not None and self.resolved.name is not None:
-            return self.resolved.name
-        return self.config.schedule or default_schedule(self.pp_size, self.vp_size, self._placement)
-
-    def _prefetch(self) -> int:
-        if self.resolved is not None:
-            return self.resolved.prefetch
-        chosen = self.config.prefetch_receives
-        if chosen is None:
-            return default_prefetch(self.transport, self._headers)
-        return check_prefetch(chosen, self._headers)
 
     def _check_split_rank(self) -> None:
         split = self.config.pipeline_model_parallel_split_rank
@@ -336,25 +285,16 @@ class PipelineExecutor:
     def resolution(self, num_microbatches: int) -> ResolvedSchedule:
         """The resolved schedule a step of `num_microbatches` runs.
 
-        The one given, or one resolved for that count (once) from the config's schedule, plan
-        and placement.
+        The one given; one resolved on demand (`ResolvedSchedule.on_demand`) first grows by
+        that count, planned and validated once.
 
         Raises:
-            ValueError: The schedule refuses the configuration (see `resolve_schedule`).
+            ValueError: The schedule refuses the count (see `resolve_schedule`).
             PlanError: The plan is invalid.
         """
-        if self._given is not None:
-            return self._given
-        if num_microbatches not in self._resolutions:
-            self._resolutions[num_microbatches] = resolve_schedule(
-                self.user_plan if self.user_plan is not None else self.config.schedule,
-                pp_size=self.pp_size, vp_size=self.vp_size,
-                microbatch_counts=(num_microbatches,), placement=self.config.placement,
-                microbatch_group_size_per_vp_stage=self.config.microbatch_group_size_per_vp_stage,
-                transport=self.transport, prefetch=self.prefetch,
-                exchanges_shapes=self._headers,
-            )  # fmt: skip
-        self.resolved = self._resolutions[num_microbatches]
+        resolved = self.resolved
+        if resolved.on_demand and num_microbatches not in resolved.microbatch_counts:
+            self.resolved = resolved.with_count(num_microbatches)
         return self.resolved
 
     def _prepared(self, num_microbatches: int, forward_only: bool) -> PreparedPlan:
@@ -557,33 +497,66 @@ class PipelineExecutor:
 
 def get_forward_backward_func(
     communicator: P2PCommunicator | None = None,
-    *,
-    vp_size: int | None = None,
-    config: ScheduleConfig | None = None,
-    plan: PlanLike | None = None,
     resolved: ResolvedSchedule | None = None,
+    *,
+    config: ScheduleConfig | None = None,
+    vp_size: int | None = None,
 ) -> PipelineExecutor:
     """The function that runs one step's forward and backward passes, as Megatron's.
 
+    The executor runs one thing: a resolved schedule (`resolve_schedule`), whose plans were
+    validated for every microbatch count the run steps with. Without one, the schedule is
+    Megatron's choice: no pipelining on one stage, interleaved 1F1B with virtual stages,
+    1F1B otherwise, resolved on demand for each new microbatch count (as Megatron's
+    argument-free ``get_forward_backward_func()``, for ported Megatron code).
+
     Args:
-        communicator: This rank's pipeline communicator; None for a single stage.
-        vp_size: Model chunks per rank; above 1 selects interleaved 1F1B (the plan's, when a
-            plan is given).
-        config: Hidden size, schedule override, loss scaling, no_sync, timers.
-        plan: A plan to run (a `Plan`, its text, or compute action lists) instead of the
-            config's schedule; validated before anything is sent.
-        resolved: A schedule resolved once for the run (`resolve_schedule`); the executor
-            then plans and validates nothing itself, and each call runs its plan for the
-            call's microbatch count. Its pipeline size, transport, chunks per rank and
-            prefetch must fit the communicator.
+        communicator: This rank's pipeline communicator; None for a single stage, or, when
+            a default parallel state with a pipeline is set (``pp_state.parallel_state.
+            initialize_model_parallel``), one over its pipeline group.
+        resolved: The run's resolved schedule; its pipeline size, transport and prefetch
+            must fit the communicator.
+        config: Hidden size, loss scaling, no_sync, timers (`ScheduleConfig`).
+        vp_size: Megatron's choice only (no `resolved`): model chunks per rank; by default
+            the default state's virtual pipeline size, else 1.
 
     Returns:
         A callable taking Megatron's keyword arguments (see `PipelineExecutor.__call__`);
         its ``stats`` describe the last call.
+
+    Raises:
+        ValueError: `vp_size` beside a resolved schedule, or a resolved schedule that does
+            not fit the communicator.
     """
-    return PipelineExecutor(
-        communicator, vp_size=vp_size, config=config, plan=plan, resolved=resolved
+    if resolved is None:
+        communicator, resolved = _megatron_choice(communicator, vp_size)
+    elif vp_size is not None and vp_size != resolved.vp_size:
+        raise ValueError(
+            f"the resolved schedule has {resolved.vp_size} model chunks per rank, but "
+            f"vp_size is {vp_size}"
+        )
+    return PipelineExecutor(communicator, resolved, config=config)
+
+
+def _megatron_choice(
+    communicator: P2PCommunicator | None, vp_size: int | None
+) -> tuple[P2PCommunicator | None, ResolvedSchedule]:
+    """Megatron's schedule for the pipeline, resolved on demand, and its communicator."""
+    state = get_default_state() if has_default_state() else None
+    if communicator is None and state is not None and state.pipeline_model_parallel_size > 1:
+        communicator = P2PCommunicator.from_parallel_state(state)
+    if vp_size is None:
+        vp_size = (state.virtual_pipeline_model_parallel_size if state is not None else None) or 1
+    headers = communicator is not None and communicator.config.exchanges_shapes
+    transport = transport_of(communicator)
+    resolved = resolve_on_demand(
+        pp_size=communicator.num_stages if communicator is not None else 1,
+        vp_size=vp_size,
+        transport=transport,
+        prefetch=default_prefetch(transport, headers),
+        exchanges_shapes=headers,
     )
+    return communicator, resolved
 
 
 def transport_of(communicator: P2PCommunicator | None) -> str:
@@ -598,3 +571,38 @@ def transport_of(communicator: P2PCommunicator | None) -> str:
     if isinstance(transport, str):
         return transport
     return "nccl" if communicator.device.type == "cuda" else "gloo"
+
+
+def resolve_for(
+    communicator: P2PCommunicator | None,
+    schedule: str | PlanLike | None = None,
+    **options: Any,
+) -> ResolvedSchedule:
+    """`resolve_schedule` for `communicator`'s pipeline: its size, transport and shape headers.
+
+    A shorthand for ``resolve_schedule(schedule, pp_size=..., transport=...,
+    exchanges_shapes=..., **options)`` with the three read off the communicator (None: one
+    stage on gloo), so that the result fits the executor built on it.
+
+    Args:
+        communicator: The pipeline communicator the executor will run on.
+        schedule: A name, "auto", a plan or its text; None: `default_schedule`.
+        **options: `resolve_schedule`'s other keywords (``microbatch_counts`` at least).
+
+    Raises:
+        ValueError: As `resolve_schedule`, and for options naming what the communicator sets.
+        PlanError: As `resolve_schedule`.
+    """
+    taken = {"pp_size", "transport", "exchanges_shapes"} & set(options)
+    if taken:
+        raise ValueError(
+            f"resolve_for reads {', '.join(sorted(taken))} off the communicator; use "
+            "resolve_schedule to give them yourself"
+        )
+    return resolve_schedule(
+        schedule if isinstance(schedule, (str, type(None))) else as_plan(schedule),
+        pp_size=communicator.num_stages if communicator is not None else 1,
+        transport=transport_of(communicator),
+        exchanges_shapes=communicator is not None and communicator.config.exchanges_shapes,
+        **options,
+    )

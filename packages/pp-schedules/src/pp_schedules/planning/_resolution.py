@@ -27,20 +27,20 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
-from pp_schedules.actions import Action
-from pp_schedules.auto import Choice, choose_schedule
-from pp_schedules.nccl_rules import TRANSPORTS, check_transport
-from pp_schedules.plan_cache import PlanCache
-from pp_schedules.planning_cost import DEFAULT_MAX_PLAN_STEPS, collection_paused
-from pp_schedules.plans import Plan, as_plan
-from pp_schedules.registry import (
+from pp_schedules.planning._actions import Action
+from pp_schedules.planning._auto import Choice, choose_schedule
+from pp_schedules.planning._nccl_rules import TRANSPORTS, check_transport
+from pp_schedules.planning._plan_cache import PlanCache
+from pp_schedules.planning._planning_cost import DEFAULT_MAX_PLAN_STEPS, collection_paused
+from pp_schedules.planning._plans import Plan, as_plan
+from pp_schedules.planning._registry import (
     SCHEDULE_REGISTRY,
     default_schedule,
     schedule_spec,
     schedules_for,
 )
-from pp_schedules.simulation import Costs, StageCosts
-from pp_schedules.validation import PlanError, PlanReport
+from pp_schedules.planning._simulation import Costs, StageCosts
+from pp_schedules.planning._validation import PlanError, PlanReport
 from pp_state.numbers import check_int
 from pp_state.placement import Placement
 
@@ -52,6 +52,7 @@ __all__ = [
     "check_transport",
     "default_prefetch",
     "plan",
+    "resolve_on_demand",
     "resolve_schedule",
 ]
 
@@ -88,7 +89,7 @@ def plan(
         costs: For "auto": the costs to simulate with (see `choose_schedule`).
         memory_limit: For "auto": the most activations a rank may hold, in stage-sized units.
         max_plan_steps: Refuse a plan of more compute steps before making it
-            (`pp_schedules.planning_cost`); None: no limit.
+            (`check_plan_budget`); None: no limit.
 
     Returns:
         A `Plan`: for each rank, its actions (each has ``kind`` "F", "B", "I" or "W",
@@ -183,6 +184,12 @@ class ResolvedSchedule:
         choice: For "auto": the choice and every candidate; None otherwise.
         plan: The given plan; None for a named schedule.
         reports: The validated plans by (microbatch count, forward only).
+        microbatch_group_size_per_vp_stage: The interleaving group size asked for (None:
+            the schedule's default).
+        exchanges_shapes: Whether the plans were validated for transfers with shape headers.
+        on_demand: Whether a microbatch count not yet resolved is resolved when a step first
+            runs it (`with_count`; Megatron's argument-free executor, `resolve_on_demand`);
+            otherwise such a count is refused.
     """
 
     name: str | None
@@ -197,6 +204,9 @@ class ResolvedSchedule:
     reports: Mapping[tuple[int, bool], PlanReport] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
     )
+    microbatch_group_size_per_vp_stage: int | None = None
+    exchanges_shapes: bool = False
+    on_demand: bool = False
 
     @property
     def include_forward_only(self) -> bool:
@@ -225,6 +235,36 @@ class ResolvedSchedule:
                 transport=self.transport, prefetch=self.prefetch,
             )  # fmt: skip
         return dataclasses.replace(again, choice=choice)
+
+    def with_count(self, num_microbatches: int) -> ResolvedSchedule:
+        """This resolution grown by `num_microbatches` (and its forward-only plan).
+
+        The count is planned and validated as the others were: same schedule, placement,
+        chunks per rank, interleaving group, transport and prefetch.
+
+        Raises:
+            ValueError: A given plan (it runs its own count only), or a count the schedule
+                refuses (the message names the rule and the valid counts).
+            PlanError: The plan would not run on the transport.
+        """
+        if num_microbatches in self.microbatch_counts:
+            return self
+        if self.name is None:
+            assert self.plan is not None
+            _given_plan_count(self.plan, (num_microbatches,))
+        more = resolve_schedule(
+            self.name, pp_size=self.pp_size, vp_size=self.vp_size,
+            microbatch_counts=(num_microbatches,), include_forward_only=True,
+            placement=self.placement,
+            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
+            transport=self.transport, prefetch=self.prefetch,
+            exchanges_shapes=self.exchanges_shapes,
+        )  # fmt: skip
+        return dataclasses.replace(
+            self,
+            microbatch_counts=tuple(sorted({*self.microbatch_counts, num_microbatches})),
+            reports={**self.reports, **more.reports},
+        )
 
     def report(self, num_microbatches: int, forward_only: bool = False) -> PlanReport:
         """The validated plan of a step of `num_microbatches` microbatches.
@@ -455,7 +495,7 @@ def resolve_schedule(
         costs: For "auto": the costs to simulate with.
         memory_limit: For "auto": the most activations a rank may hold (stage-sized units).
         names: For "auto": consider only these schedules.
-        max_plan_steps: The planning budget (`pp_schedules.planning_cost`); None: no limit.
+        max_plan_steps: The planning budget (`check_plan_budget`); None: no limit.
 
     Returns:
         The resolved schedule (`ResolvedSchedule.report`: each count's validated plan).
@@ -477,4 +517,50 @@ def resolve_schedule(
         vp_size=request.vp_size, transport=transport, prefetch=request.prefetch,
         microbatch_counts=request.counts, choice=choice, plan=given,
         reports=_validated(plans, request),
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        exchanges_shapes=exchanges_shapes,
+    )  # fmt: skip
+
+
+def resolve_on_demand(
+    schedule: str | None = None,
+    *,
+    pp_size: int,
+    vp_size: int = 1,
+    placement: Placement | str | None = None,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    transport: str = "gloo",
+    prefetch: int | None = None,
+    exchanges_shapes: bool = False,
+) -> ResolvedSchedule:
+    """A named schedule whose plans are resolved when a step first runs each count.
+
+    For code that learns its microbatch counts only while it runs (Megatron's argument-free
+    ``get_forward_backward_func()``): the executor grows it by each new count
+    (`ResolvedSchedule.with_count`), planning and validating that count once. A count the
+    schedule refuses is refused then, before anything is sent.
+
+    Args:
+        schedule: A schedule name; None: `default_schedule` (Megatron's choice: no
+            pipelining on one stage, interleaved 1F1B with several chunks, 1F1B otherwise).
+        pp_size: Pipeline ranks.
+        vp_size: Chunks per rank.
+        placement: "looped", "v" or a `Placement`; by default the schedule's own.
+        microbatch_group_size_per_vp_stage: Interleaving group size (interleaved_1f1b).
+        transport: "gloo" or "nccl".
+        prefetch: Post receives this many exchanges early (default: `default_prefetch`).
+        exchanges_shapes: Whether transfers carry shape headers.
+
+    Raises:
+        ValueError: An unknown schedule, transport or placement, a size below 1, or a
+            prefetch the transfers cannot take.
+    """
+    pp, vp = check_int("pp_size", pp_size, 1), check_int("vp_size", vp_size, 1)
+    name = schedule or default_schedule(pp, vp, placement)
+    return ResolvedSchedule(
+        name=name, placement=schedule_spec(name).placement_of(placement, pp, vp), pp_size=pp,
+        vp_size=vp, transport=check_transport(transport),
+        prefetch=_prefetch(transport, exchanges_shapes, prefetch), microbatch_counts=(),
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        exchanges_shapes=exchanges_shapes, on_demand=True,
     )  # fmt: skip

@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from pp_schedules.actions import Action
+from pp_schedules.planning._actions import Action
 from pp_state.placement import Placement
 
 __all__ = [

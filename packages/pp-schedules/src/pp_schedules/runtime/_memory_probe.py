@@ -57,9 +57,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from pp_schedules.autograd import custom_backward, deallocate_output_tensor
-from pp_schedules.memory import StageMemory
-from pp_schedules.split_backward import backward_input
+from pp_schedules.planning import StageMemory
+from pp_schedules.runtime._autograd import custom_backward, deallocate_output_tensor
+from pp_schedules.runtime._split_backward import backward_input
 
 __all__ = [
     "AllocationCounter",

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pp_schedules.executor import PipelineExecutor
-from pp_schedules.memory_probe import MemorySample
-from pp_schedules.simulation import Costs, Simulation, simulate
-from pp_schedules.timeline import MeasuredSpan, chrome_trace, summary
+from pp_schedules.planning import Costs, Simulation, simulate
+from pp_schedules.runtime._executor import PipelineExecutor
+from pp_schedules.runtime._memory_probe import MemorySample
+from pp_schedules.runtime._timeline import MeasuredSpan, chrome_trace, summary
 
 __all__ = [
     "check_trace_path",

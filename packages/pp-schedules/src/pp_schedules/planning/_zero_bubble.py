@@ -35,10 +35,10 @@ import functools
 import heapq
 from collections.abc import Callable, Sequence
 
-from pp_schedules.actions import Action
-from pp_schedules.lowering import incoming_message, outgoing_message
-from pp_schedules.plans import Plan
-from pp_schedules.validation import validate
+from pp_schedules.planning._actions import Action
+from pp_schedules.planning._lowering import incoming_message, outgoing_message
+from pp_schedules.planning._plans import Plan
+from pp_schedules.planning._validation import validate
 from pp_state.placement import Placement
 
 __all__ = ["list_schedule", "unit_makespan", "zb_h1", "zbv"]

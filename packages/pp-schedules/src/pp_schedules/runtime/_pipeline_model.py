@@ -5,7 +5,7 @@ the dotted names of its submodules, one list per virtual stage (torchtitan's mod
 model part; `split_module_names` writes them for layers between an embedding and an output
 layer); `PipelineModel.from_parts(parts, ...)` splits an ordered list of modules, or of
 functions that build one, by counts. Either way this rank keeps only the chunks its placement
-gives it (`PipelineModel.chunks`, one `pp_schedules.stages.PipelineChunk` per virtual stage
+gives it (`PipelineModel.chunks`, one `PipelineChunk` per virtual stage
 it holds, in chunk order): parts built by a function are built only where they live, and a
 model built on the meta device is materialised part by part (`PipelineModel.materialize`),
 then initialised or loaded under the model's own parameter names.
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pp_schedules.stages import Boundary, PipelineChunk
+from pp_schedules.runtime._stages import Boundary, PipelineChunk
 from pp_state import ParallelState
 from pp_state.collectives import collective
 from pp_state.placement import Placement

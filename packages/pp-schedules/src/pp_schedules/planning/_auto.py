@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pp_schedules.memory import MemoryModel, format_bytes, format_bytes_apart
-from pp_schedules.plan_cache import PlanCache
-from pp_schedules.planning_cost import DEFAULT_MAX_PLAN_STEPS, collection_paused
-from pp_schedules.plans import Plan
-from pp_schedules.registry import schedules_for
-from pp_schedules.simulation import Costs, Simulation, StageCosts
-from pp_schedules.validation import PlanError
+from pp_schedules.planning._memory import MemoryModel, format_bytes, format_bytes_apart
+from pp_schedules.planning._plan_cache import PlanCache
+from pp_schedules.planning._planning_cost import DEFAULT_MAX_PLAN_STEPS, collection_paused
+from pp_schedules.planning._plans import Plan
+from pp_schedules.planning._registry import schedules_for
+from pp_schedules.planning._simulation import Costs, Simulation, StageCosts
+from pp_schedules.planning._validation import PlanError
 
 __all__ = [
     "Candidate",
@@ -48,6 +48,8 @@ class MemoryLimitError(ValueError):
             limit on the rank of the smallest peak (no recomputation or smaller microbatch
             helps there).
     """
+
+    __module__ = "pp_schedules"  # where users import it from, as tracebacks name it
 
     def __init__(self, message: str, *, static_too_large: bool = False) -> None:
         super().__init__(message)
@@ -359,7 +361,7 @@ def choose_fitting(
             `choose_schedule`).
         transport: Whose rules the plans run under.
         max_plan_steps: Refuse candidates of more compute steps before planning them
-            (`pp_schedules.planning_cost`); None: no limit.
+            (`check_plan_budget`); None: no limit.
 
     Returns:
         The choice (`Choice.option` is the chosen option) and every candidate.

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from pp_schedules.memory import MemoryModel
-from pp_schedules.planning_cost import DEFAULT_MAX_PLAN_STEPS
-from pp_schedules.plans import Plan
-from pp_schedules.registry import schedule_spec
-from pp_schedules.simulation import Costs, Simulation, StageCosts, simulate, with_memory
-from pp_schedules.validation import PlanReport, validate
+from pp_schedules.planning._memory import MemoryModel
+from pp_schedules.planning._planning_cost import DEFAULT_MAX_PLAN_STEPS
+from pp_schedules.planning._plans import Plan
+from pp_schedules.planning._registry import schedule_spec
+from pp_schedules.planning._simulation import Costs, Simulation, StageCosts, simulate, with_memory
+from pp_schedules.planning._validation import PlanReport, validate
 from pp_state.placement import Placement
 
 __all__ = ["PlanCache"]
@@ -33,7 +33,7 @@ class PlanCache:
 
     Args:
         max_plan_steps: The planning budget of every plan it makes (see
-            `pp_schedules.planning_cost`); None: no limit.
+            `check_plan_budget`); None: no limit.
     """
 
     def __init__(self, *, max_plan_steps: int | None = DEFAULT_MAX_PLAN_STEPS) -> None:
