@@ -17,7 +17,7 @@ from pp_testing import run_distributed
 from pp_train.app import build_parser, main, validate_args
 from pp_train.app.auto_schedule import model_figures
 from pp_train.app.command import _gpt_config
-from pp_train.memory_plan import fit_memory_limit
+from pp_train.run_plan import Measurements, decide_run
 
 FLAGS = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -117,7 +117,7 @@ def _candidate_peaks() -> dict[str, int]:
     gpt = _gpt_config(config)
     figures = model_figures(dataclasses.replace(gpt, recompute=None), micro_batch_size=2,
                             seed=config.training.seed, rounds=1)  # fmt: skip
-    _, choice = fit_memory_limit(args.layout, config, figures)
+    choice = decide_run(config, args.layout, Measurements(figures=figures)).choice
     assert choice is not None
     return {f"{c.name} ({c.option})": max(c.peak_bytes) for c in choice.candidates if c.peak_bytes}
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from pp_schedules import MemoryProbe
+from pp_schedules import Choice, MemoryProbe
 from pp_schedules.planning import StageMemory
 from pp_tensor import RNGStatesTracker, add_model_parallel_states
 from pp_train.app.auto_schedule import model_figures, part_memory
@@ -18,14 +18,13 @@ from pp_train.memory_plan import (
     MemoryLimit,
     ModelFigures,
     PartFigures,
-    fit_memory_limit,
     memory_limit,
     memory_model,
-    plan_memory,
     stage_costs,
     stage_memory,
 )
 from pp_train.recompute import RecomputeConfig
+from pp_train.run_plan import Measurements, Measures, RunPlan, decide_run, measure_run
 from pp_train.world import check_world
 
 FIGURES = ModelFigures(
@@ -85,10 +84,16 @@ def test_the_memory_model_takes_the_runs_precision_and_optimizer() -> None:
     ).params_dtype == ("bf16")
 
 
+def _decide(config: PretrainConfig) -> tuple[RunPlan, Choice | None]:
+    """The run's one decision with the warm-up's figures, and the planner's choice."""
+    decided = decide_run(config, check_world(config, 2), Measurements(figures=FIGURES))
+    return decided, decided.choice if decided.chosen_by == "memory" else None
+
+
 def test_the_planner_takes_recomputation_only_when_the_limit_needs_it() -> None:
     gib = 1024**3
     roomy = _config(pipeline_schedule="auto", memory_limit_gb=1.0)
-    layout, choice = fit_memory_limit(check_world(roomy, 2), roomy, FIGURES)
+    layout, choice = _decide(roomy)
     assert layout.recompute is None
     assert choice is not None
     assert layout.memory is not None
@@ -98,7 +103,7 @@ def test_the_planner_takes_recomputation_only_when_the_limit_needs_it() -> None:
     recomputed = min(max(c.peak_bytes) for c in choice.candidates if "full" in c.option)
     assert recomputed < kept
     tight = _config(pipeline_schedule="auto", memory_limit_gb=(recomputed + kept) / 2 / gib)
-    fitted, choice = fit_memory_limit(check_world(tight, 2), tight, FIGURES)
+    fitted, choice = _decide(tight)
     assert fitted.recompute is not None
     assert fitted.recompute.granularity == "full"
     assert choice is not None
@@ -107,21 +112,21 @@ def test_the_planner_takes_recomputation_only_when_the_limit_needs_it() -> None:
     static = layout.memory.rank_static(layout.placement, 0).total
     too_small = _config(pipeline_schedule="auto", memory_limit_gb=static / 2 / gib)
     with pytest.raises(ValueError, match=r"--memory-limit-gb .*smallest peak is .* on rank"):
-        fit_memory_limit(check_world(too_small, 2), too_small, FIGURES)
+        _decide(too_small)
 
 
 def test_a_margin_keeps_its_share_of_the_limit_free() -> None:
     roomy = _config(pipeline_schedule="1f1b", memory_limit_gb=1.0)
-    _, choice = fit_memory_limit(check_world(roomy, 2), roomy, FIGURES)
+    _, choice = _decide(roomy)
     assert choice is not None
     peak = max(choice.chosen.peak_bytes)
     fits = _config(pipeline_schedule="1f1b", memory_limit_gb=peak * 1.05 / 1024**3)
-    assert fit_memory_limit(check_world(fits, 2), fits, FIGURES)[1] is not None
+    assert _decide(fits)[1] is not None
     # 10% of a limit 5% above the peak: nothing fits any more, and the message says why.
     margin = _config(pipeline_schedule="1f1b", memory_limit_gb=peak * 1.05 / 1024**3,
                      memory_limit_margin=0.1)  # fmt: skip
     with pytest.raises(ValueError, match=r"--memory-limit-gb \S+ less a 10% margin: "):
-        fit_memory_limit(check_world(margin, 2), margin, FIGURES)
+        _decide(margin)
     assert memory_limit(margin, "gloo") == MemoryLimit(peak * 1.05 / 1024**3, 0.1)
     assert memory_limit(fits, "gloo").margin == 0.0  # type: ignore[union-attr]
     assert memory_limit(fits, "nccl").margin == DEFAULT_MARGIN["nccl"] > 0  # type: ignore[union-attr]
@@ -146,7 +151,7 @@ def test_a_margin_outside_zero_to_one_is_refused(
 
 def test_a_named_schedule_keeps_its_chunks_and_is_only_fitted() -> None:
     config = _config(pipeline_schedule="1f1b", memory_limit_gb=1.0)
-    layout, choice = fit_memory_limit(check_world(config, 2), config, FIGURES)
+    layout, choice = _decide(config)
     assert layout.schedule == "1f1b"
     assert layout.resolved.vp_size == 1
     assert choice is not None
@@ -157,7 +162,7 @@ def test_a_named_schedule_keeps_its_chunks_and_is_only_fitted() -> None:
 def test_a_limit_without_a_way_to_measure_is_refused() -> None:
     config = _config(memory_limit_gb=1.0)
     with pytest.raises(ValueError, match="--memory-limit-gb needs the model's activation bytes"):
-        plan_memory(check_world(config, 2), config, None)
+        measure_run(config, check_world(config, 2), Measures())
 
 
 @pytest.mark.reliability

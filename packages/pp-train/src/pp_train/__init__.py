@@ -59,6 +59,7 @@ from pp_train.reporting import (
     TrainingLogger,
     format_log_line,
 )
+from pp_train.run_plan import Measurements, RunPlan, decide_run, measure_run
 from pp_train.stage_layers import get_num_layers_to_build, get_transformer_layer_offset
 from pp_train.training import (
     EncoderDecoderModelProvider,
@@ -101,6 +102,7 @@ __all__ = [
     "LayerSplit",
     "LoadedCheckpoint",
     "LoggingArgs",
+    "Measurements",
     "MemoryReport",
     "ModelArgs",
     "ModelProvider",
@@ -112,6 +114,7 @@ __all__ = [
     "RampupBatchsizeNumMicroBatchesCalculator",
     "RecomputeConfig",
     "RunLayout",
+    "RunPlan",
     "SampleDataset",
     "TiedEmbeddingSync",
     "Timer",
@@ -131,6 +134,7 @@ __all__ = [
     "check_world",
     "checkpoint_core_attention",
     "checkpoint_path",
+    "decide_run",
     "evaluate",
     "finalize_model_grads",
     "finetune",
@@ -140,6 +144,7 @@ __all__ = [
     "get_rng_state",
     "get_transformer_layer_offset",
     "load_checkpoint",
+    "measure_run",
     "memory_report",
     "microbatches",
     "pretrain",

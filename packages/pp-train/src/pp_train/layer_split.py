@@ -51,6 +51,9 @@ class LayerSplit:
     """For a balanced split: the embedding's and the loss's time in transformer layers."""
     measured: bool = False
     """For a balanced split: whether its costs were measured in a warm-up."""
+    schedule: str | None = None
+    """For a balanced split: the named schedule it was balanced for (None: Megatron's
+    default for one chunk per rank, as for ``auto``)."""
 
     def summary(self, layout: PipelineLayerLayout) -> str | None:
         """The line the run prints about its split (None for the even split)."""
@@ -79,6 +82,7 @@ def layer_split(
     *,
     given: Sequence[int] | None = None,
     num_microbatches: int,
+    schedule: str | None = None,
 ) -> LayerSplit:
     """The run's split of `num_layers` layers (see the module docstring for the order).
 
@@ -87,6 +91,8 @@ def layer_split(
         num_layers: ``--num-layers``.
         given: Layer counts from the caller; they override the flags.
         num_microbatches: Microbatches per step, for balancing by simulation.
+        schedule: The named schedule to balance for (None: Megatron's default for one chunk
+            per rank; what ``--pipeline-schedule auto`` balances for).
 
     Raises:
         ValueError: The counts, layout or first/last counts do not fit; the message names the
@@ -109,7 +115,7 @@ def layer_split(
         num_layers % pp and parallel.num_layers_per_virtual_pipeline_stage is None
     ):
         costs = end_costs(parallel, (DEFAULT_END_COST, DEFAULT_END_COST))
-        return balanced(parallel, num_layers, num_microbatches, costs=costs)
+        return balanced(parallel, num_layers, num_microbatches, costs=costs, schedule=schedule)
     return LayerSplit(_even(parallel, num_layers), "even")
 
 
@@ -129,6 +135,7 @@ def balanced(
     *,
     costs: tuple[float, float],
     layer: Costs | None = None,
+    schedule: str | None = None,
 ) -> LayerSplit:
     """The split with the shortest simulated step, the ends weighing `costs` layers each.
 
@@ -136,8 +143,7 @@ def balanced(
     the chunks per rank and the placement its registry record gives (two chunks for one that
     takes any number and needs several, as interleaved 1F1B; one otherwise).
     """
-    schedule = parallel.pipeline_schedule
-    named = None if schedule in (None, "auto") else schedule
+    named = schedule
     spec = None if named is None else schedule_spec(named)
     vp = 1 if spec is None else spec.chunks or max(spec.min_chunks, 1)
     per_layer = Costs() if layer is None else layer
@@ -154,7 +160,7 @@ def balanced(
             f"--num-layers {num_layers} cannot be split over --pipeline-model-parallel-size "
             f"{parallel.pipeline_model_parallel_size} x {vp} chunks: {error}"
         ) from error
-    return LayerSplit(balance.counts, "balanced", balance, costs)
+    return LayerSplit(balance.counts, "balanced", balance, costs, schedule=named)
 
 
 def rebalanced(
@@ -172,8 +178,9 @@ def rebalanced(
     layer, embedding, loss = measured
     costs = end_costs(parallel, (embedding, loss))
     again = balanced(
-        parallel, sum(split.counts), split.balance.num_microbatches, costs=costs, layer=layer
-    )
+        parallel, sum(split.counts), split.balance.num_microbatches, costs=costs, layer=layer,
+        schedule=split.schedule,
+    )  # fmt: skip
     return dataclasses.replace(again, measured=True)
 
 

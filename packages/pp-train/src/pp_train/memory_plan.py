@@ -6,7 +6,8 @@ embedding, the output layer and loss) and the run's settings: pp-schedules' `Mem
 adds the dtypes and the optimizer, and its simulator the activations each schedule holds over
 the step. The prediction is checked against the probe's measurement (see docs/memory.md).
 
-`fit_memory_limit` is ``--memory-limit-gb``: with ``--pipeline-schedule auto`` it considers
+`fit_memory_limit` is ``--memory-limit-gb`` (called by the run's one decision,
+`pp_train.run_plan.decide_run`): with ``--pipeline-schedule auto`` it considers
 every number of chunks per rank the layers allow, every recomputation (unless the flags fix
 one) and every schedule, and keeps the shortest simulated step whose peak fits on every rank;
 with a named schedule it checks that the run fits.
@@ -15,10 +16,18 @@ with a named schedule it checks that the run fits.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from pp_comm import CommConfig, frame_buffers
-from pp_schedules import Choice, Costs, MemoryLimitError, StageCosts, schedule_spec
+from pp_schedules import (
+    Choice,
+    Costs,
+    MemoryLimitError,
+    ResolvedSchedule,
+    StageCosts,
+    schedule_spec,
+)
 from pp_schedules.planning import (
     MemoryModel,
     PlanOption,
@@ -46,7 +55,6 @@ __all__ = [
     "fit_memory_limit",
     "memory_limit",
     "memory_model",
-    "plan_memory",
     "predict_memory",
     "recompute_label",
     "stage_costs",
@@ -306,17 +314,19 @@ def _recompute_choices(
     return choices
 
 
-def _chunk_choices(config: PretrainConfig, layout: RunLayout) -> list[tuple[int, LayerSplit]]:
+def _chunk_choices(
+    config: PretrainConfig, layout: RunLayout, *, auto: bool
+) -> list[tuple[int, LayerSplit]]:
     """The chunks per rank the planner may pick, with their even split of the layers.
 
-    With ``--pipeline-schedule auto`` and the even split of flags that fix no virtual
-    stages, every number of chunks that splits the layers evenly (at most 4 per rank);
-    otherwise the run's own.
+    With `auto` (``--pipeline-schedule auto``) and the even split of flags that fix no
+    virtual stages, every number of chunks that splits the layers evenly (at most 4 per
+    rank); otherwise the run's own.
     """
     parallel, layers = config.parallel, config.model.num_layers
     pp = parallel.pipeline_model_parallel_size
     own = [(layout.resolved.vp_size, layout.layer_split)]
-    if parallel.pipeline_schedule != "auto" or layout.layer_split.source != "even":
+    if not auto or layout.layer_split.source != "even":
         return own
     if parallel.num_layers_per_virtual_pipeline_stage is not None or layers % pp:
         return own
@@ -328,12 +338,12 @@ def _chunk_choices(config: PretrainConfig, layout: RunLayout) -> list[tuple[int,
 
 
 def _options(
-    config: PretrainConfig, layout: RunLayout, figures: ModelFigures
+    config: PretrainConfig, layout: RunLayout, figures: ModelFigures, *, auto: bool
 ) -> dict[str, tuple[PlanOption, LayerSplit, RecomputeConfig | None]]:
     """Every (chunks per rank, split, recomputation) the planner weighs, by label."""
-    named = layout.resolved.name if config.parallel.pipeline_schedule != "auto" else None
+    named = None if auto else layout.resolved.name
     options = {}
-    for vp, split in _chunk_choices(config, layout):
+    for vp, split in _chunk_choices(config, layout, auto=auto):
         for recompute in _recompute_choices(config, figures, max(split.counts)):
             label = f"vp {vp}, {recompute_label(recompute)}"
             model = memory_model(
@@ -348,11 +358,12 @@ def _options(
 
 
 def fit_memory_limit(
-    layout: RunLayout, config: PretrainConfig, figures: ModelFigures
+    layout: RunLayout, config: PretrainConfig, figures: ModelFigures, *, auto: bool
 ) -> tuple[RunLayout, Choice | None]:
     """``--memory-limit-gb``: the layout whose simulated step is shortest within the limit.
 
-    With ``--pipeline-schedule auto`` every option is weighed (`_options`). A named schedule
+    With `auto` (``--pipeline-schedule auto``, as `pp_train.run_plan.decide_run` tells)
+    every option is weighed (`_options`). A named schedule
     (or Megatron's default) that auto could pick runs on the run's own chunks and split,
     with the recomputation that fits and is fastest (unless the flags set one). Any other
     (one stage, a plan file) is checked as configured.
@@ -369,11 +380,10 @@ def fit_memory_limit(
     limit = memory_limit(config, layout.resolved.transport)
     assert limit is not None
     resolved = layout.resolved
-    auto = config.parallel.pipeline_schedule == "auto"
     runnable = {name for name, _ in schedules_for(resolved.vp_size)}
     if not auto and resolved.name not in runnable:
         return _check_limit(with_memory_model(layout, config, figures), limit), None
-    options = _options(config, layout, figures)
+    options = _options(config, layout, figures, auto=auto)
     try:
         choice = choose_fitting(
             [option for option, _, _ in options.values()],
@@ -384,7 +394,7 @@ def fit_memory_limit(
     except MemoryLimitError as error:
         raise MemoryPlanError(
             f"{limit.flags}: {error}; flags to try: "
-            f"{_flag_hints(config, static_too_large=error.static_too_large)}"
+            f"{_flag_hints(config, auto=auto, static_too_large=error.static_too_large)}"
         ) from error
     assert choice.option is not None
     option, split, recompute = options[choice.option.label]
@@ -397,7 +407,7 @@ def fit_memory_limit(
     return fitted, choice
 
 
-def _flag_hints(config: PretrainConfig, *, static_too_large: bool) -> str:
+def _flag_hints(config: PretrainConfig, *, auto: bool, static_too_large: bool) -> str:
     """The flags that would lower the peak: recomputation, the microbatch, the pipeline.
 
     When the static bytes alone are over the limit only more stages help (or sharding the
@@ -410,7 +420,7 @@ def _flag_hints(config: PretrainConfig, *, static_too_large: bool) -> str:
     hints = []
     if config.model.recompute is not None:
         hints.append("other --recompute-* flags (or none: the planner then weighs them all)")
-    elif config.parallel.pipeline_schedule != "auto":
+    elif not auto:
         hints.append("--pipeline-schedule auto (chunks per rank weighed too)")
     batch = config.training.micro_batch_size
     if batch > 1:
@@ -491,36 +501,6 @@ def transfer_buffers(layout: RunLayout, comm: CommConfig | None = None) -> Trans
     return TransferBuffers(**dataclasses.asdict(frames))
 
 
-def plan_memory(
-    layout: RunLayout, config: PretrainConfig, measure: Callable[[], ModelFigures] | None
-) -> tuple[RunLayout, Choice | None]:
-    """The run's layout with its byte model, fitted to ``--memory-limit-gb`` when given.
-
-    Args:
-        layout: The checked layout (``auto`` already chosen).
-        config: The run's configuration.
-        measure: Measures the model's parts (the command's warm-up); None: no byte model.
-
-    Returns:
-        The layout, and the planner's choice when ``--memory-limit-gb`` had one to make.
-
-    Raises:
-        MemoryPlanError: ``--memory-limit-gb`` without a way to measure the model, nothing
-            fits, or the measurement failed.
-    """
-    if measure is None:
-        if config.parallel.memory_limit_gb is not None:
-            raise MemoryPlanError(
-                "--memory-limit-gb needs the model's activation bytes, measured on one "
-                "microbatch: pass measure_memory to pretrain (the pp-train command does)"
-            )
-        return layout, None
-    figures = measure()
-    if config.parallel.memory_limit_gb is None:
-        return with_memory_model(layout, config, figures), None
-    return fit_memory_limit(layout, config, figures)
-
-
 def with_memory_model(
     layout: RunLayout, config: PretrainConfig, figures: ModelFigures
 ) -> RunLayout:
@@ -532,7 +512,17 @@ def with_memory_model(
     return dataclasses.replace(layout, memory=model)
 
 
-def predict_memory(layout: RunLayout, num_microbatches: int) -> Simulation | None:
+class _WithBytes(Protocol):
+    """A run with a byte model: the checked `RunLayout` or the decided `RunPlan`."""
+
+    @property
+    def memory(self) -> MemoryModel | None: ...
+
+    @property
+    def resolved(self) -> ResolvedSchedule: ...
+
+
+def predict_memory(layout: _WithBytes, num_microbatches: int) -> Simulation | None:
     """The simulated step of `layout` with its byte model; None without one."""
     if layout.memory is None:
         return None

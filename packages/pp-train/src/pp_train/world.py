@@ -6,7 +6,7 @@ data-parallel (world / (tensor x pipeline)) and virtual pipeline sizes, the micr
 a name, ``auto`` (chosen by simulation) or the plan of ``--pipeline-schedule-file``, planned
 and validated for every microbatch count with pp-schedules' `resolve_schedule`. It refuses
 what cannot run, with the flags and the numbers that would work. `pretrain` takes its result
-instead of checking again.
+instead of checking again, and decides the run from it once (`pp_train.run_plan`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ __all__ = ["RunLayout", "check_creatable_folder", "check_world", "microbatch_cal
 
 @dataclasses.dataclass(frozen=True)
 class RunLayout:
-    """The sizes, the split of layers and the resolved schedule a configuration runs with."""
+    """A configuration checked on a world: its sizes, split of layers and resolved schedule.
+
+    What the flags name, resolved before any process group starts (``auto`` with default
+    costs). `pp_train.run_plan.decide_run` turns it, with what a warm-up measured, into the
+    run's one decision (`pp_train.run_plan.RunPlan`), which is what the run reads.
+    """
 
     world_size: int
     data_parallel_size: int
@@ -128,9 +133,10 @@ def check_world(
     dp = _check_world_size(config, world_size)
     _check_batches(config, dp)
     counts = _microbatch_counts(config, dp)
+    asked = config.parallel.pipeline_schedule
     split = layer_split(
         config.parallel, config.model.num_layers, given=layer_counts,
-        num_microbatches=max(counts),
+        num_microbatches=max(counts), schedule=None if asked == "auto" else asked,
     )  # fmt: skip
     _check_recompute_layers(config, split)
     chunks = len(split.counts) // config.parallel.pipeline_model_parallel_size

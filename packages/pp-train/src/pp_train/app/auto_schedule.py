@@ -11,7 +11,8 @@ before the process groups); the parameters are then counted per rank (see `model
 Before the model is built, each rank times one microbatch through a throwaway chunk of the
 run's size (its transformer layers, no embedding or head): the forward, the input half and the
 weight half of the backward (pp-schedules' split backward), medians of a few rounds. The
-slowest rank's times are the costs `choose_schedule` simulates every candidate with.
+slowest rank's times are the costs the run's one decision (`pp_train.run_plan.decide_run`)
+simulates every candidate with.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from pp_schedules import Choice, Costs, MemoryProbe
-from pp_schedules.planning import StageMemory, choose_schedule
+from pp_schedules import Costs, MemoryProbe
+from pp_schedules.planning import StageMemory
 from pp_schedules.runtime import backward_input, measure_stage
 from pp_state.collectives import collective
 from pp_tensor import RNGStatesTracker, add_model_parallel_states
@@ -33,7 +34,6 @@ from pp_train.memory_plan import MemoryPlanError, ModelFigures, PartFigures
 from pp_train.recompute import RecomputeConfig
 
 __all__ = [
-    "choose_measured",
     "layout_costs",
     "layout_times",
     "model_figures",
@@ -80,35 +80,6 @@ def _slowest(medians: list[float], operation: str) -> list[float]:
         with collective(operation):
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     return [max(float(value), 1e-3) for value in measured]
-
-
-def choose_measured(
-    config: GPTConfig,
-    guess: Choice,
-    *,
-    sizes: tuple[int, int, int],
-    micro_batch_size: int,
-    seed: int,
-) -> Choice:
-    """Choose again among `guess`'s runnable candidates with warm-up costs.
-
-    Args:
-        config: The model's shape.
-        guess: The choice made with default costs when the flags were checked.
-        sizes: Pipeline ranks, microbatches per step, chunks per rank.
-        micro_batch_size: Sequences per microbatch.
-        seed: Seeds the throwaway chunk.
-    """
-    pp, m, vp = sizes
-    costs = warmup_costs(
-        config, layers=config.num_layers // (pp * vp), micro_batch_size=micro_batch_size,
-        seed=seed,
-    )  # fmt: skip
-    runnable = [c.name for c in guess.candidates if c.makespan is not None]
-    return choose_schedule(
-        pp_size=pp, num_microbatches=m, vp_size=vp, costs=costs,
-        memory_limit=float(min(pp, m)), names=runnable,
-    )  # fmt: skip
 
 
 def layout_costs(

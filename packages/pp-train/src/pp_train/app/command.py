@@ -21,11 +21,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from pp_schedules import Choice, Costs
+from pp_schedules import Costs
 from pp_state import ParallelState
 from pp_state.store_channel import StoreChannel, StoreTimeoutError
 from pp_tensor import get_rng_tracker, pad_vocab_size
-from pp_train.app.auto_schedule import choose_measured, layout_times, model_figures
+from pp_train.app.auto_schedule import layout_times, model_figures, warmup_costs
 from pp_train.app.corpus import (
     CorpusDataset,
     check_corpus_seq_length,
@@ -294,9 +294,9 @@ def run(args: argparse.Namespace) -> str:
             None,
         )
 
-    def measure(guess: Choice, sizes: tuple[int, int, int]) -> Choice:
+    def measure_chunk(layers: int) -> Costs:
         batch = config.training.micro_batch_size
-        return choose_measured(gpt, guess, sizes=sizes, micro_batch_size=batch, seed=seed)
+        return warmup_costs(gpt, layers=layers, micro_batch_size=batch, seed=seed)
 
     @functools.cache
     def measure_memory() -> ModelFigures:
@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> str:
     return pretrain(
         datasets_provider, _gpt_provider(gpt, seed, config.parallel, tied=tied), gpt_forward_step,
         config=config, checkpoint_args={"vocab_size": tokens, "padded_vocab_size": gpt.vocab_size},
-        measure_schedule=measure,
+        measure_schedule=measure_chunk,
         measure_layout=measure_layout, measure_memory=measure_memory, layout=args.layout,
         model_name=f"GPT with {gpt.num_layers} layers, hidden {gpt.hidden_size},",
     )  # fmt: skip
