@@ -17,7 +17,8 @@ tensors of a torch_dist checkpoint), `async_save`, `convert`, `model_free` and
 `saved_weights` (files and whole tensors read without the model), `hf` and `hf_import` (the
 Hugging Face GPT-2 converter), `keys` (global keys), `tracker` (paths and the tracker file),
 `rng` (random generator states), `agreement` (every rank's verdict before any acts), `files`
-(atomic writes and renames), `load_request`, `validation` and `errors`.
+(atomic writes and renames), `load_request` and `save_request` (what a load or a save is
+asked for, one record each that both formats take), `validation` and `errors`.
 """
 
 from __future__ import annotations
