@@ -15,9 +15,11 @@ format), `optimizer_shards` and `distrib_optim` (the distributed optimizer's sta
 `tensor_parallel` and `planners` (tensor-parallel parts placed in, and read from, the whole
 tensors of a torch_dist checkpoint), `async_save`, `convert`, `model_free` and
 `saved_weights` (files and whole tensors read without the model), `hf` and `hf_import` (the
-Hugging Face GPT-2 converter), `keys` (global keys), `tracker` (paths and the tracker file),
+Hugging Face GPT-2 converter) and `gpt2_layout` (the one table of GPT-2's names and layouts
+they both read), `keys` (global keys), `tracker` (paths and the tracker file),
 `rng` (random generator states), `agreement` (every rank's verdict before any acts), `files`
-(atomic writes and renames), `load_request`, `validation` and `errors`.
+(atomic writes and renames), `load_request` and `save_request` (what a load or a save is
+asked for, one record each that both formats take), `validation` and `errors`.
 """
 
 from __future__ import annotations

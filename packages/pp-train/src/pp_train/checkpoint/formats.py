@@ -9,11 +9,12 @@ the same model, and can be written asynchronously (`AsyncCheckpointSaver`).
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
@@ -21,15 +22,16 @@ from pp_optim import MegatronOptimizer, OptimizerParamScheduler
 from pp_state import ParallelState
 from pp_train.checkpoint.agreement import raise_if_any_failed
 from pp_train.checkpoint.async_save import AsyncCheckpointSaver
-from pp_train.checkpoint.distrib_optim import gather_optimizer_files
 from pp_train.checkpoint.errors import CheckpointError, first_line
 from pp_train.checkpoint.fallback import older_after_damage
 from pp_train.checkpoint.load_request import DEFAULT_STRICT_ARGS, LoadedCheckpoint, LoadRequest
 from pp_train.checkpoint.loading import load_torch_dist
+from pp_train.checkpoint.save_request import CKPT_FORMATS, CkptFormat, SaveRequest, check_format
 from pp_train.checkpoint.torch_dist import (
     CONVERSION_KEY,
     FORMAT_METADATA_FILENAME,
     PARTIAL_SUFFIX,
+    SaveContent,
     conversion_record,
     publish,
     save_content,
@@ -42,7 +44,7 @@ from pp_train.checkpoint.torch_format import (
     write_torch_checkpoint,
 )
 from pp_train.checkpoint.tracker import agree_on_iteration, iteration_directory
-from pp_train.checkpoint.validation import check_load_arguments, check_save_arguments
+from pp_train.checkpoint.validation import check_load_arguments
 from pp_train.temporaries import remove_stale_temporaries, restore_moved_aside
 
 __all__ = [
@@ -53,16 +55,6 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
 ]
-
-CkptFormat = Literal["torch", "torch_dist"]
-"""Megatron's names of the two checkpoint formats (``--ckpt-format``)."""
-
-CKPT_FORMATS: tuple[str, ...] = get_args(CkptFormat)
-
-
-def _check_format(ckpt_format: object) -> None:
-    if ckpt_format not in CKPT_FORMATS:
-        raise ValueError(f"ckpt_format must be one of {list(CKPT_FORMATS)}, got {ckpt_format!r}")
 
 
 def detect_format(directory: str | os.PathLike[str]) -> CkptFormat | None:
@@ -104,7 +96,8 @@ def save_checkpoint(
     ``iter_000000N`` and then moves the tracker. With `async_saver` the write runs in the
     background (it returns after copying the tensors) and is published by the saver
     (`AsyncCheckpointSaver.poll` / ``wait``); a save still in flight is waited for first. The
-    model chunks must implement `pp_train.checkpoint.ShardedStateKeys`.
+    model chunks must implement `pp_train.checkpoint.ShardedStateKeys`. The arguments become
+    one `pp_train.checkpoint.save_request.SaveRequest`, which either format's writer takes.
 
     Args: as `pp_train.checkpoint.torch_format.save_torch_checkpoint`'s, and
         ckpt_format: ``"torch"`` or ``"torch_dist"``.
@@ -122,88 +115,62 @@ def save_checkpoint(
         CheckpointError: A rank could not write; the tracker names the checkpoint before.
         CollectiveError: A rank died or hung (on every survivor, naming the save); as above.
     """
-    _check_format(ckpt_format)
-    if async_saver is not None and ckpt_format != "torch_dist":
-        raise ValueError("asynchronous saving needs ckpt_format='torch_dist' (Megatron's too)")
-    _tidy_before_save(Path(root), state, report)
-    consumed = (consumed_train_samples, consumed_valid_samples)
-    if ckpt_format == "torch":
-        optimizer, scheduler = (optimizer, scheduler) if save_optim else (None, None)
-        parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "args": args}
-        return _save_torch(
-            Path(root), iteration, state, parts, consumed=consumed, save_rng=save_rng
-        )
-    check_save_arguments(iteration, consumed, model, args)
-    content = _content_on_every_rank(
-        iteration, state, consumed, save_rng, model=model, args=args,
-        optimizer=optimizer if save_optim else None, scheduler=scheduler if save_optim else None,
+    request = SaveRequest(
+        root=Path(root), iteration=iteration, state=state, model=model,
+        optimizer=optimizer if save_optim else None,
+        scheduler=scheduler if save_optim else None, args=args,
+        consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=consumed_valid_samples, save_rng=save_rng,
+        ckpt_format=ckpt_format, async_saver=async_saver,
     )  # fmt: skip
-    return _save_torch_dist(Path(root), iteration, content, state, async_saver)
+    _tidy_before_save(request.root, state, report)
+    if ckpt_format == "torch":
+        return write_torch_checkpoint(request, functools.partial(_torch_content, request))
+    return _save_torch_dist(request)
 
 
-def _save_torch(
-    root: Path,
-    iteration: int,
-    state: ParallelState,
-    parts: dict[str, Any],
-    *,
-    consumed: tuple[int, int],
-    save_rng: bool,
-) -> Path:
-    """`save_torch_checkpoint`, each file adding its `conversion_record`."""
-    check_save_arguments(iteration, consumed, parts["model"], parts["args"])
-    companions = gather_optimizer_files(parts["optimizer"])  # distrib_optim.pt, a collective
-
-    def content() -> dict[str, Any]:
-        saved = torch_checkpoint_content(iteration, consumed=consumed, save_rng=save_rng, **parts)
-        record = conversion_record(state, parts["model"], parts["optimizer"])
-        if record is not None:
-            saved[CONVERSION_KEY] = record
-        return saved
-
-    return write_torch_checkpoint(root, iteration, state, content, companions)
+def _torch_content(request: SaveRequest) -> dict[str, Any]:
+    """`torch_checkpoint_content` plus the position's `conversion_record`."""
+    saved = torch_checkpoint_content(request)
+    record = conversion_record(request.state, request.model, request.optimizer)
+    if record is not None:
+        saved[CONVERSION_KEY] = record
+    return saved
 
 
-def _save_torch_dist(
-    root: Path,
-    iteration: int,
-    content: Any,
-    state: ParallelState,
-    async_saver: AsyncCheckpointSaver | None,
-) -> Path:
+def _save_torch_dist(request: SaveRequest) -> Path:
+    """Checks, collects every rank's share, then writes it (or starts writing it) and publishes."""
+    request.check_contents()
+    content = _content_on_every_rank(request)
+    root, iteration, state = request.root, request.iteration, request.state
     final = iteration_directory(root, iteration)
     staging = final.with_name(final.name + PARTIAL_SUFFIX)
-    if async_saver is not None:
-        async_saver.start(content, root=root, iteration=iteration, staging=staging, state=state)
+    if request.async_saver is not None:
+        request.async_saver.start(
+            content, root=root, iteration=iteration, staging=staging, state=state
+        )
         return final
     write_torch_dist(staging, content, state, iteration)
     _publish_on_rank_0(root, iteration, state)
     return final
 
 
-def _content_on_every_rank(
-    iteration: int,
-    state: ParallelState,
-    consumed: tuple[int, int],
-    save_rng: bool,
-    **parts: Any,
-) -> Any:
+def _content_on_every_rank(request: SaveRequest) -> SaveContent:
     """`save_content` on every rank; raises on all when any failed (before any rank writes)."""
     content = error = None
     try:
-        content = save_content(
-            iteration, state=state, consumed=consumed, save_rng=save_rng, **parts
-        )
+        content = save_content(request)
     except Exception as caught:
         error = caught
     raise_if_any_failed(
-        state.rank,
+        request.state.rank,
         error,
         "cannot collect its torch_dist checkpoint state",
-        f"iteration {iteration} was not saved",
-        operation=save_operation(iteration),
-        iteration=iteration,
+        f"iteration {request.iteration} was not saved",
+        operation=save_operation(request.iteration),
+        iteration=request.iteration,
     )
+    assert content is not None
     return content
 
 
@@ -264,7 +231,7 @@ def load_checkpoint(
         CollectiveError: A rank died or stopped answering during the load (every survivor,
             naming the load and its iteration); nothing was changed.
     """
-    _check_format(ckpt_format)
+    check_format(ckpt_format)
     check_load_arguments(model, args, strict_args)
     request = LoadRequest(
         root=Path(root), state=state, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -2,14 +2,9 @@
 
 GPT-2 and pp-train's bundled GPT are one architecture: learned positions, pre-LayerNorm blocks
 with a fused qkv projection and a GELU MLP, a final LayerNorm, an output layer tied to the word
-embedding or not. Only the tensors' names and layouts differ (`HF_NAMES`):
-
-- Megatron's linear weights are ``[out, in]``; GPT-2's ``Conv1D`` weights are ``[in, out]``;
-- Megatron's fused qkv rows go head by head (``[head 0: q, k, v | head 1: q, k, v | ...]``, so
-  a tensor-parallel rank's rows are whole heads); GPT-2's columns are all queries, then all
-  keys, then all values;
-- Megatron pads the vocabulary (``--make-vocab-size-divisible-by`` x the tensor-parallel
-  size); GPT-2 has one row per token.
+embedding or not. Only the tensors' names and layouts differ, as one table says for the export
+and the import alike (`pp_train.checkpoint.gpt2_layout.GPT2_LAYOUT`): linear weights
+transposed, the fused qkv's per-head rows regrouped, the padded vocabulary cut.
 
 `export_hf` writes a directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads
 (``config.json``, ``model.safetensors``, the tokenizer's files or a note on the ids); the
@@ -34,6 +29,14 @@ import torch
 
 from pp_train.checkpoint.convert import check_output, publish, source_iteration
 from pp_train.checkpoint.errors import CheckpointError
+from pp_train.checkpoint.gpt2_layout import (
+    HF_NAMES,
+    OUTPUT_LAYER,
+    POSITION_EMBEDDING,
+    WORD_EMBEDDING,
+    from_hf_name,
+    to_hf_name,
+)
 from pp_train.checkpoint.saved_weights import SavedWeights, read_weights
 
 __all__ = [
@@ -46,70 +49,12 @@ __all__ = [
     "to_hf_tensors",
 ]
 
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT_LAYER = "output_layer.weight"
-
-HF_NAMES: tuple[tuple[str, str], ...] = (
-    (WORD_EMBEDDING, "transformer.wte.weight"),
-    ("embedding.position_embeddings.weight", "transformer.wpe.weight"),
-    ("layers.{i}.input_layernorm.weight", "transformer.h.{i}.ln_1.weight"),
-    ("layers.{i}.input_layernorm.bias", "transformer.h.{i}.ln_1.bias"),
-    ("layers.{i}.self_attention.qkv.weight", "transformer.h.{i}.attn.c_attn.weight"),
-    ("layers.{i}.self_attention.qkv.bias", "transformer.h.{i}.attn.c_attn.bias"),
-    ("layers.{i}.self_attention.proj.weight", "transformer.h.{i}.attn.c_proj.weight"),
-    ("layers.{i}.self_attention.proj.bias", "transformer.h.{i}.attn.c_proj.bias"),
-    ("layers.{i}.post_attention_layernorm.weight", "transformer.h.{i}.ln_2.weight"),
-    ("layers.{i}.post_attention_layernorm.bias", "transformer.h.{i}.ln_2.bias"),
-    ("layers.{i}.mlp.fc1.weight", "transformer.h.{i}.mlp.c_fc.weight"),
-    ("layers.{i}.mlp.fc1.bias", "transformer.h.{i}.mlp.c_fc.bias"),
-    ("layers.{i}.mlp.fc2.weight", "transformer.h.{i}.mlp.c_proj.weight"),
-    ("layers.{i}.mlp.fc2.bias", "transformer.h.{i}.mlp.c_proj.bias"),
-    ("final_layernorm.weight", "transformer.ln_f.weight"),
-    ("final_layernorm.bias", "transformer.ln_f.bias"),
-    (OUTPUT_LAYER, "lm_head.weight"),
-)
-"""Each global name of the Megatron-shaped GPT with its GPT-2 name (``{i}``: the layer)."""
-
 EXPORT_DTYPES: Mapping[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
 """The ``--dtype`` choices of an export."""
-
-_TRANSPOSED = ("self_attention.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
-_VOCABULARY = (WORD_EMBEDDING, OUTPUT_LAYER)
-
-
-def _pattern(template: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
-
-
-_TO_HF = [(_pattern(ours), theirs) for ours, theirs in HF_NAMES]
-_FROM_HF = [(_pattern(theirs), ours) for ours, theirs in HF_NAMES]
-
-
-def _renamed(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
-    for pattern, template in table:
-        found = pattern.match(name)
-        if found is not None:
-            return template.replace("{i}", found.group(1)) if found.groups() else template
-    return None
-
-
-def _qkv_to_hf(value: torch.Tensor, heads: int) -> torch.Tensor:
-    """Per-head [q, k, v] rows -> GPT-2's [all q | all k | all v] columns (weights transposed)."""
-    rows = value.shape[0]
-    grouped = value.reshape(heads, 3, rows // (3 * heads), *value.shape[1:]).transpose(0, 1)
-    flat = grouped.reshape(value.shape)
-    return flat.t().contiguous() if value.dim() == 2 else flat.contiguous()
-
-
-def _qkv_from_hf(value: torch.Tensor, heads: int) -> torch.Tensor:
-    """`_qkv_to_hf` undone."""
-    rows = value.t() if value.dim() == 2 else value
-    grouped = rows.reshape(3, heads, rows.shape[0] // (3 * heads), *rows.shape[1:])
-    return grouped.transpose(0, 1).reshape(rows.shape).contiguous()
 
 
 def to_hf_tensors(
@@ -136,23 +81,21 @@ def to_hf_tensors(
     converted: dict[str, torch.Tensor] = {}
     for name in list(tensors):
         value = tensors.pop(name)
-        target = _renamed(name, _TO_HF)
-        if target is None:
+        found = to_hf_name(name)
+        if found is None:
             raise CheckpointError(
                 f"tensor {name} (shape {tuple(value.shape)}) has no GPT-2 counterpart; the "
                 f"exporter takes the names of {[ours for ours, _ in HF_NAMES]}"
             )
-        if name.endswith("self_attention.qkv.weight") or name.endswith("self_attention.qkv.bias"):
-            value = _qkv_to_hf(value, num_attention_heads)
-        elif name.endswith(_TRANSPOSED):
-            value = value.t().contiguous()
-        elif name in _VOCABULARY:
+        parameter, target = found
+        if parameter.vocabulary:
             if value.shape[0] < vocab_size:
                 raise CheckpointError(
                     f"tensor {name} has {value.shape[0]} rows, fewer than the vocabulary's "
                     f"{vocab_size} tokens"
                 )
             value = value[:vocab_size]
+        value = parameter.to_hf(value, num_attention_heads)
         converted[target] = value.to(dtype).contiguous().clone()
     return converted
 
@@ -174,14 +117,12 @@ def from_hf_tensors(
     converted: dict[str, torch.Tensor] = {}
     for name in list(tensors):
         value = tensors.pop(name)
-        target = _renamed(name, _FROM_HF)
-        if target is None:
+        found = from_hf_name(name)
+        if found is None:
             raise CheckpointError(f"tensor {name} has no counterpart in the Megatron-shaped GPT")
-        if target.endswith(("self_attention.qkv.weight", "self_attention.qkv.bias")):
-            value = _qkv_from_hf(value, num_attention_heads)
-        elif target.endswith(_TRANSPOSED):
-            value = value.t().contiguous()
-        elif target in _VOCABULARY and value.shape[0] < padded_vocab_size:
+        parameter, target = found
+        value = parameter.from_hf(value, num_attention_heads)
+        if parameter.vocabulary and value.shape[0] < padded_vocab_size:
             padding = value.new_zeros(padded_vocab_size - value.shape[0], *value.shape[1:])
             value = torch.cat([value, padding])
         converted[target] = value
@@ -303,7 +244,7 @@ def hf_config(saved: SavedWeights, dtype: torch.dtype) -> dict[str, Any]:
             recorded.
     """
     args, tensors, where = saved.args, saved.tensors, saved.directory
-    for name in (WORD_EMBEDDING, "embedding.position_embeddings.weight", "layers.0.mlp.fc1.weight"):
+    for name in (WORD_EMBEDDING, POSITION_EMBEDDING, "layers.0.mlp.fc1.weight"):
         if name not in tensors:
             raise CheckpointError(f"checkpoint {where} has no tensor {name}; nothing was written")
     rows, hidden = tensors[WORD_EMBEDDING].shape
@@ -320,7 +261,7 @@ def hf_config(saved: SavedWeights, dtype: torch.dtype) -> dict[str, Any]:
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": vocab,
-        "n_positions": int(tensors["embedding.position_embeddings.weight"].shape[0]),
+        "n_positions": int(tensors[POSITION_EMBEDDING].shape[0]),
         "n_embd": int(hidden),
         "n_layer": len(layers),
         "n_head": _arg(args, "num_attention_heads", where),

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from pp_tensor import pad_vocab_size
 from pp_train.checkpoint.convert import check_output, publish
 from pp_train.checkpoint.errors import CheckpointError
+from pp_train.checkpoint.gpt2_layout import hf_shapes, split_dims
 from pp_train.checkpoint.hf import from_hf_tensors, safetensors_module
 from pp_train.checkpoint.keys import MODEL_PREFIX
 from pp_train.checkpoint.model_free import single_process
@@ -270,31 +271,15 @@ def _saved_args(
 
 def _expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every GPT-2 tensor the import reads, with its shape."""
-    hidden, vocab = config["n_embd"], config["vocab_size"]
-    inner = config.get("n_inner") or 4 * hidden
-    shapes: dict[str, tuple[int, ...]] = {
-        "transformer.wte.weight": (vocab, hidden),
-        "transformer.wpe.weight": (config["n_positions"], hidden),
-        "transformer.ln_f.weight": (hidden,),
-        "transformer.ln_f.bias": (hidden,),
+    hidden = config["n_embd"]
+    sizes = {
+        "vocab": config["vocab_size"],
+        "positions": config["n_positions"],
+        "hidden": hidden,
+        "qkv": 3 * hidden,
+        "inner": config.get("n_inner") or 4 * hidden,
     }
-    for i in range(config["n_layer"]):
-        layer = f"transformer.h.{i}."
-        for norm in ("ln_1", "ln_2"):
-            shapes[f"{layer}{norm}.weight"] = shapes[f"{layer}{norm}.bias"] = (hidden,)
-        shapes.update({
-            f"{layer}attn.c_attn.weight": (hidden, 3 * hidden),
-            f"{layer}attn.c_attn.bias": (3 * hidden,),
-            f"{layer}attn.c_proj.weight": (hidden, hidden),
-            f"{layer}attn.c_proj.bias": (hidden,),
-            f"{layer}mlp.c_fc.weight": (hidden, inner),
-            f"{layer}mlp.c_fc.bias": (inner,),
-            f"{layer}mlp.c_proj.weight": (inner, hidden),
-            f"{layer}mlp.c_proj.bias": (hidden,),
-        })  # fmt: skip
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
+    return hf_shapes(sizes, layers=config["n_layer"], tied=config["tie_word_embeddings"])
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -356,18 +341,8 @@ def read_gpt2_tensors(directory: Path, config: Mapping[str, Any]) -> dict[str, t
     return tensors
 
 
-_SPLIT_DIMS = {
-    "qkv.weight": 0, "qkv.bias": 0, "fc1.weight": 0, "fc1.bias": 0, "proj.weight": 1,
-    "fc2.weight": 1, "word_embeddings.weight": 0, "output_layer.weight": 0,
-}  # fmt: skip
-"""The dimension each tensor-parallel layer splits its tensors along (the GPT's)."""
-
-
 def _record(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The conversion record of the one position written (the converter reads it)."""
-    split = {
-        name: dim for name in tensors for end, dim in _SPLIT_DIMS.items() if name.endswith(end)
-    }
     layout = {
         "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1,
@@ -379,7 +354,7 @@ def _record(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         "version": CONVERSION_RECORD_VERSION, "layout": layout, "tensor_rank": 0,
         "pipeline_rank": 0, "ranks": [0], "chunks": [{name: name for name in tensors}],
         "optimizer_params": None, "param_groups": None, "fp32_copies": False,
-        "distributed_optimizer": False, "tensor_parallel": split,
+        "distributed_optimizer": False, "tensor_parallel": split_dims(tensors),
     }  # fmt: skip
 
 

@@ -34,12 +34,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from pp_optim import (
-    DistributedOptimizer,
-    Float16OptimizerWithFloat16Params,
-    MegatronOptimizer,
-    OptimizerParamScheduler,
-)
+from pp_optim import DistributedOptimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
 from pp_state import CollectiveError, ParallelState
 from pp_state.collectives import collective_error, is_lost_peer
 from pp_train.checkpoint.agreement import raise_if_any_failed
@@ -59,6 +54,7 @@ from pp_train.checkpoint.keys import (
 from pp_train.checkpoint.optimizer_shards import shard_tensors
 from pp_train.checkpoint.planners import ChunkSavePlanner
 from pp_train.checkpoint.rng import get_rng_state
+from pp_train.checkpoint.save_request import SaveRequest
 from pp_train.checkpoint.tensor_parallel import Box, TensorSplit, save_chunks, tensor_splits
 from pp_train.checkpoint.tracker import CHECKPOINT_VERSION, TRACKER_FILENAME, iteration_directory
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer
@@ -180,33 +176,24 @@ class SaveContent:
     their block in it and its shape (`pp_train.checkpoint.planners.ChunkSavePlanner`)."""
 
 
-def save_content(
-    iteration: int,
-    *,
-    state: ParallelState,
-    model: list[torch.nn.Module],
-    optimizer: MegatronOptimizer | None,
-    scheduler: OptimizerParamScheduler | None,
-    args: dict[str, Any],
-    consumed: tuple[int, int],
-    save_rng: bool,
-) -> SaveContent:
+def save_content(request: SaveRequest) -> SaveContent:
     """This rank's share of a torch_dist checkpoint (optimizer and scheduler when given).
 
     A `DistributedOptimizer`'s state is this rank's shards (`pp_train.checkpoint.
     optimizer_shards`); the parameters' all-gathers still in flight are waited for first.
     Tensors split over tensor parallelism are this rank's parts (`SaveContent.chunks`).
     """
+    state, model, optimizer = request.state, request.model, request.optimizer
     finish_param_sync(model)
     splits = _splits(state, model)
     tensors: dict[str, Any] = {key: held[0] for key, held in model_targets(model).items()}
     common: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "ckpt_format": "torch_dist",
-        "iteration": iteration,
-        "args": args,
-        "consumed_train_samples": consumed[0],
-        "consumed_valid_samples": consumed[1],
+        "iteration": request.iteration,
+        "args": request.args,
+        "consumed_train_samples": request.consumed_train_samples,
+        "consumed_valid_samples": request.consumed_valid_samples,
         "layout": layout_of(state, len(model)),
     }
     if optimizer is not None:
@@ -216,9 +203,9 @@ def save_content(
             tensors.update(optimizer_tensors(model, optimizer))
         scaler = optimizer.grad_scaler
         common["grad_scaler"] = None if scaler is None else scaler.state_dict()
-    if scheduler is not None:
-        common["opt_param_scheduler"] = scheduler.state_dict()
-    if save_rng:
+    if request.scheduler is not None:
+        common["opt_param_scheduler"] = request.scheduler.state_dict()
+    if request.save_rng:
         tensors[f"rng_state.rank{state.rank}"] = get_rng_state()
     if state.group_rank("dp_cp") == 0:
         record = conversion_record(state, model, optimizer)

@@ -57,6 +57,7 @@ from pp_train.checkpoint.load_request import (
     LoadRequest,
 )
 from pp_train.checkpoint.rng import RngState, get_rng_state, parse_rng_state, restore_rng
+from pp_train.checkpoint.save_request import SaveRequest
 from pp_train.checkpoint.tracker import (
     CHECKPOINT_VERSION,
     TRACKER_FILENAME,
@@ -64,11 +65,7 @@ from pp_train.checkpoint.tracker import (
     checkpoint_path,
     iteration_directory,
 )
-from pp_train.checkpoint.validation import (
-    check_load_arguments,
-    check_save_arguments,
-    check_scheduler_state,
-)
+from pp_train.checkpoint.validation import check_load_arguments, check_scheduler_state
 from pp_train.temporaries import PARTIAL_SUFFIX, mark_writer, restore_moved_aside
 from pp_train.wrappers import finish_param_sync, unwrap_model
 
@@ -138,36 +135,28 @@ def save_torch_checkpoint(
         ValueError: A count is negative or `model` is empty.
         CheckpointError: A rank could not write its file or the tracker.
     """
-    consumed = (consumed_train_samples, consumed_valid_samples)
-    check_save_arguments(iteration, consumed, model, args)
-    companions = gather_optimizer_files(optimizer if save_optim else None)
-    content = functools.partial(
-        torch_checkpoint_content,
-        iteration,
-        model=model,
+    request = SaveRequest(
+        root=Path(root), iteration=iteration, state=state, model=model,
         optimizer=optimizer if save_optim else None,
-        scheduler=scheduler if save_optim else None,
-        args=args,
-        consumed=consumed,
-        save_rng=save_rng,
-    )
-    return write_torch_checkpoint(Path(root), iteration, state, content, companions)
+        scheduler=scheduler if save_optim else None, args=args,
+        consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=consumed_valid_samples, save_rng=save_rng, ckpt_format="torch",
+    )  # fmt: skip
+    return write_torch_checkpoint(request, functools.partial(torch_checkpoint_content, request))
 
 
-def write_torch_checkpoint(
-    root: Path,
-    iteration: int,
-    state: ParallelState,
-    content: Callable[[], dict[str, Any]],
-    companions: Mapping[str, Any] | None = None,
-) -> Path:
+def write_torch_checkpoint(request: SaveRequest, content: Callable[[], dict[str, Any]]) -> Path:
     """Writes every position's file, then moves the tracker; a collective (`save_torch_checkpoint`).
 
-    Only data-parallel rank 0 of each position calls `content` and writes its file (at the
-    path returned), after the `companions` (file name to content, e.g. ``distrib_optim.pt``)
-    beside it; only global rank 0 writes the tracker. When the iteration's directory
+    The request is checked first (`SaveRequest.check_contents`); then a distributed
+    optimizer's ``distrib_optim.pt`` is gathered (a collective). Only data-parallel rank 0 of
+    each position calls `content` and writes its file (at the path returned), after that
+    companion beside it; only global rank 0 writes the tracker. When the iteration's directory
     exists the files go into ``iter_N.partial``, renamed in whole before the tracker moves.
     """
+    request.check_contents()
+    companions = gather_optimizer_files(request.optimizer)  # distrib_optim.pt, a collective
+    root, iteration, state = request.root, request.iteration, request.state
     operation = f"torch save of iteration {iteration}"
     path = _own_path(root, iteration, state)
     final = path.parent.parent
@@ -176,7 +165,7 @@ def write_torch_checkpoint(
     if state.group_rank("dp_cp") == 0:
         written = path if staging is None else staging / path.relative_to(final)
         try:
-            for name, companion in (companions or {}).items():
+            for name, companion in companions.items():
                 _atomic_write(written.parent / name, functools.partial(_save_to, companion))
             saved = content()
             _atomic_write(written, lambda file: torch.save(saved, file))
@@ -257,37 +246,24 @@ def _publish_files(root: Path, iteration: int, staging: Path | None) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
 
 
-def torch_checkpoint_content(
-    iteration: int,
-    *,
-    model: list[torch.nn.Module],
-    optimizer: MegatronOptimizer | None,
-    scheduler: OptimizerParamScheduler | None,
-    args: dict[str, Any],
-    consumed: tuple[int, int],
-    save_rng: bool,
-) -> dict[str, Any]:
+def torch_checkpoint_content(request: SaveRequest) -> dict[str, Any]:
     """One position's file content: the header, model chunks and the states asked for.
 
     Args:
-        iteration: The iteration saved.
-        model: This rank's model chunks (unwrapped here).
-        optimizer: Its state is saved unless None.
-        scheduler: Its state is saved unless None.
-        args: The run's configuration (plain values).
-        consumed: Training and validation samples consumed so far.
-        save_rng: Save this process's random generator states.
+        request: The save; its model chunks are unwrapped here, its optimizer's and
+            scheduler's states saved unless None, this process's RNG states with ``save_rng``.
 
     Returns:
         What ``torch.save`` writes to the position's ``model_optim_rng.pt``.
     """
+    model, optimizer, scheduler = request.model, request.optimizer, request.scheduler
     finish_param_sync(model)  # the distributed optimizer's all-gathers still in flight
     content: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": iteration,
-        "args": args,
-        "consumed_train_samples": consumed[0],
-        "consumed_valid_samples": consumed[1],
+        "iteration": request.iteration,
+        "args": request.args,
+        "consumed_train_samples": request.consumed_train_samples,
+        "consumed_valid_samples": request.consumed_valid_samples,
     }
     for key, chunk in zip(model_keys(len(model)), model, strict=True):
         content[key] = unwrap_model(chunk).state_dict()
@@ -295,7 +271,7 @@ def torch_checkpoint_content(
         content["optimizer"] = optimizer_entry(optimizer)
     if scheduler is not None:
         content["opt_param_scheduler"] = scheduler.state_dict()
-    if save_rng:
+    if request.save_rng:
         content["rng_state"] = get_rng_state()
     return content
 
