@@ -373,6 +373,9 @@ def _refusals() -> dict[str, str]:
         "not tensors": lambda: PipelineModel.from_parts(
             [_Untyped(), torch.nn.Identity()], placement=looped, state=state
         ).infer_contracts(torch.ones(2)),
+        "last stage order": lambda: PipelineModel.from_model(
+            _Decoder(), DECODER_OUT_OF_ORDER, placement=looped, state=state
+        ).infer_contracts(microbatches(0, 1)[0]["ids"]),
         "placement": lambda: _run_on_other_placement(state, comm),
     }
     messages = {}
@@ -386,6 +389,25 @@ def _refusals() -> dict[str, str]:
     comm.destroy()
     state.destroy()
     return messages
+
+
+# The output layer listed before the final norm: only the last stage's own forward fails.
+DECODER_OUT_OF_ORDER = [
+    ["model.embed_tokens", "model.layers.0"],
+    ["model.layers.1", "lm_head", "model.norm"],
+]
+
+
+class _Decoder(torch.nn.Module):
+    """Embedding, two layers, a final norm and an output layer, named as Llama's are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+        self.model.norm = torch.nn.LayerNorm(HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB)
 
 
 class _Untyped(torch.nn.Module):
@@ -426,6 +448,17 @@ def refusals() -> list[dict[str, str]]:
         ("tie shapes", ["different shapes", "(3, 2)", "(2, 2)"]),
         ("tie name", ["has no parameter ['nope']"]),
         ("not tensors", ["TypeError", "virtual stage 0", "items [1] are not tensors (str)"]),
+        (
+            # The output layer listed before the norm: the last stage runs on the sample too.
+            "last stage order",
+            [
+                "RuntimeError: virtual stage 1 failed on the sample microbatch in its part "
+                "'model.norm' (parts ['model.layers.1', 'lm_head', 'model.norm'])",
+                f"given a tensor ({BATCH}, {SEQ}, {VOCAB}) float32",
+                "normalized_shape=[8]",
+                "in the order the model runs them",
+            ],
+        ),
         ("tie typo", ["part '1' has no parameter '1.wieght'"]),
         ("integers only", ["virtual stage 0 sends a tensor (2,) int64: no floating-point"]),
         (
