@@ -376,6 +376,15 @@ def _refusals() -> dict[str, str]:
         "last stage order": lambda: PipelineModel.from_model(
             _Decoder(), DECODER_OUT_OF_ORDER, placement=looped, state=state
         ).infer_contracts(microbatches(0, 1)[0]["ids"]),
+        "misspelt": lambda: PipelineModel.from_model(
+            _Decoder(), DECODER_MISSPELT, placement=looped, state=state
+        ),
+        "unknown top": lambda: PipelineModel.from_model(
+            _Decoder(),
+            [DECODER_MISSPELT[0], ["model.norm", "lm_head", "head"]],
+            placement=looped,
+            state=state,
+        ),
         "placement": lambda: _run_on_other_placement(state, comm),
     }
     messages = {}
@@ -395,6 +404,11 @@ def _refusals() -> dict[str, str]:
 DECODER_OUT_OF_ORDER = [
     ["model.embed_tokens", "model.layers.0"],
     ["model.layers.1", "lm_head", "model.norm"],
+]
+# One letter short ("layer" for "layers"): a module that does not exist.
+DECODER_MISSPELT = [
+    ["model.embed_tokens", "model.layers.0"],
+    ["model.layer.1", "model.norm", "lm_head"],
 ]
 
 
@@ -441,6 +455,22 @@ def refusals() -> list[dict[str, str]]:
         ("repeated", ["'blocks.1' of virtual stage 1 repeats 'blocks.1' of virtual stage 0"]),
         ("nested", ["'blocks' of virtual stage 0 contains 'blocks.0' of virtual stage 0"]),
         ("missing", ["virtual stage 1: Model has no module 'blocks.7'", "'0', '1', '2', '3'"]),
+        (
+            "misspelt",
+            [
+                "virtual stage 1: _Decoder has no module 'model.layer.1'",
+                "the modules under 'model' (the longest part of the name that exists) are "
+                "['embed_tokens', 'layers', 'norm']",
+                "did you mean 'model.layers.1'?",
+            ],
+        ),
+        (
+            "unknown top",
+            [
+                "_Decoder has no module 'head'; the modules under the model are ['model', "
+                "'lm_head']; did you mean 'lm_head'?"
+            ],
+        ),
         ("stages", ["1 lists for 2 virtual stages"]),
         ("counts", ["counts [2, 2] do not split 5 parts", "leaving parts out"]),
         ("even", ["5 parts do not split evenly over 2 virtual stages"]),
@@ -498,3 +528,10 @@ def test_a_schedule_resolves_on_its_own_chunks_per_rank(schedule: str, chunks: i
     resolved = resolve_schedule(schedule, pp_size=2, microbatch_counts=[4])
     assert resolved.vp_size == chunks
     assert resolved.placement.vp_size == chunks
+
+
+def test_a_missing_layer_number_is_not_taken_for_a_misspelling(
+    refusals: list[dict[str, str]],
+) -> None:
+    for messages in refusals:
+        assert "did you mean" not in messages["missing"], messages["missing"]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -100,19 +102,11 @@ def _check_module_names(
                 f"got {names!r}"
             )
         for name in names:
-            try:
-                model.get_submodule(name)
-            except AttributeError:
-                parent = name.rpartition(".")[0]
-                known = (
-                    [n for n, _ in model.get_submodule(parent).named_children()]
-                    if (_has_module(model, parent))
-                    else [n for n, _ in model.named_children()]
-                )
+            if not _has_module(model, name):
                 raise ValueError(
-                    f"virtual stage {stage}: {kind} has no module {name!r}; the modules "
-                    f"under {parent or 'the model'!r} are {known}"
-                ) from None
+                    f"virtual stage {stage}: {kind} has no module {name!r}; "
+                    f"{_missing_module_hint(model, name)}"
+                )
             for other, where in seen.items():
                 relation = (
                     "repeats" if other == name
@@ -143,6 +137,37 @@ def _has_module(model: torch.nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _missing_module_hint(model: torch.nn.Module, name: str) -> str:
+    """What exists near a module name that does not, for its refusal.
+
+    The longest leading part of the name that is a module (the model itself at worst), that
+    module's children, and the model's closest module name where one is close.
+    """
+    parts = name.split(".")
+    prefixes = (".".join(parts[:n]) for n in range(len(parts) - 1, -1, -1))
+    found = next(p for p in prefixes if _has_module(model, p))  # "" (the model) always is
+    children = [n for n, _ in model.get_submodule(found).named_children()]
+    where = "the model" if not found else repr(found)
+    if found and found != name.rpartition(".")[0]:
+        where += " (the longest part of the name that exists)"
+    hint = f"the modules under {where} are {children}"
+    close = _closest_module(model, name)
+    return f"{hint}; did you mean {close!r}?" if close else hint
+
+
+def _closest_module(model: torch.nn.Module, name: str) -> str | None:
+    """The model's module name closest to `name`, if one is close.
+
+    A name that differs from `name` only in its numbers is no suggestion: ``layers.7`` of a
+    model with 4 layers is not a misspelt ``layers.1``.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    for close in difflib.get_close_matches(name, names, n=3, cutoff=0.7):
+        if re.sub(r"\d+", "#", str(close)) != re.sub(r"\d+", "#", name):
+            return str(close)
+    return None
 
 
 def _found_ties(
