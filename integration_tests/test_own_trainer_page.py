@@ -72,3 +72,25 @@ def test_the_optimizer_is_called_what_it_is() -> None:
         assert not re.search(r"\bAdam\b(?!W)", text.replace("plain Adam", "")), (
             "the optimizer is AdamW (decoupled weight decay), not Adam"
         )
+
+
+COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
+               "reduce_scatter", "all_to_all", "barrier", "all_gather_object",
+               "broadcast_object_list", "gather_object"}  # fmt: skip
+
+
+def test_the_trainer_makes_no_collective_on_the_default_group() -> None:
+    """The page's last warning: a collective just before exit on the default group can abort
+    the process at shutdown; the state's groups, which state.destroy() frees, are safe."""
+    tree = ast.parse(TRAINER[1].read_text())
+    calls = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
+        and node.func.attr in COLLECTIVES
+    ]  # fmt: skip
+    assert calls, "the trainer reduces the losses somewhere"
+    for call in calls:
+        assert any(k.arg == "group" for k in call.keywords), (
+            f"line {call.lineno}: dist.{call.func.attr} on the default group"  # type: ignore[attr-defined]
+        )
