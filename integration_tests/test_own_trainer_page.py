@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import io
+import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -53,3 +56,41 @@ def test_the_llama_trainer_is_at_most_90_lines_of_code() -> None:
     counted = sum(code_lines(path.read_text()) for path in TRAINER)
     assert counted <= GOAL, f"{counted} lines of code; the goal is {GOAL}"
     assert f"are {counted} lines of code" in PAGE.read_text()
+
+
+def test_the_optimizer_is_called_what_it_is() -> None:
+    """OptimizerConfig's adam is Megatron's: AdamW with weight decay 0.01, not plain Adam."""
+    sys.path.insert(0, str(TRAINER[1].parent))
+    try:
+        config = importlib.import_module("pipeline_trainer").OPTIMIZER
+    finally:
+        sys.path.remove(str(TRAINER[1].parent))
+    assert (config.optimizer, config.weight_decay) == ("adam", 0.01)
+    for text in (TRAINER[1].read_text(), PAGE.read_text()):
+        assert "AdamW" in text
+        assert "weight decay 0.01" in text
+        assert not re.search(r"\bAdam\b(?!W)", text.replace("plain Adam", "")), (
+            "the optimizer is AdamW (decoupled weight decay), not Adam"
+        )
+
+
+COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
+               "reduce_scatter", "all_to_all", "barrier", "all_gather_object",
+               "broadcast_object_list", "gather_object"}  # fmt: skip
+
+
+def test_the_trainer_makes_no_collective_on_the_default_group() -> None:
+    """The page's last warning: a collective just before exit on the default group can abort
+    the process at shutdown; the state's groups, which state.destroy() frees, are safe."""
+    tree = ast.parse(TRAINER[1].read_text())
+    calls = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
+        and node.func.attr in COLLECTIVES
+    ]  # fmt: skip
+    assert calls, "the trainer reduces the losses somewhere"
+    for call in calls:
+        assert any(k.arg == "group" for k in call.keywords), (
+            f"line {call.lineno}: dist.{call.func.attr} on the default group"  # type: ignore[attr-defined]
+        )

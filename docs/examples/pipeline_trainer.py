@@ -22,14 +22,15 @@ from pp_state import ParallelConfig, ParallelState
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 STEPS, MICROBATCHES = 5, 4
-OPTIMIZER = OptimizerConfig(lr=1e-3)  # Adam; clip_grad=1.0 by default, inside step()
+# Megatron's adam is AdamW: decoupled weight decay 0.01 (its default, written out here) on
+# matrices only; clip_grad=1.0 by default, inside step()
+OPTIMIZER = OptimizerConfig(lr=1e-3, weight_decay=0.01)
 
 
 def token_batches(step: int, count: int, *, vocab: int, seq: int = 16) -> list[Any]:
     """`count` microbatches of 2 random sequences: token ids and next-token labels (2, seq)."""
-    tokens = torch.randint(
-        vocab, (count, 2, seq + 1), generator=torch.Generator().manual_seed(step)
-    )
+    generator = torch.Generator().manual_seed(step)
+    tokens = torch.randint(vocab, (count, 2, seq + 1), generator=generator)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
@@ -61,9 +62,12 @@ def train(model: Any, schedule: str, state: ParallelState, comm: P2PCommunicator
         for chunk in chunks:
             chunk.finish_grad_sync()
         optimizer.step()
-        # The rank holding the last stage has the losses (rank 0 under ZB-V): sum over all.
+        # The ranks holding the last stage have the losses (pipeline rank 0 under ZB-V): sum
+        # over data parallelism, then along the pipeline, so that rank 0 has the mean. On the
+        # state's groups, which state.destroy() frees: not on the default group (see the page).
         loss = torch.stack([r["loss"] for r in reported]).mean() if reported else torch.zeros(())
-        dist.all_reduce(loss)
+        for kind in ("dp", "pp"):
+            dist.all_reduce(loss, group=state.group(kind))
         losses.append(float(loss) / dp)
     return losses
 

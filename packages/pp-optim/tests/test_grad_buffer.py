@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pp_optim import DDPConfig, DistributedDataParallel, Float16Module
+from pp_optim import DDPConfig, DistributedDataParallel, Float16Module, GradSyncError
 from pp_state import ParallelConfig, ParallelState, set_collective_hook
 from pp_testing import run_distributed
 
@@ -229,8 +229,44 @@ def test_every_buckets_sync_and_gather_is_told_to_the_collective_hook(config: DD
     syncs = [op for op, group in heard if group == (0, 1) and "over data parallel" in op]
     buckets = len(syncs) // (2 if config.use_distributed_optimizer else 1)
     assert buckets > 1, heard
-    first = "gradient all-reduce" if not config.use_distributed_optimizer else "gradient"
-    assert all(op.startswith(first) for op in syncs[:buckets])
+    # On gloo the distributed optimizer's buckets are all-reduced too (see _reduce).
+    assert all(op.startswith("gradient all-reduce") for op in syncs[:buckets]), syncs
     assert [f"(bucket {i}," in op for i, op in enumerate(syncs[:buckets])] == [True] * buckets
     if config.use_distributed_optimizer:
         assert all(op.startswith("parameter all-gather") for op in syncs[buckets:])
+
+
+def _failed_sync(use_distributed_optimizer: bool, overlap: bool) -> str:
+    """The error of a bucket whose collective fails, on gloo: its message."""
+    state = ParallelState.create(ParallelConfig())
+    config = DDPConfig(
+        use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=overlap
+    )
+    ddp = DistributedDataParallel(_model(), config, data_parallel_group=state.group("dp"))
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    def step() -> None:  # with overlap the bucket starts (and fails) inside backward
+        inputs, targets = _data()
+        torch.nn.functional.mse_loss(ddp(inputs), targets).backward()
+        ddp.finish_grad_sync()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "all_reduce", refused)
+        patch.setattr(dist, "reduce_scatter_single", refused)
+        with pytest.raises(GradSyncError) as caught:
+            step()
+    state.destroy()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["ddp", "distopt"])
+def test_a_failed_sync_names_the_collective_that_ran(
+    use_distributed_optimizer: bool, overlap: bool
+) -> None:
+    """gloo all-reduces every bucket, the distributed optimizer's too: the error says so."""
+    for message in run_distributed(_failed_sync, 2, use_distributed_optimizer, overlap):
+        assert "gradient all-reduce over data parallel (bucket 0," in message, message
+        assert "reduce-scatter" not in message, message

@@ -61,7 +61,10 @@ def test_refuses_what_megatron_refuses_and_says_what_would_work(config: dict[str
     with pytest.raises(ValueError, match="Megatron's rule") as caught:
         plan(NAMES[str(config["schedule"])], **_args(config))  # type: ignore[arg-type]
     message = str(caught.value)
-    assert "valid values" in message or "no value works" in message
+    assert (
+        "valid microbatch_group_size_per_vp_stage values" in message
+        or "no microbatch_group_size_per_vp_stage works" in message
+    )
 
 
 @pytest.mark.parametrize("pp", [4, 5, 8])
@@ -149,8 +152,9 @@ def test_string_form_round_trips() -> None:
         (
             "interleaved_1f1b",
             {"vp_size": 2, "num_microbatches": 7, "microbatch_group_size_per_vp_stage": 2},
-            r"microbatch_group_size_per_vp_stage 2 must lie between the pipeline size 4 and the number of "
-            r"microbatches 7 \(Megatron's rule\); valid values for 7 microbatches: \[7\]",
+            r"microbatch_group_size_per_vp_stage 2 must lie between the pipeline size 4 and the "
+            r"number of microbatches 7 \(Megatron's rule\); valid "
+            r"microbatch_group_size_per_vp_stage values for 7 microbatches: \[7\]$",
         ),
         (
             "interleaved_1f1b",
@@ -165,6 +169,37 @@ def test_bad_configurations_say_why(name: str, kwargs: dict[str, object], messag
     arguments: dict[str, object] = {"pp_size": 4, "num_microbatches": 8, **kwargs}
     with pytest.raises(ValueError, match=message):
         plan(name, **arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "hint", "groups", "counts"),
+    [
+        ((2, 3, None), "valid microbatch_group_size_per_vp_stage values for 3 microbatches: [3]; "
+         "or keep microbatch_group_size_per_vp_stage=2 and use 2 or 4 microbatches", [3], [2, 4]),
+        ((4, 9, None), "valid microbatch_group_size_per_vp_stage values for 9 microbatches: "
+         "[5, 9]; or keep microbatch_group_size_per_vp_stage=4 and use 8 or 12 microbatches",
+         [5, 9], [8, 12]),
+        ((4, 7, 9), "valid microbatch_group_size_per_vp_stage values for 7 microbatches: [7]; or "
+         "keep microbatch_group_size_per_vp_stage=9 and use 9 microbatches", [7], [9]),
+        ((4, 2, None), "no microbatch_group_size_per_vp_stage works for 2 microbatches; use at "
+         "least 4 microbatches", [], []),
+    ],
+)  # fmt: skip
+def test_interleaving_refusals_name_the_group_size_and_counts_that_work(
+    sizes: tuple[int, int, int | None], hint: str, groups: list[int], counts: list[int]
+) -> None:
+    """The hint names the parameter, and every value and count it offers runs."""
+    pp, m, group = sizes  # pipeline size, microbatches, group size (None: the pipeline size)
+    with pytest.raises(ScheduleConfigError) as refused:
+        plan("interleaved_1f1b", pp_size=pp, vp_size=2, num_microbatches=m,
+             microbatch_group_size_per_vp_stage=group)  # fmt: skip
+    assert str(refused.value).endswith(f"(Megatron's rule); {hint}"), str(refused.value)
+    for size in groups:
+        plan("interleaved_1f1b", pp_size=pp, vp_size=2, num_microbatches=m,
+             microbatch_group_size_per_vp_stage=size)  # fmt: skip
+    for count in counts:
+        plan("interleaved_1f1b", pp_size=pp, vp_size=2, num_microbatches=count,
+             microbatch_group_size_per_vp_stage=group)  # fmt: skip
 
 
 def test_interleaving_refusals_are_megatrons_runtime_errors_too() -> None:

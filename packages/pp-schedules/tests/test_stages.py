@@ -373,6 +373,18 @@ def _refusals() -> dict[str, str]:
         "not tensors": lambda: PipelineModel.from_parts(
             [_Untyped(), torch.nn.Identity()], placement=looped, state=state
         ).infer_contracts(torch.ones(2)),
+        "last stage order": lambda: PipelineModel.from_model(
+            _Decoder(), DECODER_OUT_OF_ORDER, placement=looped, state=state
+        ).infer_contracts(microbatches(0, 1)[0]["ids"]),
+        "misspelt": lambda: PipelineModel.from_model(
+            _Decoder(), DECODER_MISSPELT, placement=looped, state=state
+        ),
+        "unknown top": lambda: PipelineModel.from_model(
+            _Decoder(),
+            [DECODER_MISSPELT[0], ["model.norm", "lm_head", "head"]],
+            placement=looped,
+            state=state,
+        ),
         "placement": lambda: _run_on_other_placement(state, comm),
     }
     messages = {}
@@ -386,6 +398,30 @@ def _refusals() -> dict[str, str]:
     comm.destroy()
     state.destroy()
     return messages
+
+
+# The output layer listed before the final norm: only the last stage's own forward fails.
+DECODER_OUT_OF_ORDER = [
+    ["model.embed_tokens", "model.layers.0"],
+    ["model.layers.1", "lm_head", "model.norm"],
+]
+# One letter short ("layer" for "layers"): a module that does not exist.
+DECODER_MISSPELT = [
+    ["model.embed_tokens", "model.layers.0"],
+    ["model.layer.1", "model.norm", "lm_head"],
+]
+
+
+class _Decoder(torch.nn.Module):
+    """Embedding, two layers, a final norm and an output layer, named as Llama's are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+        self.model.norm = torch.nn.LayerNorm(HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB)
 
 
 class _Untyped(torch.nn.Module):
@@ -419,6 +455,22 @@ def refusals() -> list[dict[str, str]]:
         ("repeated", ["'blocks.1' of virtual stage 1 repeats 'blocks.1' of virtual stage 0"]),
         ("nested", ["'blocks' of virtual stage 0 contains 'blocks.0' of virtual stage 0"]),
         ("missing", ["virtual stage 1: Model has no module 'blocks.7'", "'0', '1', '2', '3'"]),
+        (
+            "misspelt",
+            [
+                "virtual stage 1: _Decoder has no module 'model.layer.1'",
+                "the modules under 'model' (the longest part of the name that exists) are "
+                "['embed_tokens', 'layers', 'norm']",
+                "did you mean 'model.layers.1'?",
+            ],
+        ),
+        (
+            "unknown top",
+            [
+                "_Decoder has no module 'head'; the modules under the model are ['model', "
+                "'lm_head']; did you mean 'lm_head'?"
+            ],
+        ),
         ("stages", ["1 lists for 2 virtual stages"]),
         ("counts", ["counts [2, 2] do not split 5 parts", "leaving parts out"]),
         ("even", ["5 parts do not split evenly over 2 virtual stages"]),
@@ -426,6 +478,17 @@ def refusals() -> list[dict[str, str]]:
         ("tie shapes", ["different shapes", "(3, 2)", "(2, 2)"]),
         ("tie name", ["has no parameter ['nope']"]),
         ("not tensors", ["TypeError", "virtual stage 0", "items [1] are not tensors (str)"]),
+        (
+            # The output layer listed before the norm: the last stage runs on the sample too.
+            "last stage order",
+            [
+                "RuntimeError: virtual stage 1 failed on the sample microbatch in its part "
+                "'model.norm' (parts ['model.layers.1', 'lm_head', 'model.norm'])",
+                f"given a tensor ({BATCH}, {SEQ}, {VOCAB}) float32",
+                "normalized_shape=[8]",
+                "in the order the model runs them",
+            ],
+        ),
         ("tie typo", ["part '1' has no parameter '1.wieght'"]),
         ("integers only", ["virtual stage 0 sends a tensor (2,) int64: no floating-point"]),
         (
@@ -465,3 +528,10 @@ def test_a_schedule_resolves_on_its_own_chunks_per_rank(schedule: str, chunks: i
     resolved = resolve_schedule(schedule, pp_size=2, microbatch_counts=[4])
     assert resolved.vp_size == chunks
     assert resolved.placement.vp_size == chunks
+
+
+def test_a_missing_layer_number_is_not_taken_for_a_misspelling(
+    refusals: list[dict[str, str]],
+) -> None:
+    for messages in refusals:
+        assert "did you mean" not in messages["missing"], messages["missing"]

@@ -8,6 +8,7 @@ that group is given; with no group the default state's tensor-parallel rank deci
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -74,6 +75,45 @@ def test_without_a_group_megatrons_rank_override_answers() -> None:
     assert not param_is_not_tensor_parallel_duplicate(params["whole"])
     mpu.set_tensor_model_parallel_rank(0)
     assert param_is_not_tensor_parallel_duplicate(params["whole"])
+
+
+class _Group:
+    """Anything with ``rank()``, which megatron-core 0.20 accepts as a group (it calls only
+    that): a process-group collection's entry, a stand-in in a ported test."""
+
+    def __init__(self, rank: Any) -> None:
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank  # type: ignore[no-any-return]  # whatever it was given
+
+
+def test_any_object_with_a_rank_method_is_taken_as_a_group() -> None:
+    params = _params()
+    for rank in (0, 1, 3):
+        group = _Group(rank)
+        assert param_is_not_tensor_parallel_duplicate(params["split"], group)
+        assert param_is_not_tensor_parallel_duplicate(params["whole"], group) == (rank == 0)
+        assert param_is_not_tensor_parallel_duplicate(params["whole"], tp_group=group) == (
+            rank == 0
+        )
+    # The expert group too: tp rank 1 is expert tp rank 0.
+    assert param_is_not_tensor_parallel_duplicate(params["expert"], _Group(1), _Group(0))
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("rank", "error", "words"),
+    [
+        (-1, ValueError, r"tp_group\.rank\(\) returned -1: .* 0 or more"),
+        ("0", TypeError, r"tp_group\.rank\(\) returned '0' \(str\); .* an int"),
+    ],
+)
+def test_a_rank_method_that_gives_no_position_is_refused(
+    rank: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        param_is_not_tensor_parallel_duplicate(_params()["whole"], _Group(rank))
 
 
 @pytest.mark.reliability

@@ -496,6 +496,43 @@ def test_recomputation_replays_every_rng_state(size: int) -> None:
     run_distributed(_initialized, size, _recompute)
 
 
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b  # saves nothing for backward: backward recomputes nothing
+
+
+def _distributed_first_input(rank: int, size: int) -> None:
+    """distribute_saved_activations=True: the first input is split in forward, whole again in
+    backward, whether or not backward recomputes (Megatron's CheckpointFunction)."""
+    # Megatron's own test: the input keeps only this rank's part after the forward.
+    first = torch.ones(4, 4)
+    assert torch.equal(tp.checkpoint(_add, True, first, torch.ones(4, 4) * 2), torch.ones(4, 4) * 3)
+    assert torch.equal(first, torch.ones(16 // size))
+    # A leaf input: its gradient has its shape (8 elements against 4 kept at tp 2).
+    leaf = torch.ones(2, 4, requires_grad=True)
+    tp.checkpoint(_add, True, leaf, torch.full((2, 4), 2.0)).sum().backward()
+    assert leaf.shape == (2, 4)
+    torch.testing.assert_close(leaf.grad, torch.ones(2, 4))
+    # A block's input (not a leaf), without and with a recomputation: whole after backward.
+    for block in (_add, lambda a, b: (a * b).tanh()):
+        leaf = torch.full((2, 4), 0.5, requires_grad=True)
+        other = torch.full((2, 4), 2.0, requires_grad=True)
+        inner = leaf * 1.0
+        out = tp.checkpoint(block, True, inner, other)
+        assert inner.numel() == 8 // size
+        out.sum().backward()
+        assert inner.shape == (2, 4)
+        torch.testing.assert_close(inner, torch.full((2, 4), 0.5))
+        expected_leaf, expected_other = leaf.detach().clone(), other.detach().clone()
+        reference = block(expected_leaf.requires_grad_(), expected_other.requires_grad_())
+        reference.sum().backward()
+        torch.testing.assert_close(leaf.grad, expected_leaf.grad)
+        torch.testing.assert_close(other.grad, expected_other.grad)
+
+
+def test_distributed_saved_activations_are_whole_again_in_backward() -> None:
+    run_distributed(_initialized, 2, _distributed_first_input)
+
+
 def _bad_input(rank: int, size: int) -> None:
     bad = 6 if size == 4 else 3
     with pytest.raises(

@@ -11,9 +11,9 @@ already added into ``main_grad`` (pp-tensor's ``gradient_accumulation_fusion``, 
 ``grad_added_to_main_grad``) is not added twice; its bucket still counts it as ready.
 
 With ``use_distributed_optimizer`` each bucket is padded to a multiple of the data-parallel size
-and reduce-scattered instead (rank r keeps shard r reduced), and the parameters move into a
-parameter buffer aligned with the grad buffer, all-gathered bucket by bucket after the
-`pp_optim.DistributedOptimizer` step.
+and reduce-scattered instead (rank r keeps shard r reduced; on gloo all-reduced whole, which is
+faster there), and the parameters move into a parameter buffer aligned with the grad buffer,
+all-gathered bucket by bucket after the `pp_optim.DistributedOptimizer` step.
 """
 
 from __future__ import annotations
@@ -406,14 +406,21 @@ class DistributedDataParallel(torch.nn.Module):
         with self._recorded(bucket) if not async_op else contextlib.nullcontext():
             self._reduce(bucket, async_op=async_op)
 
+    @property
+    def _reduce_scatters(self) -> bool:
+        """Whether buckets are reduce-scattered (with the distributed optimizer, off gloo).
+
+        Otherwise they are all-reduced. Reduce-scattered, only this rank's shard is reduced;
+        the rest of the bucket keeps this rank's own gradients. On gloo the whole bucket is
+        all-reduced instead: torch 2.13's gloo reduce-scatter moves as much and measured
+        1.3-2.4x slower than its all-reduce (pp-optim's distopt_bench); the shard this rank
+        reads is the same.
+        """
+        return self.config.use_distributed_optimizer and not self._gloo
+
     def _reduce(self, bucket: GradBucket, *, async_op: bool) -> None:
         try:
-            if self.config.use_distributed_optimizer and not self._gloo:
-                # Only this rank's shard is reduced; the rest of the bucket keeps this rank's
-                # own gradients. On gloo (below) the whole bucket is all-reduced instead:
-                # torch 2.13's gloo reduce-scatter moves as much and measured 1.3-2.4x
-                # slower than its all-reduce (pp-optim's distopt_bench); the shard this rank
-                # reads is the same.
+            if self._reduce_scatters:
                 start, end = bucket.shard(self.data_parallel_rank)
                 bucket.work = dist.reduce_scatter_single(
                     bucket.data[start:end],
@@ -458,9 +465,9 @@ class DistributedDataParallel(torch.nn.Module):
         """The bucket's collective in words, as its error and the flight recorder name it."""
         if gather:
             what = "parameter all-gather"
-        elif self.config.use_distributed_optimizer:
+        elif self._reduce_scatters:
             what = "gradient reduce-scatter"
-        else:
+        else:  # without the distributed optimizer, or with it on gloo
             what = "gradient all-reduce"
         return f"{what} over data parallel (bucket {bucket.index}, {bucket.data.numel()} elements)"
 

@@ -14,19 +14,32 @@ for code that holds the rank rather than the group.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.distributed as dist
 
 from pp_state import parallel_state
 from pp_state.default import NotInitializedError
 
-__all__ = ["param_is_not_tensor_parallel_duplicate"]
+__all__ = ["SupportsRank", "param_is_not_tensor_parallel_duplicate"]
 
 
-def _position(group: dist.ProcessGroup | int, name: str) -> int:
+@runtime_checkable
+class SupportsRank(Protocol):
+    """A group as Megatron reads it: anything whose ``rank()`` is this rank's position in it.
+
+    A torch.distributed ``ProcessGroup`` is one; so is an entry of a process-group collection
+    or a stand-in written for a test.
+    """
+
+    def rank(self) -> int:
+        """This rank's position in the group, 0 or more."""
+        ...
+
+
+def _position(group: SupportsRank | int, name: str) -> int:
     """This rank's position in `group`, given as the group or as the position itself."""
-    if isinstance(group, dist.ProcessGroup):
-        return group.rank()
     if isinstance(group, int) and not isinstance(group, bool):  # a bool is no position
         if group < 0:  # also torch's marker for "not a member" (GroupMember.NON_GROUP_MEMBER)
             raise ValueError(
@@ -34,10 +47,28 @@ def _position(group: dist.ProcessGroup | int, name: str) -> int:
                 f"more, got {group}"
             )
         return group
+    if isinstance(group, SupportsRank):  # a ProcessGroup, or anything with rank()
+        return _returned_position(group.rank(), name)
     raise TypeError(
-        f"{name} must be a torch.distributed ProcessGroup, this rank's position in it (an int "
-        f"0 or more) or None, got {group!r} ({type(group).__name__})"
+        f"{name} must be a torch.distributed ProcessGroup, any object with a rank() method, "
+        f"this rank's position in it (an int 0 or more) or None, got {group!r} "
+        f"({type(group).__name__})"
     )
+
+
+def _returned_position(position: object, name: str) -> int:
+    """What `name`'s ``rank()`` returned, if it is a position (an int 0 or more)."""
+    if not isinstance(position, int) or isinstance(position, bool):
+        raise TypeError(
+            f"{name}.rank() returned {position!r} ({type(position).__name__}); this rank's "
+            "position in the group must be an int 0 or more"
+        )
+    if position < 0:
+        raise ValueError(
+            f"{name}.rank() returned {position}: this rank's position in the group must be 0 "
+            "or more (is this rank a member of the group?)"
+        )
+    return position
 
 
 def _default_tensor_parallel_rank() -> int:
@@ -53,16 +84,17 @@ def _default_tensor_parallel_rank() -> int:
 
 def param_is_not_tensor_parallel_duplicate(
     param: torch.Tensor,
-    tp_group: dist.ProcessGroup | int | None = None,
-    expert_tp_group: dist.ProcessGroup | int | None = None,
+    tp_group: dist.ProcessGroup | SupportsRank | int | None = None,
+    expert_tp_group: dist.ProcessGroup | SupportsRank | int | None = None,
 ) -> bool:
     """Whether `param` counts on this rank when a statistic sums over tensor parallelism.
 
     Args:
         param: The parameter. ``tensor_model_parallel = True`` marks one split over the
             tensor-parallel ranks; ``allreduce = False`` one of the expert topology.
-        tp_group: The tensor-parallel group, or this rank's position in it (an int, pp's
-            explicit form), or None for the default state's tensor-parallel rank.
+        tp_group: The tensor-parallel group (a ProcessGroup, or any object with a
+            ``rank()`` method, as Megatron takes), or this rank's position in it (an int,
+            pp's explicit form), or None for the default state's tensor-parallel rank.
         expert_tp_group: The expert tensor-parallel group (or this rank's position in it),
             used instead of `tp_group` for a parameter marked ``allreduce = False``; None uses
             `tp_group` for every parameter.
@@ -72,8 +104,9 @@ def param_is_not_tensor_parallel_duplicate(
         applies.
 
     Raises:
-        TypeError: A group that is neither a ProcessGroup, an int nor None.
-        ValueError: A negative position.
+        TypeError: A group that has no ``rank()`` and is neither an int nor None, or whose
+            ``rank()`` is no int.
+        ValueError: A negative position (given, or returned by ``rank()``).
         NotInitializedError: No group applies and no default state is set (nor a
             tensor-parallel rank override); it is also an AssertionError, as Megatron's.
     """

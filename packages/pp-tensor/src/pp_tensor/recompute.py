@@ -75,20 +75,50 @@ class RNGSnapshot:
 
 
 class _Distributed:
-    """Keeps only this rank's 1-D part of a tensor between the forward and the recompute."""
+    """Keeps only this rank's 1-D part of a tensor between the forward and the backward.
+
+    As Megatron's ``CheckpointFunction``: the part is gathered back when backward reaches the
+    block, whether or not backward recomputes it (a block that saves nothing for backward,
+    ``a + b``, recomputes nothing, yet its input's gradient has the whole input's shape).
+    """
 
     def __init__(self, tensor: torch.Tensor, tp_group: dist.ProcessGroup | None) -> None:
         self.tensor, self.tp_group, self.shape = tensor, tp_group, tensor.shape
+        self.split = False
 
     def shrink(self) -> None:
         part = split_tensor_into_1d_equal_chunks(
             self.tensor.data.contiguous(), new_buffer=True, tp_group=self.tp_group
         )
         self.tensor.data = part
+        self.split = True
 
     def restore(self) -> None:
+        """Gathers the tensor whole again (once: later calls find it whole)."""
+        if not self.split:
+            return
         whole = gather_split_1d_tensor(self.tensor.data, tp_group=self.tp_group)
         self.tensor.data = whole.view(self.shape)
+        self.split = False
+
+    def restore_when_backward_starts(self, outputs: Any) -> None:
+        """Restore as soon as backward computes the gradient of any of the block's outputs."""
+        tensors = [t for t in _tensors_in(outputs) if t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _: self.restore(), mode="any"
+            )
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a block's output: a tensor, or a tuple, list or dict holding some."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
 
 
 class _ForwardContext:
@@ -154,8 +184,9 @@ def checkpoint(
     Args:
         function: The block to run.
         distribute_saved_activations: Keep only this tensor-parallel rank's 1-D part of
-            ``args[0]`` until the recomputation (it is all-gathered back then); the caller
-            must not read ``args[0]`` after the call. Needs `tp_group`.
+            ``args[0]`` until backward reaches the block (it is all-gathered back then, as
+            Megatron does, whether or not anything is recomputed); the caller must not read
+            ``args[0]`` between the call and the backward. Needs `tp_group`.
         *args: The block's inputs.
         tp_group: The tensor-parallel group ``args[0]`` is distributed over.
         tracker: The tracker whose states are replayed (None: the process default).
@@ -170,13 +201,16 @@ def checkpoint(
             raise ValueError("distribute_saved_activations=True needs a tensor as first input")
         divide(args[0].numel(), tp_size(tp_group), "number of elements")  # before the forward
         distributed = _Distributed(args[0], tp_group)
-    return torch_checkpoint(
+    outputs = torch_checkpoint(
         function,
         *args,
         use_reentrant=False,
         preserve_rng_state=False,  # the contexts replay every state, the tracker's included
         context_fn=_Contexts(tracker, distributed),
     )
+    if distributed is not None:
+        distributed.restore_when_backward_starts(outputs)
+    return outputs
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:

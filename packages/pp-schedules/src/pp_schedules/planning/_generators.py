@@ -9,6 +9,8 @@ the rule and suggests valid values.
 
 from __future__ import annotations
 
+import itertools
+
 from pp_schedules.planning._actions import Action
 from pp_state.numbers import check_int
 
@@ -94,6 +96,44 @@ def _valid_group_sizes(pp_size: int, num_microbatches: int) -> list[int]:
     ]
 
 
+def _counts_for_group(pp_size: int, num_microbatches: int, group: int) -> list[int]:
+    """The microbatch counts nearest `num_microbatches` that groups of `group` run.
+
+    One below and one above where they exist; none when `group` is below the pipeline size
+    (no count works then). Any multiple of `group` runs, so one above always exists.
+    """
+    if group < pp_size:
+        return []
+
+    def runs(count: int) -> bool:
+        return count % group == 0 or count % group >= pp_size
+
+    below = next((n for n in range(num_microbatches - 1, group - 1, -1) if runs(n)), None)
+    above = next(n for n in itertools.count(max(num_microbatches + 1, group)) if runs(n))
+    return [n for n in (below, above) if n is not None]
+
+
+def _interleaving_hint(pp_size: int, num_microbatches: int, group: int) -> str:
+    """What would work instead: the group sizes for this count, or the counts for this group."""
+    valid = _valid_group_sizes(pp_size, num_microbatches)
+    if not valid:
+        return (
+            f"no microbatch_group_size_per_vp_stage works for {num_microbatches} microbatches; "
+            f"use at least {pp_size} microbatches"
+        )
+    hint = (
+        f"valid microbatch_group_size_per_vp_stage values for {num_microbatches} microbatches: "
+        f"{valid}"
+    )
+    counts = _counts_for_group(pp_size, num_microbatches, group)
+    if counts:
+        hint += (
+            f"; or keep microbatch_group_size_per_vp_stage={group} and use "
+            f"{' or '.join(map(str, counts))} microbatches"
+        )
+    return hint
+
+
 def _check_interleaving(pp_size: int, num_microbatches: int, vp_size: int, group: int) -> None:
     if pp_size < 2:
         raise ScheduleConfigError(f"interleaved_1f1b needs pp_size of 2 or more, got {pp_size}")
@@ -101,10 +141,7 @@ def _check_interleaving(pp_size: int, num_microbatches: int, vp_size: int, group
         raise ScheduleConfigError(
             f"interleaved_1f1b needs vp_size of 2 or more, got {vp_size}; with one chunk use '1f1b'"
         )
-    valid = _valid_group_sizes(pp_size, num_microbatches)
-    hint = f"valid values for {num_microbatches} microbatches: {valid}" if valid else (
-        f"no value works for {num_microbatches} microbatches; use at least {pp_size} microbatches"
-    )  # fmt: skip
+    hint = _interleaving_hint(pp_size, num_microbatches, group)
     if not pp_size <= group <= num_microbatches:
         raise ScheduleConfigError(
             f"microbatch_group_size_per_vp_stage {group} must lie between the pipeline size "

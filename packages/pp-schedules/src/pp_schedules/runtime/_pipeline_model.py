@@ -21,8 +21,11 @@ is marked ``shared`` so that norms count the tie once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import difflib
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -99,19 +102,11 @@ def _check_module_names(
                 f"got {names!r}"
             )
         for name in names:
-            try:
-                model.get_submodule(name)
-            except AttributeError:
-                parent = name.rpartition(".")[0]
-                known = (
-                    [n for n, _ in model.get_submodule(parent).named_children()]
-                    if (_has_module(model, parent))
-                    else [n for n, _ in model.named_children()]
-                )
+            if not _has_module(model, name):
                 raise ValueError(
-                    f"virtual stage {stage}: {kind} has no module {name!r}; the modules "
-                    f"under {parent or 'the model'!r} are {known}"
-                ) from None
+                    f"virtual stage {stage}: {kind} has no module {name!r}; "
+                    f"{_missing_module_hint(model, name)}"
+                )
             for other, where in seen.items():
                 relation = (
                     "repeats" if other == name
@@ -142,6 +137,37 @@ def _has_module(model: torch.nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _missing_module_hint(model: torch.nn.Module, name: str) -> str:
+    """What exists near a module name that does not, for its refusal.
+
+    The longest leading part of the name that is a module (the model itself at worst), that
+    module's children, and the model's closest module name where one is close.
+    """
+    parts = name.split(".")
+    prefixes = (".".join(parts[:n]) for n in range(len(parts) - 1, -1, -1))
+    found = next(p for p in prefixes if _has_module(model, p))  # "" (the model) always is
+    children = [n for n, _ in model.get_submodule(found).named_children()]
+    where = "the model" if not found else repr(found)
+    if found and found != name.rpartition(".")[0]:
+        where += " (the longest part of the name that exists)"
+    hint = f"the modules under {where} are {children}"
+    close = _closest_module(model, name)
+    return f"{hint}; did you mean {close!r}?" if close else hint
+
+
+def _closest_module(model: torch.nn.Module, name: str) -> str | None:
+    """The model's module name closest to `name`, if one is close.
+
+    A name that differs from `name` only in its numbers is no suggestion: ``layers.7`` of a
+    model with 4 layers is not a misspelt ``layers.1``.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    for close in difflib.get_close_matches(name, names, n=3, cutoff=0.7):
+        if re.sub(r"\d+", "#", str(close)) != re.sub(r"\d+", "#", name):
+            return str(close)
+    return None
 
 
 def _found_ties(
@@ -525,7 +551,9 @@ class PipelineModel:
         Every rank of the pipeline calls it with the same sample (the first stage reads
         `inputs`; every stage gets `side`, as in a step). The rank holding each stage runs
         it without gradients on what the stage before produced and hands the result on
-        over the pipeline group; nothing is trained.
+        over the pipeline group; nothing is trained. The last stage runs on the sample too
+        (its output is dropped), so a part that cannot take what the one before returns
+        (an output layer listed before the final norm) is refused here, not at step 1.
 
         Returns:
             What stage v sends to stage v + 1, for each v (also set on the chunks).
@@ -533,24 +561,28 @@ class PipelineModel:
         Raises:
             TypeError: A stage that is not the last returned something other than tensors;
                 naming the stage and its last part.
-            RuntimeError: A stage failed on the sample (raised on every rank of the pipeline).
+            RuntimeError: A stage failed on the sample, naming the stage, the part that
+                failed and what it was given (raised on every rank of the pipeline).
         """
         pipeline = self.state.group_ranks("pp")
         group = self.state.group("pp")
+        last = self.placement.num_stages - 1
         value: Any = None
         boundaries: list[Boundary] = []
-        for v in range(self.placement.num_stages - 1):
+        for v in range(last + 1):
             holder, chunk_index = self.placement.holder(v)
             sent: list[Any] = [None]
             if holder == self.rank:
                 received = (boundaries[-1], value) if boundaries else None
                 sent[0] = self._sample_forward(self.chunks[chunk_index], received, inputs, side)
+            # The holder's outcome, refusal included, reaches every rank of the pipeline.
             with collective(f"contract inference of virtual stage {v}", group=group):
                 dist.broadcast_object_list(sent, src=pipeline[holder], group=group)
             status, value = sent[0]
             if status != "ok":
                 raise (TypeError if status == "type" else RuntimeError)(value)
-            boundaries.append(Boundary.of(value, f"virtual stage {v}"))
+            if v < last:
+                boundaries.append(Boundary.of(value, f"virtual stage {v}"))
         self.declare_contracts(boundaries)
         return boundaries
 
@@ -564,28 +596,82 @@ class PipelineModel:
         """Run `chunk` on the sample (and what the stage before sent, by its boundary).
 
         Returns:
-            ("ok", the output on the CPU), or ("type" or "error", the message).
+            ("ok", the output on the CPU; None for the last stage), or ("type" or "error",
+            the message).
         """
-        where = f"virtual stage {chunk.stage} (its last part {chunk.part_names[-1]!r})"
         device = next((p.device for p in chunk.parameters()), torch.device("cpu"))
         if received is not None:
             boundary, value = received
             chunk.input_boundary = boundary
             sent = boundary.flatten(value, f"virtual stage {chunk.stage - 1}")
             chunk.set_input_tensor([t.to(device) for t in sent])
+        calls: list[tuple[int, str]] = []  # (part index, what it was given), as parts start
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _parts_watched(chunk, calls):
                 output = chunk(*inputs, **side)
         except Exception as error:  # every rank must hear of it, or they wait for this one
-            return "error", f"{where} failed on the sample microbatch: {error!r}"
+            return "error", _sample_failure(chunk, calls, error)
         finally:
             chunk.set_input_tensor(None)
+        if chunk.is_last:
+            return "ok", None  # what the loss takes is the loss function's business
+        where = f"virtual stage {chunk.stage} (its last part {chunk.part_names[-1]!r})"
         try:
             produced = Boundary.of(output, where)
         except TypeError as error:
             return "type", str(error)
         tensors = produced.flatten(output, where)
         return "ok", produced.unflatten([t.detach().cpu() for t in tensors])
+
+
+@contextlib.contextmanager
+def _parts_watched(chunk: PipelineChunk, calls: list[tuple[int, str]]) -> Iterator[None]:
+    """Within it, each part of `chunk` that starts adds (its index, what it was given)."""
+
+    def watcher(index: int) -> Callable[..., None]:
+        def started(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls.append((index, _given(args, kwargs)))
+
+        return started
+
+    handles = [
+        part.register_forward_pre_hook(watcher(i), with_kwargs=True)
+        for i, part in enumerate(chunk.parts)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _given(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """What a part was called with, in words (``a tensor (2, 16, 32) float32``).
+
+    Its positional inputs, or its keyword inputs where it has none (a dict from the part
+    before); keyword inputs of the chunk beside positional ones are left out.
+    """
+    value: Any = (args[0] if len(args) == 1 else args) if args else dict(kwargs)
+    try:
+        return Boundary.of(value, "the part before").describe()
+    except TypeError:
+        return ", ".join(type(v).__name__ for v in (*args, *kwargs.values())) or "nothing"
+
+
+def _sample_failure(
+    chunk: PipelineChunk, calls: Sequence[tuple[int, str]], error: Exception
+) -> str:
+    """The refusal of a stage that raised on the sample: the stage, the part, its input."""
+    stage = f"virtual stage {chunk.stage} failed on the sample microbatch"
+    if not calls:
+        return f"{stage}: {error!r}"
+    index, given = calls[-1]
+    return (
+        f"{stage} in its part {chunk.part_names[index]!r} (parts {list(chunk.part_names)}), "
+        f"given {given}: {error!r}; check that each stage's parts are listed in the order the "
+        "model runs them (module_names or parts) and that the sample is one microbatch of "
+        "the model's inputs"
+    )
 
 
 def _merged(ties: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
