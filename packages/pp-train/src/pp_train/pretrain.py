@@ -83,13 +83,10 @@ def pretrain(
 ) -> ExitReason:
     """Trains a model as `config` says, on the processes torchrun started (or this one).
 
-    Checks `config` against the world (`check_world`, unless `layout` is given), starts the
-    process group unless one runs (torchrun's environment; one process without it), measures
-    what the decision uses (`measure_run`), decides the run once (`decide_run`: schedule,
-    chunks, split, recomputation, bytes), builds the parallel state, seeds
-    (`set_random_seed`), builds the chunks, optimizer and scheduler (restored from
-    ``--load``), the datasets and streams, runs `train`, and evaluates at the end. The last
-    stage of the last replica prints.
+    Checks `config` against the world (`check_world`, unless `layout` is given), joins or
+    starts the process group, measures what the decision uses (`measure_run`), decides the
+    run once (`decide_run`), builds the parallel state, then seeds, builds the chunks,
+    optimizer, scheduler (``--load``) and data, trains and evaluates (`PretrainRun`).
 
     Args:
         train_valid_test_datasets_provider: Builds the datasets (see the module docstring).
@@ -99,12 +96,9 @@ def pretrain(
         config: The run's configuration.
         model_type: One stack, or an encoder and a decoder split at a pipeline rank.
         checkpoint_args: More settings saved in checkpoints (e.g. the vocabulary size).
-        measure_schedule: With ``auto``: measures one chunk of the run's layers (its F, I
-            and W), for the one choice of the schedule (`pp_train.run_plan.ChunkMeasure`).
-        measure_layout: For a split balanced by simulation whose end costs are not both
-            configured: balances again with measured costs before the model is built.
-        measure_memory: Measures the model's parts for the byte model (`pp_train.memory_plan`):
-            the memory report's prediction, and ``--memory-limit-gb``'s choice.
+        measure_schedule: With ``auto``: one chunk's F, I and W (`run_plan.ChunkMeasure`).
+        measure_layout: A balanced split's layer and end costs (`run_plan.LayoutMeasure`).
+        measure_memory: The model's parts for the byte model (`run_plan.MemoryMeasure`).
         model_name: Names the model in the first line printed.
         layer_counts: Transformer layers of each virtual stage (see `check_world`).
         layout: `check_world`'s result, when the caller has it (not checked again).

@@ -27,8 +27,7 @@ from pp_schedules import (
     ScheduleConfig,
     get_forward_backward_func,
 )
-from pp_schedules.planning import default_prefetch, resolve_on_demand
-from pp_schedules.runtime import transport_of
+from pp_schedules.runtime import on_demand_for
 from pp_state import ParallelState, Placement
 from pp_state.collectives import collective, collective_device
 from pp_train.checkpoint.agreement import gather_ints
@@ -96,8 +95,7 @@ def build_forward_backward_func(
 
     Activations travel in the model's dtype (fp16/bf16 chunks send half tensors), shaped
     ``[seq, micro batch, hidden]`` (``seq / tp`` under sequence parallelism, as Megatron's
-    ``get_tensor_shapes``). The result is pp-schedules' executor, whose timeline `train` can
-    record (``--profile-schedule``).
+    ``get_tensor_shapes``); the result is pp-schedules' executor.
 
     Args:
         state: The parallel state; its pipeline group carries the transfers.
@@ -122,12 +120,7 @@ def build_forward_backward_func(
         state, model, device=device, timers=timers, comm_config=comm_config
     )
     if resolved is None:
-        headers = communicator is not None and communicator.config.exchanges_shapes
-        transport = transport_of(communicator)
-        resolved = resolve_on_demand(
-            pp_size=state.pipeline_model_parallel_size, vp_size=len(model), transport=transport,
-            prefetch=default_prefetch(transport, headers), exchanges_shapes=headers,
-        )  # fmt: skip
+        resolved = on_demand_for(communicator, vp_size=len(model))
     elif resolved.vp_size != len(model):
         raise ValueError(
             f"the resolved schedule runs {resolved.vp_size} model chunk(s) per rank, but "

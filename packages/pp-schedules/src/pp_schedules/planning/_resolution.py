@@ -477,9 +477,8 @@ def resolve_schedule(
 ) -> ResolvedSchedule:
     """Plan and validate a run's schedule once, for every microbatch count it steps with.
 
-    Cost: O(steps) per plan (pp_size x vp_size x m x 2 steps, x 3 zero-bubble), each plan made
-    and validated once per transport and prefetch; "auto" plans, validates and simulates each
-    candidate once (module docstring). Plans over `max_plan_steps` are refused up front.
+    Cost: O(steps) per plan, each made and validated once per transport and prefetch; "auto"
+    plans, validates and simulates each candidate once (module docstring).
 
     Args:
         schedule: A schedule name, "auto", a `Plan` or its text; None: `default_schedule`.
@@ -516,8 +515,7 @@ def resolve_schedule(
         name=name, placement=next(iter(plans.values())).placement, pp_size=pp_size,
         vp_size=request.vp_size, transport=transport, prefetch=request.prefetch,
         microbatch_counts=request.counts, choice=choice, plan=given,
-        reports=_validated(plans, request),
-        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        reports=_validated(plans, request), microbatch_group_size_per_vp_stage=request.group,
         exchanges_shapes=exchanges_shapes,
     )  # fmt: skip
 

@@ -26,6 +26,7 @@ from pp_schedules.runtime._executor import (
     ChunkIteratorError,
     PipelineExecutor,
     get_forward_backward_func,
+    on_demand_for,
     resolve_for,
     transport_of,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "measured_costs",
     "measured_makespan",
     "memory_counters",
+    "on_demand_for",
     "read_position",
     "report_stop",
     "resolve_for",

@@ -78,6 +78,7 @@ __all__ = [
     "custom_backward",
     "deallocate_output_tensor",
     "get_forward_backward_func",
+    "on_demand_for",
     "resolve_for",
     "transport_of",
 ]
@@ -547,16 +548,36 @@ def _megatron_choice(
         communicator = P2PCommunicator.from_parallel_state(state)
     if vp_size is None:
         vp_size = (state.virtual_pipeline_model_parallel_size if state is not None else None) or 1
+    return communicator, on_demand_for(communicator, vp_size=vp_size)
+
+
+def on_demand_for(
+    communicator: P2PCommunicator | None,
+    schedule: str | None = None,
+    *,
+    vp_size: int = 1,
+    placement: Placement | str | None = None,
+) -> ResolvedSchedule:
+    """`resolve_on_demand` for `communicator`'s pipeline: its size, transport and headers.
+
+    Each microbatch count is planned and validated when a step first runs it.
+
+    Args:
+        communicator: The pipeline communicator the executor will run on (None: one stage).
+        schedule: A schedule name; None: Megatron's choice (`default_schedule`).
+        vp_size: Model chunks per rank.
+        placement: "looped", "v" or a `Placement`; the schedule's own by default.
+
+    Raises:
+        ValueError: An unknown schedule or placement, or a size below 1.
+    """
     headers = communicator is not None and communicator.config.exchanges_shapes
     transport = transport_of(communicator)
-    resolved = resolve_on_demand(
-        pp_size=communicator.num_stages if communicator is not None else 1,
-        vp_size=vp_size,
-        transport=transport,
-        prefetch=default_prefetch(transport, headers),
-        exchanges_shapes=headers,
-    )
-    return communicator, resolved
+    return resolve_on_demand(
+        schedule, pp_size=communicator.num_stages if communicator is not None else 1,
+        vp_size=vp_size, placement=placement, transport=transport,
+        prefetch=default_prefetch(transport, headers), exchanges_shapes=headers,
+    )  # fmt: skip
 
 
 def transport_of(communicator: P2PCommunicator | None) -> str:
