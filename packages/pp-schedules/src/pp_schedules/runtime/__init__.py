@@ -56,7 +56,8 @@ from pp_schedules.runtime._stop_channel import (
     read_position,
     report_stop,
 )
-from pp_schedules.runtime._stop_report import RankPosition, StopReport, build_stop_report
+from pp_schedules.runtime._stop_diagnosis import build_stop_report
+from pp_schedules.runtime._stop_report import RankPosition, StopReport
 from pp_schedules.runtime._timeline import (
     MeasuredSpan,
     TimelineRecorder,
