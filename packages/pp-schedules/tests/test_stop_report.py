@@ -28,7 +28,8 @@ from pp_schedules.runtime._stop_channel import (
     publish_head,
     read_position,
 )
-from pp_schedules.runtime._stop_report import build_stop_report, describe_step
+from pp_schedules.runtime._stop_diagnosis import build_stop_report
+from pp_schedules.runtime._stop_report import describe_step
 from pp_state.store_channel import StoreChannel
 
 PP, M = 3, 4

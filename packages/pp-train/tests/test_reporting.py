@@ -15,12 +15,9 @@ import torch.distributed as dist
 import pp_comm
 from pp_testing import run_distributed
 from pp_train import reporting
-from pp_train.reporting import (
-    Timer,
-    Timers,
-    TrainingLogger,
-    format_log_line,
-)
+from pp_train import timers as timers_module
+from pp_train.reporting import TrainingLogger, format_log_line
+from pp_train.timers import Timer, Timers
 
 # --- Timers -----------------------------------------------------------------------------------
 
@@ -38,6 +35,12 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
     fake = _FakeClock()
     monkeypatch.setattr(time, "perf_counter", fake)
     return fake
+
+
+def test_the_timer_names_are_importable_from_reporting_too() -> None:
+    for name in timers_module.__all__:
+        assert getattr(reporting, name) is getattr(timers_module, name), name
+        assert name in reporting.__all__, name
 
 
 def test_timers_fit_the_pp_comm_protocol() -> None:
@@ -243,7 +246,7 @@ def test_bad_timing_settings_name_the_choices(kwargs: dict[str, Any], message: s
 
 def test_a_timer_waits_for_the_device_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     waits: list[str] = []
-    monkeypatch.setattr(reporting, "_synchronize_cuda", lambda: waits.append("sync"))
+    monkeypatch.setattr(timers_module, "_synchronize_cuda", lambda: waits.append("sync"))
     timer = Timers()("forward-backward", log_level=1)
     timer.start()
     timer.stop()

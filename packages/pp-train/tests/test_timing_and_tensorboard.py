@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pp_testing import run_distributed
 from pp_train.app import build_parser, validate_args
 from pp_train.app.command import run
-from pp_train.reporting import Timers
+from pp_train.timers import Timers
 
 # --- Timers.write -----------------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ class NotInitializedError(RuntimeError, AssertionError):
 _DEFAULT: ParallelState | None = None
 OVERRIDES: dict[str, int | None] = {}
 """Megatron's module-level overrides (``set_tensor_model_parallel_rank``, the virtual
-pipeline rank, ...): the mutable part of `pp_state.parallel_state`, which alone writes it;
-cleared whenever the default state is set or reset."""
+pipeline rank, ...): the mutable part of the `pp_state.parallel_state` facade, which alone
+writes it (its `set_*` calls); cleared whenever the default state is set or reset."""
 
 
 def set_default_state(state: ParallelState) -> None:

@@ -51,16 +51,10 @@ from pp_train.num_microbatches_calculator import (
 )
 from pp_train.pretrain import DatasetsProvider, pretrain, train_valid_test_num_samples
 from pp_train.recompute import RecomputeConfig, checkpoint_core_attention, run_layers
-from pp_train.reporting import (
-    TIMING_LOG_OPTIONS,
-    Timer,
-    Timers,
-    TimingLogOption,
-    TrainingLogger,
-    format_log_line,
-)
+from pp_train.reporting import TrainingLogger, format_log_line
 from pp_train.run_plan import Measurements, RunPlan, decide_run, measure_run
 from pp_train.stage_layers import get_num_layers_to_build, get_transformer_layer_offset
+from pp_train.timers import TIMING_LOG_OPTIONS, Timer, Timers, TimingLogOption
 from pp_train.training import (
     EncoderDecoderModelProvider,
     ExitReason,

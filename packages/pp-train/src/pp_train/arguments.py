@@ -27,7 +27,7 @@ from pp_state.numbers import divisors
 from pp_train.data.config import DataConfig
 from pp_train.flags import add_config_flags, config_from_args
 from pp_train.recompute import RecomputeConfig
-from pp_train.reporting import TimingLogOption
+from pp_train.timers import TimingLogOption
 
 __all__ = [
     "CheckpointArgs",

@@ -11,13 +11,13 @@ import torch.distributed as dist
 from pp_state import ParallelState, Placement
 from pp_state.numbers import check_int
 from pp_train.memory import empty_unused_memory
-from pp_train.reporting import Timers
 from pp_train.step import (
     ForwardBackwardFunc,
     ForwardStepFunc,
     average_losses,
     schedule_placement,
 )
+from pp_train.timers import Timers
 
 __all__ = ["evaluate", "print_on_rank_0"]
 

@@ -30,7 +30,7 @@ from pp_train.live_dump import SignalWatcher
 from pp_train.memory import MemoryReport, prediction_line, training_state_tensors
 from pp_train.norms import calc_params_l2_norm
 from pp_train.num_microbatches_calculator import NumMicroBatchesCalculator
-from pp_train.reporting import Timers, TrainingLogger
+from pp_train.reporting import TrainingLogger
 from pp_train.run import (
     ExitReason,
     TrainingConfig,
@@ -49,6 +49,7 @@ from pp_train.stop_reports import (
     report_non_finite,
     stop_evidence,
 )
+from pp_train.timers import Timers
 
 __all__ = ["TrainLoop", "train"]
 

@@ -33,9 +33,10 @@ from pp_train.checkpoint.tracker import iteration_directory
 from pp_train.data import SampleDataset, microbatches
 from pp_train.memory import host_bytes
 from pp_train.processes import progress_line
-from pp_train.reporting import Timers, TrainingLogger
+from pp_train.reporting import TrainingLogger
 from pp_train.run_plan import RunPlan
 from pp_train.seeding import set_random_seed
+from pp_train.timers import Timers
 from pp_train.training import (
     ExitReason,
     ForwardStepFunc,

@@ -34,7 +34,7 @@ from pp_train.checkpoint.agreement import gather_ints
 from pp_train.embeddings import split_position_embedding, sum_tied_gradients
 from pp_train.memory import empty_unused_memory
 from pp_train.models import checked_placement
-from pp_train.reporting import Timers as LevelledTimers
+from pp_train.timers import Timers as LevelledTimers
 from pp_train.wrappers import unwrap_model
 
 __all__ = [

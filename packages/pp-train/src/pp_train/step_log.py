@@ -8,9 +8,10 @@ import torch.distributed as dist
 
 from pp_optim import MegatronOptimizer, get_canonical_lr_for_logging
 from pp_optim.timing import OPTIMIZER_TIMERS
-from pp_train.reporting import ScalarWriter, TrainingLogger
+from pp_train.reporting import TrainingLogger
 from pp_train.run import TrainingProgress
 from pp_train.step import StepResult
+from pp_train.timers import ScalarWriter
 
 __all__ = ["log_step", "timers_line", "write_timers"]
 

@@ -21,6 +21,7 @@ runs exactly that.
 
 from __future__ import annotations
 
+from pp_schedules.runtime._allocation_counter import AllocationCounter
 from pp_schedules.runtime._autograd import custom_backward, deallocate_output_tensor
 from pp_schedules.runtime._executor import (
     ChunkIteratorError,
@@ -35,13 +36,7 @@ from pp_schedules.runtime._flight_recorder import (
     CollectiveRecord,
     FlightRecorder,
 )
-from pp_schedules.runtime._memory_probe import (
-    AllocationCounter,
-    MemoryProbe,
-    MemorySample,
-    measure_stage,
-    storage_bytes,
-)
+from pp_schedules.runtime._memory_probe import MemoryProbe, MemorySample, storage_bytes
 from pp_schedules.runtime._pipeline_model import PipelineModel, Tie, split_module_names
 from pp_schedules.runtime._plan_walk import RunStats
 from pp_schedules.runtime._profiling import (
@@ -53,6 +48,7 @@ from pp_schedules.runtime._profiling import (
 )
 from pp_schedules.runtime._schedule_config import ForwardStepFunc, ScheduleConfig
 from pp_schedules.runtime._split_backward import WeightGradients, backward_input
+from pp_schedules.runtime._stage_measurement import measure_stage
 from pp_schedules.runtime._stages import Boundary, PipelineChunk, TensorSpec
 from pp_schedules.runtime._stop_channel import (
     DEFAULT_REPORT_WAIT_S,
@@ -61,7 +57,8 @@ from pp_schedules.runtime._stop_channel import (
     read_position,
     report_stop,
 )
-from pp_schedules.runtime._stop_report import RankPosition, StopReport, build_stop_report
+from pp_schedules.runtime._stop_diagnosis import build_stop_report
+from pp_schedules.runtime._stop_report import RankPosition, StopReport
 from pp_schedules.runtime._timeline import (
     MeasuredSpan,
     TimelineRecorder,

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from pp_comm import P2PCommunicator, P2PError, P2PMismatchError, P2PTimeoutError
 from pp_schedules.runtime._flight_recorder import FlightRecorder
-from pp_schedules.runtime._stop_report import StopReport, build_stop_report
+from pp_schedules.runtime._stop_diagnosis import build_stop_report
+from pp_schedules.runtime._stop_report import StopReport
 from pp_state.collectives import CollectiveError
 from pp_state.coordinates import RankCoordinates
 from pp_state.liveness import assess
