@@ -98,7 +98,7 @@ def test_an_unknown_transport_is_refused_naming_the_valid_ones() -> None:
 
 def _counts(name: str, pp: int, vp: int) -> list[int]:
     """Microbatch counts around the schedule's edges (its least, pp, a group, odd ones)."""
-    least = pp if name in ("zb_h1", "zbv") else 1
+    least = {"zb_h1": pp, "zbv": pp, "dualpipev": 2 * pp}.get(name, 1)
     if name == "interleaved_1f1b":
         return [pp, 2 * pp, 3 * pp]
     return sorted({max(m, least) for m in (1, 2, pp - 1, pp, pp + 1, 2 * pp + 3)})

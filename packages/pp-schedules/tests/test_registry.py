@@ -8,6 +8,7 @@ import pp_schedules
 from pp_schedules import SCHEDULES, schedule_spec
 from pp_schedules.planning import (
     SCHEDULE_REGISTRY,
+    PairedActions,
     ScheduleSpec,
     candidates_for,
     default_schedule,
@@ -24,6 +25,7 @@ RECORDS = {
     "interleaved_1f1b": ("looped", None, False),
     "zb_h1": ("looped", 1, True),
     "zbv": ("v", 2, True),
+    "dualpipev": ("v", 2, True),
 }
 # A size each schedule runs: (pp_size, vp_size).
 RUNS = {
@@ -33,10 +35,11 @@ RUNS = {
     "interleaved_1f1b": (2, 2),
     "zb_h1": (4, 1),
     "zbv": (4, 2),
+    "dualpipev": (4, 2),
 }
 
 
-def test_the_registry_holds_the_six_schedules_in_order() -> None:
+def test_the_registry_holds_the_seven_schedules_in_order() -> None:
     assert list(SCHEDULE_REGISTRY) == list(RECORDS)
     assert list(SCHEDULES) == list(RECORDS)
 
@@ -58,6 +61,9 @@ def test_each_records_plan_matches_the_record(name: str) -> None:
     split = any(a.kind in ("I", "W") for rank in made for a in rank)
     assert split == spec.split_backward
     generated = SCHEDULES[name](pp_size=pp, num_microbatches=8, vp_size=vp)
+    if isinstance(generated, PairedActions):  # a schedule with F&B steps marks them
+        assert tuple(tuple(rank) for rank in generated.overlapped) == made.overlapped
+        generated = generated.actions
     assert [tuple(rank) for rank in generated] == list(made)
 
 
@@ -95,7 +101,7 @@ def test_an_unknown_name_lists_the_valid_ones_and_auto() -> None:
         schedule_spec("zero_bubble")
     assert str(caught.value) == (
         "unknown schedule 'zero_bubble'; valid: no_pipelining, gpipe, 1f1b, interleaved_1f1b, "
-        "zb_h1, zbv, auto"
+        "zb_h1, zbv, dualpipev, auto"
     )
 
 
@@ -103,7 +109,10 @@ def test_an_unknown_name_lists_the_valid_ones_and_auto() -> None:
     ("vp", "expected"),
     [
         (1, [("1f1b", "looped"), ("zb_h1", "looped"), ("gpipe", "looped")]),
-        (2, [("interleaved_1f1b", "looped"), ("zbv", "v"), ("gpipe", "looped")]),
+        (
+            2,
+            [("interleaved_1f1b", "looped"), ("zbv", "v"), ("dualpipev", "v"), ("gpipe", "looped")],
+        ),
         (4, [("interleaved_1f1b", "looped"), ("gpipe", "looped")]),
     ],
 )
@@ -141,4 +150,5 @@ def test_every_schedule_has_a_title_for_people() -> None:
         "interleaved_1f1b": "interleaved 1F1B",
         "zb_h1": "zero-bubble ZB-H1",
         "zbv": "zero-bubble ZB-V (V placement)",
+        "dualpipev": "DualPipeV (V placement, F&B overlapped)",
     }

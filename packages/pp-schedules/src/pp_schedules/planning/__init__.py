@@ -8,7 +8,8 @@ check holds it so), and runs without processes or tensors.
   (each rank's actions and the `Placement` they run on), their text forms (`parse_schedule`,
   `format_schedule`, `parse_plan`, `format_plan`; torch's action strings too).
 - Generators: `no_pipelining`, `gpipe`, `one_f_one_b`, `interleaved_1f1b` (Megatron's order),
-  the zero-bubble `zb_h1` and `zbv` (`list_schedule`); `SCHEDULE_REGISTRY` holds one
+  the zero-bubble `zb_h1` and `zbv` (`list_schedule`), and `dualpipev` (DeepSeek's DualPipeV,
+  its F&B steps marked: `PairedActions`, `Plan.overlapped`); `SCHEDULE_REGISTRY` holds one
   `ScheduleSpec` per name (placement, chunks per rank, split backward), and `plan(name, ...)`
   makes any of them, ``auto`` included.
 - Lowering and validation: `lower` inserts the exchanges (`Step`, `Exchange`, `Message`),
@@ -48,6 +49,7 @@ from pp_schedules.planning._balance import (
     balanced_counts,
     even_counts,
 )
+from pp_schedules.planning._dualpipe import PairedActions, dualpipev
 from pp_schedules.planning._generators import (
     ScheduleConfigError,
     gpipe,
@@ -108,6 +110,7 @@ from pp_schedules.planning._simulation import (
     Span,
     StageCosts,
     bubble_formula,
+    fb_time,
     ideal_makespan,
     simulate,
 )
@@ -142,6 +145,7 @@ __all__ = [
     "MemoryModel",
     "MemoryTrack",
     "Message",
+    "PairedActions",
     "Placement",
     "Plan",
     "PlanCache",
@@ -173,7 +177,9 @@ __all__ = [
     "choose_schedule",
     "default_prefetch",
     "default_schedule",
+    "dualpipev",
     "even_counts",
+    "fb_time",
     "format_bytes",
     "format_bytes_apart",
     "format_plan",

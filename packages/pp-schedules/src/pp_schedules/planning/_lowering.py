@@ -122,10 +122,19 @@ class Exchange:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """A compute action or an exchange, in a rank's execution order."""
+    """A compute action or an exchange, in a rank's execution order.
+
+    Attributes:
+        compute: The compute action, or None for an exchange.
+        exchange: The exchange, or None for a compute action.
+        overlap: This compute step (a backward) runs together with the compute step just
+            before it (a forward on another chunk): the two are one F&B step (DualPipeV),
+            with no exchange between them.
+    """
 
     compute: Action | None = None
     exchange: Exchange | None = None
+    overlap: bool = False
 
     def __str__(self) -> str:
         """The compute action, or the exchange's actions joined by '+'."""
@@ -268,13 +277,15 @@ def lower(
     if written is not None:
         return [list(rank_steps) for rank_steps in written]
     where = placement_of(plan, vp_size, placement)
+    overlapped = getattr(plan, "overlapped", None)
     lowered: list[list[Step]] = []
     for rank, actions in enumerate(plan):
         for action in actions:
             _check_chunk(action, rank, where.vp_size)
         incoming = _Messages(incoming_message, rank, where)
         outgoing = _Messages(outgoing_message, rank, where)
-        lowered.append(_interleave(actions, incoming.of(actions), outgoing.of(actions)))
+        pairs = frozenset(overlapped[rank]) if overlapped is not None else frozenset()
+        lowered.append(_interleave(actions, incoming.of(actions), outgoing.of(actions), pairs))
     return post_receives_early(lowered, prefetch) if prefetch else lowered
 
 
@@ -350,17 +361,27 @@ def _interleave(
     actions: Sequence[Action],
     incoming: Sequence[Message | None],
     outgoing: Sequence[Message | None],
+    pairs: frozenset[int] = frozenset(),
 ) -> list[Step]:
-    """A rank's computes, each after an exchange of the last one's send and its own receive."""
+    """A rank's computes, each after an exchange of the last one's send and its own receive.
+
+    An F&B step (index ``k`` in `pairs`: actions ``k`` and ``k + 1``) is one group: the
+    exchange before it receives what both halves use, the one after it sends what both make.
+    """
     steps: list[Step] = []
-    for k, action in enumerate(actions):
-        wanted = [outgoing[k - 1] if k else None, incoming[k]]
-        messages = tuple(m for m in wanted if m is not None)
+    sends: list[Message | None] = []
+    k = 0
+    while k < len(actions):
+        group = [k, k + 1] if k in pairs else [k]
+        messages = tuple(m for m in [*sends, *(incoming[i] for i in group)] if m is not None)
         if messages:
             steps.append(Step(exchange=Exchange(messages)))
-        steps.append(Step(compute=action))
-    if actions and outgoing[-1] is not None:
-        steps.append(Step(exchange=Exchange((outgoing[-1],))))
+        steps += [Step(compute=actions[i], overlap=i != group[0]) for i in group]
+        sends = [outgoing[i] for i in group]
+        k = group[-1] + 1
+    last = tuple(m for m in sends if m is not None)
+    if last:
+        steps.append(Step(exchange=Exchange(last)))
     return steps
 
 

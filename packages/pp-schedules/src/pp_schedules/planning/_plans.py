@@ -11,7 +11,9 @@ action lists (`Plan.of`). The text form is one line per rank::
 A line's tokens are compute actions (``F3``, ``B3.1``: microbatch 3, chunk 1) and, when the
 plan writes its own transfers, exchanges: ``SEND_F0+RECV_B0`` is one exchange (posted as one
 pp-comm call), ``SEND_F0 RECV_B0`` two. A plan that writes transfers must write all of them;
-one that writes none is lowered automatically. torch.distributed.pipelining's action strings
+one that writes none is lowered automatically. ``F3&B1.1`` is an F&B step (DualPipeV): the
+forward of microbatch 3 on chunk 0 and the backward of microbatch 1 on chunk 1, run together.
+torch.distributed.pipelining's action strings
 (``0F1``: stage 0, forward, microbatch 1; ``1RECV_B0``) are read too: their stage gives the
 chunk, and without a ``placement:`` line the stages each rank uses give the placement.
 
@@ -48,31 +50,54 @@ class Plan(Sequence[tuple[Action, ...]]):
         placement: Which virtual stage each (rank, chunk) holds.
         steps: The lowered steps as written (computes and exchanges), or None to lower
             automatically.
+        overlapped: For each rank, the indices ``i`` whose actions ``i`` (a forward) and
+            ``i + 1`` (a backward on another chunk) run as one F&B step (DualPipeV); None
+            when the plan has none.
     """
 
     actions: tuple[tuple[Action, ...], ...]
     placement: Placement
     steps: tuple[tuple[Step, ...], ...] | None = None
+    overlapped: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        """Checks that the placement covers the plan's ranks.
+        """Checks that the placement covers the plan's ranks, and the F&B steps.
 
         Raises:
-            ValueError: The placement has a different number of ranks.
+            ValueError: The placement has a different number of ranks, or an F&B step is
+                not a forward followed by a backward on another chunk.
         """
         if self.placement.pp_size != len(self.actions):
             raise ValueError(
                 f"the plan has {len(self.actions)} ranks but its placement covers "
                 f"{self.placement.pp_size}"
             )
+        if self.overlapped is not None:
+            _check_overlapped(self.actions, self.overlapped)
 
     @classmethod
-    def of(cls, actions: Sequence[Sequence[Action]], placement: Placement | None = None) -> Plan:
-        """A plan from compute action lists (looped placement over the chunks used, by default)."""
+    def of(
+        cls,
+        actions: Sequence[Sequence[Action]],
+        placement: Placement | None = None,
+        overlapped: Sequence[Sequence[int]] | None = None,
+    ) -> Plan:
+        """A plan from compute action lists (looped placement over the chunks used, by default).
+
+        `overlapped` marks F&B steps: for each rank, the indices of their forwards.
+        """
         if placement is None:
             vp = 1 + max((a.chunk for rank in actions for a in rank), default=0)
             placement = Placement.looped(max(len(actions), 1), vp)
-        return cls(tuple(tuple(rank) for rank in actions), placement)
+        pairs = None
+        if overlapped is not None and any(overlapped):
+            pairs = tuple(tuple(sorted(rank)) for rank in overlapped)
+        return cls(tuple(tuple(rank) for rank in actions), placement, overlapped=pairs)
+
+    @property
+    def has_overlap(self) -> bool:
+        """Whether the plan has F&B steps (a forward and a backward run together)."""
+        return self.overlapped is not None and any(self.overlapped)
 
     @property
     def pp_size(self) -> int:
@@ -97,7 +122,7 @@ class Plan(Sequence[tuple[Action, ...]]):
     def without_backward(self) -> Plan:
         """The same plan with every backward step and gradient transfer left out (evaluation)."""
         actions = tuple(tuple(a for a in rank if a.kind == "F") for rank in self.actions)
-        steps = None
+        steps = None  # and no F&B step: nothing is left to overlap
         if self.steps is not None:
             steps = tuple(_forward_steps(rank) for rank in self.steps)
         return Plan(actions, self.placement, steps)
@@ -117,6 +142,35 @@ class Plan(Sequence[tuple[Action, ...]]):
     def __iter__(self) -> Iterator[tuple[Action, ...]]:
         """Each rank's actions in rank order."""
         return iter(self.actions)
+
+
+def _check_overlapped(
+    actions: Sequence[Sequence[Action]], overlapped: Sequence[Sequence[int]]
+) -> None:
+    """Each F&B step is a forward and then a backward (B or I) of another chunk, apart.
+
+    Raises:
+        ValueError: Naming the rank, the step and what it pairs.
+    """
+    if len(overlapped) != len(actions):
+        raise ValueError(
+            f"the plan has {len(actions)} ranks but marks F&B steps for {len(overlapped)}"
+        )
+    for rank, (row, pairs) in enumerate(zip(actions, overlapped, strict=True)):
+        previous = -2
+        for index in pairs:
+            if not 0 <= index < len(row) - 1 or index <= previous + 1:
+                raise ValueError(
+                    f"rank {rank}: F&B step at {index} does not fit its {len(row)} actions "
+                    "(each pairs an action with the next, and pairs do not share an action)"
+                )
+            first, second = row[index], row[index + 1]
+            if first.kind != "F" or second.kind not in ("B", "I") or first.chunk == second.chunk:
+                raise ValueError(
+                    f"rank {rank}: {first}&{second} is not an F&B step: it pairs a forward "
+                    "with a backward (B or I) of another chunk, forward first"
+                )
+            previous = index
 
 
 def _forward_steps(steps: Sequence[Step]) -> tuple[Step, ...]:
@@ -278,10 +332,19 @@ def parse_schedule(text: str, *, placement: Placement | None = None) -> Plan:
     )
     steps: list[list[Step]] = []
     computes: list[list[Action]] = []
+    overlapped: list[list[int]] = []
     written = False
     for line in lines:
-        rank_steps, rank_computes = [], []
+        rank_steps: list[Step] = []
+        rank_computes: list[Action] = []
+        rank_pairs: list[int] = []
         for token in line.tokens:
+            if "&" in token:
+                pair = _parse_pair(token, line, where)
+                rank_pairs.append(len(rank_computes))
+                rank_steps += [Step(compute=pair[0]), Step(compute=pair[1], overlap=True)]
+                rank_computes += pair
+                continue
             actions = [_parse_token(part, line, where) for part in token.split("+")]
             if len(actions) == 1 and actions[0].is_compute:
                 rank_steps.append(Step(compute=actions[0]))
@@ -296,10 +359,26 @@ def parse_schedule(text: str, *, placement: Placement | None = None) -> Plan:
             rank_steps.append(Step(exchange=_exchange(actions, line, where)))
         steps.append(rank_steps)
         computes.append(rank_computes)
-    plan = Plan.of(computes, where)
+        overlapped.append(rank_pairs)
+    try:
+        plan = Plan.of(computes, where, overlapped)
+    except ValueError as error:
+        raise ValueError(f"the plan's F&B steps: {error}") from None
     if written:
-        plan = Plan(plan.actions, plan.placement, tuple(tuple(s) for s in steps))
+        plan = dataclasses.replace(plan, steps=tuple(tuple(s) for s in steps))
     return plan
+
+
+def _parse_pair(token: str, line: _Line, placement: Placement) -> list[Action]:
+    """An F&B step written ``F3&B1.1``: a forward and a backward run together."""
+    parts = token.split("&")
+    actions = [_parse_token(part, line, placement) for part in parts]
+    if len(actions) != 2 or not all(a.is_compute for a in actions):
+        raise ValueError(
+            f"line {line.number} (rank {line.rank}): {token!r}: '&' joins two compute steps "
+            "into an F&B step, such as F3&B1.1"
+        )
+    return actions
 
 
 def _exchange(actions: Sequence[Action], line: _Line, placement: Placement) -> Exchange:
@@ -312,7 +391,20 @@ def _exchange(actions: Sequence[Action], line: _Line, placement: Placement) -> E
 def format_schedule(plan: Plan) -> str:
     """The text form of `plan` (`parse_schedule` reads it back)."""
     lines = [f"placement: {plan.placement}"]
-    rows: Sequence[Sequence[object]] = plan.steps if plan.steps is not None else plan.actions
-    for rank, row in enumerate(rows):
-        lines.append(f"rank {rank}: " + " ".join(str(item) for item in row))
+    for rank in range(plan.pp_size):
+        tokens: list[str] = []
+        if plan.steps is not None:
+            for step in plan.steps[rank]:
+                if step.overlap:
+                    tokens[-1] += f"&{step}"
+                else:
+                    tokens.append(str(step))
+        else:
+            pairs = frozenset(plan.overlapped[rank]) if plan.overlapped is not None else ()
+            for index, action in enumerate(plan.actions[rank]):
+                if index - 1 in pairs:
+                    tokens[-1] += f"&{action}"
+                else:
+                    tokens.append(str(action))
+        lines.append(f"rank {rank}: " + " ".join(tokens))
     return "\n".join(lines) + "\n"

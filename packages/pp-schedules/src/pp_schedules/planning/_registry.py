@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Literal
 
 from pp_schedules.planning._actions import Action
+from pp_schedules.planning._dualpipe import PairedActions, dualpipev
 from pp_schedules.planning._generators import gpipe, interleaved_1f1b, no_pipelining, one_f_one_b
 from pp_schedules.planning._planning_cost import (
     DEFAULT_MAX_PLAN_STEPS,
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 Actions = list[list[Action]]
+Generated = Actions | PairedActions
 PlacementName = Literal["looped", "v"]
 VP_SIZE = "vp_size"
 GROUP = "microbatch_group_size_per_vp_stage"
@@ -55,7 +57,8 @@ class ScheduleSpec:
             accepts.
         split_backward: Whether its backwards are split into I and W steps (zero bubble).
         generator: The generator (``pp_size, num_microbatches, forward_only`` and the
-            `options`) returning each rank's compute actions.
+            `options`) returning each rank's compute actions (with its F&B steps marked:
+            `PairedActions`, for a schedule that overlaps them).
         options: The keyword arguments the generator takes besides those three
             ("vp_size", "microbatch_group_size_per_vp_stage").
         instead: What to use when the chunks per rank do not fit (ends the message).
@@ -68,7 +71,7 @@ class ScheduleSpec:
     placement: PlacementName
     chunks: int | None
     split_backward: bool
-    generator: Callable[..., Actions]
+    generator: Callable[..., Generated]
     options: frozenset[str] = frozenset()
     instead: str = ""
     min_chunks: int = 1
@@ -114,7 +117,7 @@ class ScheduleSpec:
         vp_size: int = 1,
         microbatch_group_size_per_vp_stage: int | None = None,
         forward_only: bool = False,
-    ) -> Actions:
+    ) -> Generated:
         """Each rank's compute actions from the generator, passing it the options it takes."""
         given = {VP_SIZE: vp_size, GROUP: microbatch_group_size_per_vp_stage}
         options = {key: value for key, value in given.items() if key in self.options}
@@ -178,6 +181,8 @@ class ScheduleSpec:
             pp_size=pp_size, num_microbatches=num_microbatches, vp_size=vp_size,
             microbatch_group_size_per_vp_stage=group, forward_only=forward_only,
         )  # fmt: skip
+        if isinstance(actions, PairedActions):
+            return Plan.of(actions.actions, where, actions.overlapped)
         return Plan.of(actions, where)
 
 
@@ -217,11 +222,16 @@ SCHEDULE_REGISTRY: Mapping[str, ScheduleSpec] = {
             placement="v", chunks=2, split_backward=True, generator=zbv,
             instead="use vp_size=2 (or 'zb_h1' with one chunk)", auto_rank=1,
         ),
+        ScheduleSpec(
+            name="dualpipev", title="DualPipeV (V placement, F&B overlapped)",
+            placement="v", chunks=2, split_backward=True, generator=dualpipev,
+            instead="use vp_size=2 (or 'zb_h1' with one chunk)", auto_rank=1,
+        ),
     )
 }  # fmt: skip
 """Every named schedule, by name, in the order error messages list them."""
 
-SCHEDULES: Mapping[str, Callable[..., Actions]] = {
+SCHEDULES: Mapping[str, Callable[..., Generated]] = {
     name: spec.generate for name, spec in SCHEDULE_REGISTRY.items()
 }
 """Generators by name, taking every option `plan` passes (derived from the registry)."""

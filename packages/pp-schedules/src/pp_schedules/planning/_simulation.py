@@ -35,6 +35,7 @@ __all__ = [
     "Span",
     "StageCosts",
     "bubble_formula",
+    "fb_time",
     "ideal_makespan",
     "simulate",
     "with_memory",
@@ -58,12 +59,17 @@ class Costs:
     """The input-gradient half of a split backward (``I``); half of `backward` by default."""
     backward_weight: float | None = None
     """The weight-gradient half (``W``); half of `backward` by default."""
+    overlap: float = 0.0
+    """In an F&B step (DualPipeV), the share of the shorter half that runs hidden behind the
+    longer one: 0 (the default) when nothing overlaps, the step taking both halves' sum; 1
+    when it takes the longer half's time alone (`fb_time`)."""
 
     def __post_init__(self) -> None:
         """Costs are not negative, and compute takes time.
 
         Raises:
-            ValueError: A negative cost, or a zero forward, backward or backward half.
+            ValueError: A negative cost, a zero forward, backward or backward half, or an
+                overlap outside 0 .. 1.
         """
         halves = [h for h in (self.backward_input, self.backward_weight) if h is not None]
         if min(self.forward, self.backward, *halves) <= 0 or min(self.transfer, self.exchange) < 0:
@@ -73,6 +79,7 @@ class Costs:
                 f"backward_input={self.backward_input}, backward_weight={self.backward_weight}, "
                 f"transfer={self.transfer}, exchange={self.exchange}"
             )
+        _check_overlap(self.overlap)
 
     def of(self, kind: str) -> float:
         """The cost of one compute step of `kind` ("F", "B", "I" or "W")."""
@@ -108,9 +115,11 @@ class StageCosts:
     """One transfer between neighbouring stages, from posting the send to arrival."""
     exchange: float = 0.0
     """The fixed time a rank spends posting one exchange."""
+    overlap: float = 0.0
+    """In an F&B step, the share of the shorter half hidden behind the longer (`Costs`)."""
 
     def __post_init__(self) -> None:
-        """One cost per stage in every tuple, none negative.
+        """One cost per stage in every tuple, none negative, an overlap from 0 to 1.
 
         Raises:
             ValueError: No stages, tuples of different lengths, or a negative cost.
@@ -130,6 +139,7 @@ class StageCosts:
                 f"backward_weight={self.backward_weight}, transfer={self.transfer}, "
                 f"exchange={self.exchange}"
             )
+        _check_overlap(self.overlap)
 
     @property
     def num_stages(self) -> int:
@@ -161,7 +171,13 @@ class StageCosts:
                 "every stage's costs must have the same transfer and exchange, got "
                 f"(transfer, exchange) {sorted(links)}"
             )
+        overlaps = {c.overlap for c in stages}
+        if len(overlaps) > 1:
+            raise ValueError(
+                f"every stage's costs must have the same F&B overlap, got {sorted(overlaps)}"
+            )
         transfer, exchange = links.pop() if links else (0.0, 0.0)
+        overlap = overlaps.pop() if overlaps else 0.0
         forward, backward, backward_input, backward_weight = (
             tuple(c.of(kind) for c in stages) for kind in "FBIW"
         )
@@ -172,6 +188,7 @@ class StageCosts:
             backward_weight=backward_weight,
             transfer=transfer,
             exchange=exchange,
+            overlap=overlap,
         )
 
     @classmethod
@@ -213,7 +230,25 @@ class StageCosts:
             backward_weight=backward_weight,
             transfer=layer.transfer,
             exchange=layer.exchange,
+            overlap=layer.overlap,
         )
+
+
+def _check_overlap(overlap: float) -> None:
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(
+            f"overlap is the share of an F&B step's shorter half hidden behind the longer, "
+            f"from 0 (none) to 1 (all), got {overlap}"
+        )
+
+
+def fb_time(forward: float, backward: float, overlap: float) -> float:
+    """An F&B step's time: both halves, less the share `overlap` of the shorter one.
+
+    0 gives ``forward + backward`` (the halves one after the other), 1 ``max(forward,
+    backward)`` (the shorter wholly hidden behind the longer).
+    """
+    return forward + backward - overlap * min(forward, backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +439,7 @@ class _Simulator:
         self.posted: dict[_Link, list[float]] = defaultdict(list)
         self.spans: list[list[Span]] = [[] for _ in range(pp_size)]
         self.busy = [0.0] * pp_size
+        self.timed: set[tuple[int, int]] = set()  # second halves of F&B steps already timed
 
     def run(self) -> None:
         """Advance every rank as far as it can, until none can."""
@@ -443,6 +479,11 @@ class _Simulator:
                     self.posted[link].append(self.clock[rank])
             return True
         assert step.compute is not None
+        if (rank, index) in self.timed:
+            return True
+        steps = self.steps[rank]
+        if index + 1 < len(steps) and steps[index + 1].overlap:
+            return self._advance_pair(rank, index)
         arrivals = self._arrivals(rank, index)
         if arrivals is None:
             return False
@@ -451,6 +492,30 @@ class _Simulator:
         self.spans[rank].append(Span(rank, step.compute, start, start + cost))
         self.clock[rank] = start + cost
         self.busy[rank] += cost
+        return True
+
+    def _advance_pair(self, rank: int, index: int) -> bool:
+        """Run an F&B step: both halves start together and end after `fb_time`.
+
+        The forward's span starts with the step and the backward's ends with it, so where
+        they overlap in time the halves ran together.
+        """
+        first, second = self._arrivals(rank, index), self._arrivals(rank, index + 1)
+        if first is None or second is None:
+            return False
+        forward, backward = (self.steps[rank][i].compute for i in (index, index + 1))
+        assert forward is not None
+        assert backward is not None
+        start = max([self.clock[rank], *first, *second])
+        f, b = self._cost(rank, forward), self._cost(rank, backward)
+        end = start + fb_time(f, b, self.costs.overlap)
+        self.spans[rank] += [
+            Span(rank, forward, start, start + f),
+            Span(rank, backward, end - b, end),
+        ]
+        self.clock[rank] = end
+        self.busy[rank] += end - start
+        self.timed.add((rank, index + 1))
         return True
 
     def _cost(self, rank: int, action: Action) -> float:

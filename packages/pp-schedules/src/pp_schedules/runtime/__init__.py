@@ -37,6 +37,7 @@ from pp_schedules.runtime._flight_recorder import (
     FlightRecorder,
 )
 from pp_schedules.runtime._memory_probe import MemoryProbe, MemorySample, storage_bytes
+from pp_schedules.runtime._overlap import FB_OVERLAPS, communicating
 from pp_schedules.runtime._pipeline_model import PipelineModel, Tie, split_module_names
 from pp_schedules.runtime._plan_walk import RunStats
 from pp_schedules.runtime._profiling import (
@@ -71,6 +72,7 @@ from pp_schedules.runtime._timeline import (
 __all__ = [
     "DEFAULT_RECORDER_SIZE",
     "DEFAULT_REPORT_WAIT_S",
+    "FB_OVERLAPS",
     "AllocationCounter",
     "Boundary",
     "ChunkIteratorError",
@@ -96,6 +98,7 @@ __all__ = [
     "build_stop_report",
     "check_trace_path",
     "chrome_trace",
+    "communicating",
     "custom_backward",
     "deallocate_output_tensor",
     "first_line",

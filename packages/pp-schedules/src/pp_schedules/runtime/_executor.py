@@ -21,7 +21,9 @@ turn of a V) a tensor is handed over in memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +49,7 @@ from pp_schedules.runtime._autograd import (
 )
 from pp_schedules.runtime._flight_recorder import DEFAULT_RECORDER_SIZE, FlightRecorder
 from pp_schedules.runtime._memory_probe import MemoryProbe, MemorySample
+from pp_schedules.runtime._overlap import check_fb_overlap
 from pp_schedules.runtime._plan_walk import (
     CallArguments,
     PlanWalk,
@@ -138,6 +141,9 @@ class PipelineExecutor:
         self.timers: Timers = self.config.timers or NullTimers()
         self._check_split_rank()
         self.stats = RunStats()
+        self.compute_lock = threading.Lock()
+        """One device computes one thing at a time: the halves of an F&B step run with
+        ``fb_overlap="threads"`` take turns holding it (`communicating` lets it go)."""
         self.timeline: list[MeasuredSpan] = []
         self.recording = False
         self.memory_probe: MemoryProbe | None = None
@@ -330,7 +336,9 @@ class PipelineExecutor:
         if not forward_only:
             steps = prepared.report.steps[self.rank]
             check_torch_ddp_order(chunks, [s.compute for s in steps if s.compute])
-        return prepared
+        overlapped = any(s.overlap for rank in prepared.report.steps for s in rank)
+        mode = check_fb_overlap(self.config.fb_overlap, chunks, overlapped, self.schedule)
+        return dataclasses.replace(prepared, fb_mode=mode)
 
     def _chunks_and_iterators(
         self, model: Any, data_iterator: Any

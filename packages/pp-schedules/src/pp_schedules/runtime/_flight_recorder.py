@@ -287,11 +287,12 @@ class FlightRecorder:
         first = compute if compute is not None else step.exchange.messages[0].action
         messages = step.exchange.messages if step.exchange is not None else ()
         waits = self._waits(waiting, index) if with_waits and waiting is not None else []
+        paired = self._paired(index)
         return {
             "iteration": iteration,
             "step": index,
-            "action": str(step),
-            "kind": _kind(step),
+            "action": str(step) if paired is None else f"{step}&{paired}",
+            "kind": _kind(step) if paired is None else "F&B",
             "microbatch": first.microbatch,
             "chunk": first.chunk,
             "transfers": [transfer_record(m) for m in messages],
@@ -300,6 +301,12 @@ class FlightRecorder:
             "state": self._state(step, end, waits),
             "waiting_for": waits,
         }
+
+    def _paired(self, index: int) -> Step | None:
+        """The backward run with step `index` of this call as one F&B step, or None."""
+        plan = self.plan[self.rank] if self.rank < len(self.plan) else ()
+        following = index + 1
+        return plan[following] if following < len(plan) and plan[following].overlap else None
 
     @staticmethod
     def _state(step: Step, end: float | None, waits: list[dict[str, Any]]) -> str:

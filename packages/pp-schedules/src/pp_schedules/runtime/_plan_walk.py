@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, cast
@@ -27,6 +28,7 @@ from pp_schedules.runtime._autograd import (
 )
 from pp_schedules.runtime._flight_recorder import FlightRecorder
 from pp_schedules.runtime._memory_probe import MemoryProbe, storage_bytes
+from pp_schedules.runtime._overlap import communicating, run_fb_step
 from pp_schedules.runtime._schedule_config import ForwardStepFunc, ScheduleConfig
 from pp_schedules.runtime._split_backward import WeightGradients, backward_input
 from pp_schedules.runtime._stages import Boundary
@@ -135,6 +137,7 @@ class PreparedPlan:
     report: PlanReport
     delivered: dict[int, list[int]]
     placement: Placement
+    fb_mode: str = "sequential"
 
 
 class WalkHost(Protocol):
@@ -152,6 +155,8 @@ class WalkHost(Protocol):
     """Samples the rank's bytes after each compute step, when set."""
     recorder: FlightRecorder
     """Keeps the rank's last steps (always on; see `FlightRecorder`)."""
+    compute_lock: threading.Lock
+    """Held by the half of an F&B step that computes (``fb_overlap="threads"``)."""
 
     @property
     def exchanges_shapes(self) -> bool:
@@ -208,6 +213,11 @@ class PlanWalk:
         # receives complete together) still has a receive in `arrived`.
         self.overdue: set[int] = set()
         self.store: list[Any] = []
+        self.fb_mode = prepared.fb_mode
+        """How F&B steps run ("sequential", "chunk" or "threads"; see `run_fb_step`)."""
+        # A chunk's own overlap function backwards through torch's autograd, which needs
+        # the outputs whole: they are not deallocated once sent.
+        self.deallocate = executor.config.deallocate_pipeline_outputs and self.fb_mode != "chunk"
         self.stats = RunStats()
         self.recorder = TimelineRecorder(executor.rank) if executor.recording else None
         actions = [s.compute for s in self.steps if s.compute is not None]
@@ -235,15 +245,33 @@ class PlanWalk:
         recorder.start_call(self.x.rank, self.plan)
         with self.sync_control():
             for index, step in enumerate(self.steps):
-                kind = EXCHANGE if step.compute is None else step.compute.kind
+                if step.overlap:
+                    continue  # run with the forward before it, as one F&B step
                 recorder.begin(index, step)
-                STEP_HANDLERS[kind](self, index, step)
+                if self._fb_step(index):
+                    self._run_fb_step(index)
+                else:
+                    kind = EXCHANGE if step.compute is None else step.compute.kind
+                    STEP_HANDLERS[kind](self, index, step)
                 recorder.end()
-                if probe is not None and step.compute is not None:
-                    probe.sample(str(step.compute))
-                for done in self.delivered.get(index, ()):
-                    self._complete_sends(done)
+                for done in (index, index + 1) if self._fb_step(index) else (index,):
+                    computed = self.steps[done].compute
+                    if probe is not None and computed is not None:
+                        probe.sample(str(computed))
+                    for delivered in self.delivered.get(done, ()):
+                        self._complete_sends(delivered)
         self.finish()
+
+    def _fb_step(self, index: int) -> bool:
+        """Whether step `index` is the forward of an F&B step (the next one its backward)."""
+        following = index + 1
+        return following < len(self.steps) and self.steps[following].overlap
+
+    def _run_fb_step(self, index: int) -> None:
+        forward, backward = self.steps[index].compute, self.steps[index + 1].compute
+        assert forward is not None
+        assert backward is not None
+        run_fb_step(self, self.fb_mode, forward, backward)
 
     def _complete_sends(self, index: int) -> None:
         """Wait for the sends of exchange `index` (its receives are waited for by their users).
@@ -261,7 +289,8 @@ class PlanWalk:
         self.overdue.discard(index)
         del self.pending[index]
         self.x.recorder.wait(("send", index))
-        handle.wait_send()
+        with communicating():
+            handle.wait_send()
         self.x.recorder.waited()
 
     # -------------------------------------------------------------------- stage geometry
@@ -335,7 +364,7 @@ class PlanWalk:
             if tensors is not None:
                 key = (message.channel, action.microbatch, action.chunk)
                 self.arrived[key] = (handle, number, tensors)
-            elif message.channel == "forward" and self.x.config.deallocate_pipeline_outputs:
+            elif message.channel == "forward" and self.deallocate:
                 deallocate_output_tensor(
                     self._own_outputs((action.microbatch, action.chunk)),
                     deallocate_pipeline_outputs=True,
@@ -378,7 +407,8 @@ class PlanWalk:
         handle, number, tensors = self.arrived.pop(key)
         self.x.recorder.wait(("recv", key))
         start = self.recorder.now() if self.recorder is not None else 0.0
-        handle.wait_recv([number])
+        with communicating():  # the other half of an F&B step computes meanwhile
+            handle.wait_recv([number])
         self.x.recorder.waited()
         for index in sorted(self.overdue):  # sends held back by this receive (NCCL)
             self._complete_sends(index)
@@ -389,27 +419,51 @@ class PlanWalk:
 
     def forward(self, action: Action) -> None:
         """Run a forward step and keep (or hand on) its output."""
-        chunk, microbatch = action.chunk, action.microbatch
-        call = self.call
-        if microbatch == self.sync_at_forward.get(chunk):
-            self._enable_sync(chunk)
-        inputs = self._inputs(action)
-        # Megatron hands set_input_tensor a list: [None] on the first stage.
-        set_input = wrapped_attr(call.chunks[chunk], "set_input_tensor")
-        set_input(inputs if inputs is not None else [None])
+        inputs = self.begin_forward(action)
+        call, chunk = self.call, action.chunk
         timer = self.x.timers("forward-compute")
         start = self.recorder.now() if self.recorder is not None else 0.0
         timer.start()
         with torch.no_grad() if call.forward_only else contextlib.nullcontext():
             output, loss_func = call.forward_step_func(call.iterators[chunk], call.chunks[chunk])
-            if self._last(chunk):
-                outputs = [self._loss(output, loss_func)]
-            elif (contract := chunk_contract(call.chunks[chunk], "output_boundary")) is not None:
-                outputs = wrapped_attr(call.chunks[chunk], "flatten_output")(output)
-                self._check_shapes(contract, outputs, action)
-            else:
-                outputs = tensor_list(output)
+            outputs = self.forward_outputs(action, output, loss_func)
         timer.stop()
+        self.end_forward(action, inputs, outputs, start)
+
+    def begin_forward(self, action: Action) -> list[torch.Tensor] | None:
+        """A forward's inputs, received or handed over, set on its chunk."""
+        chunk, call = action.chunk, self.call
+        if action.microbatch == self.sync_at_forward.get(chunk):
+            self._enable_sync(chunk)
+        inputs = self._inputs(action)
+        # Megatron hands set_input_tensor a list: [None] on the first stage.
+        set_input = wrapped_attr(call.chunks[chunk], "set_input_tensor")
+        set_input(inputs if inputs is not None else [None])
+        return inputs
+
+    def forward_outputs(
+        self, action: Action, output: Any, loss_func: Callable[..., Any]
+    ) -> list[torch.Tensor]:
+        """What a forward's output stands for: the loss on the last stage, else its tensors."""
+        chunk = self.call.chunks[action.chunk]
+        if self._last(action.chunk):
+            return [self._loss(output, loss_func)]
+        if (contract := chunk_contract(chunk, "output_boundary")) is not None:
+            outputs: list[torch.Tensor] = wrapped_attr(chunk, "flatten_output")(output)
+            self._check_shapes(contract, outputs, action)
+            return outputs
+        return tensor_list(output)
+
+    def end_forward(
+        self,
+        action: Action,
+        inputs: list[torch.Tensor] | None,
+        outputs: list[torch.Tensor],
+        start: float,
+    ) -> None:
+        """Keep a forward's inputs and outputs for its backward and hand its outputs on."""
+        chunk, microbatch, call = action.chunk, action.microbatch, self.call
+        set_input = wrapped_attr(call.chunks[chunk], "set_input_tensor")
         if inputs is not None:
             # The chunk would keep the input (and, after backward, its gradient) until its
             # next forward, beyond the step; the executor holds it as long as it is needed.
@@ -491,20 +545,38 @@ class PlanWalk:
 
     def backward(self, action: Action) -> None:
         """Run a whole backward step and hand on its input gradients."""
+        grads, inputs, outputs = self.begin_backward(action)
+        timer = self.x.timers("backward-compute")
+        start = self.recorder.now() if self.recorder is not None else 0.0
+        timer.start()
+        self._run_backward(outputs, grads)
+        timer.stop()
+        self.end_backward(action, inputs, grads, start)
+
+    def begin_backward(
+        self, action: Action
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, list[torch.Tensor]]:
+        """A backward's output gradients (None on the last stage), inputs and outputs."""
         chunk, microbatch = action.chunk, action.microbatch
         grads = self._output_grads(action)
         inputs = self.inputs.pop((microbatch, chunk))
         outputs = self.outputs.pop((microbatch, chunk))
         if microbatch == self.last_backward.get(chunk):
             self._enable_sync(chunk)
-        timer = self.x.timers("backward-compute")
-        start = self.recorder.now() if self.recorder is not None else 0.0
-        timer.start()
         for tensor in inputs or []:
             if tensor.requires_grad:
                 tensor.retain_grad()
-        self._run_backward(outputs, grads)
-        timer.stop()
+        return grads, inputs, outputs
+
+    def end_backward(
+        self,
+        action: Action,
+        inputs: list[torch.Tensor] | None,
+        grads: list[torch.Tensor] | None,
+        start: float,
+    ) -> None:
+        """Hand a backward's input gradients on (to the previous stage)."""
+        chunk = action.chunk
         self._record(action, start)
         self.stats.steps += 1
         if not self._first(chunk):
@@ -573,17 +645,24 @@ class PlanWalk:
         self.stats.steps += 1
 
     def _run_backward(self, outputs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+        loss, pairs = self.backward_roots(outputs, grads)
+        if loss is not None:
+            custom_backward(loss, None)
+        elif pairs:
+            custom_backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def backward_roots(
+        self, outputs: list[torch.Tensor], grads: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Where a backward starts: the scaled loss on the last stage, else (output, grad)s."""
         if grads is None:
             loss = outputs[0]
             if self.x.config.grad_scale_func is not None:
                 loss = self.x.config.grad_scale_func(loss)
-            custom_backward(loss, None)
-            return
+            return loss, []
         passthrough = self._decoder(self.x.rank) and len(grads) > 1
         own = outputs[:1] if passthrough else with_grads(outputs)
-        pairs = [(o, g) for o, g in zip(own, grads, strict=False) if o.requires_grad]
-        if pairs:
-            custom_backward([o for o, _ in pairs], [g for _, g in pairs])
+        return None, [(o, g) for o, g in zip(own, grads, strict=False) if o.requires_grad]
 
     def _measure_activations(self) -> None:
         """Activations only grow with a forward (its inputs and outputs are then stored)."""

@@ -60,5 +60,14 @@ class ScheduleConfig:
     between is refused); other contexts (pp-optim's and Megatron's DDP, which decide at
     backward) are left before the last backward."""
 
+    fb_overlap: str | None = None
+    """How an F&B step (DualPipeV's forward of one microbatch beside another's backward)
+    runs: "sequential" (the forward, then the backward), "chunk" (the forward's chunk class's
+    ``overlapped_forward_backward``, DeepSeek's contract) or "threads" (pp's own overlap: the
+    halves take turns computing, each letting the other run while it waits on communication,
+    see `pp_schedules.runtime.communicating`). None: the chunk's function when it defines
+    one, else sequential. "chunk" and "threads" with a schedule without F&B steps are
+    refused before any step."""
+
     timers: Timers | None = None
     """Timer hooks for "forward-compute" and "backward-compute"."""

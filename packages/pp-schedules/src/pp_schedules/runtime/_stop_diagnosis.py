@@ -42,7 +42,13 @@ from pp_schedules.runtime._stop_positions import (
     published_waits,
     rank_position,
 )
-from pp_schedules.runtime._stop_report import RankPosition, StopReport, Wait, describe_step
+from pp_schedules.runtime._stop_report import (
+    RankPosition,
+    StopReport,
+    Wait,
+    describe_step,
+    paired_step,
+)
 
 __all__ = ["build_stop_report"]
 
@@ -52,9 +58,16 @@ def _cells(steps: Sequence[Sequence[Step]]) -> list[list[str]]:
 
     def cell(step: Step) -> str:
         text = str(step)
+        if step.overlap:  # the backward of an F&B step, run with the forward before it
+            return f"&{text}"
         return text.replace("SEND_", "s").replace("RECV_", "r") if step.exchange else text
 
     return [[cell(step) for step in row] for row in steps]
+
+
+def _described(steps: Sequence[Step], index: int) -> str:
+    """Step `index` of a rank's steps in words (an F&B step with its backward)."""
+    return describe_step(steps[index], paired=paired_step(steps, index))
 
 
 def _waiting_on(target: int, waits: Sequence[Wait]) -> list[Wait]:
@@ -178,7 +191,7 @@ def _lost_sentence(p: RankPosition, context: Context, waits: Sequence[Wait], how
     where = ""
     if p.step is not None and p.stage is not None:
         where = (
-            f"; by the plan it was at {describe_step(context.steps[p.stage][p.step])} "
+            f"; by the plan it was at {_described(context.steps[p.stage], p.step)} "
             f"(step {p.step}, inferred)"
         )
     waiting = _who_waits(_waiting_on(p.rank, waits), p.rank, _seen(p.rank, context))

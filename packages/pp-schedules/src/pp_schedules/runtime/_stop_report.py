@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pp_schedules.planning import Step
 from pp_schedules.runtime._timeline import MeasuredSpan, chrome_trace
 
-__all__ = ["RankPosition", "StopReport", "Wait", "describe_step"]
+__all__ = ["RankPosition", "StopReport", "Wait", "describe_step", "paired_step"]
 
 _MARGIN = 3  # grid columns shown around the marked steps
 
@@ -265,11 +266,24 @@ def _where(p: RankPosition) -> str:
     return f"{where}, {detail}"
 
 
-def describe_step(step: Step | None, text: str = "") -> str:
-    """A step in words: ``F mb 6 chunk 1``, or ``exchange SEND_F6.1+RECV_B2.1``."""
+def describe_step(step: Step | None, text: str = "", paired: Step | None = None) -> str:
+    """A step in words: ``F mb 6 chunk 1``, ``exchange SEND_F6.1+RECV_B2.1``.
+
+    An F&B step (`paired`: its backward): ``F&B: F mb 6 chunk 0 with B mb 2 chunk 1``.
+    """
     if step is None:
         return text or "an unknown step"
     if step.compute is not None:
         action = step.compute
-        return f"{action.kind} mb {action.microbatch} chunk {action.chunk}"
+        said = f"{action.kind} mb {action.microbatch} chunk {action.chunk}"
+        if paired is not None and paired.compute is not None:
+            other = paired.compute
+            said = f"F&B: {said} with {other.kind} mb {other.microbatch} chunk {other.chunk}"
+        return said
     return f"exchange {step}"
+
+
+def paired_step(steps: Sequence[Step], index: int) -> Step | None:
+    """The backward run with step `index` as one F&B step, or None."""
+    following = index + 1
+    return steps[following] if following < len(steps) and steps[following].overlap else None
