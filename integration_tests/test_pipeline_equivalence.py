@@ -68,8 +68,8 @@ SCHEDULES = [
     ("gpipe", 2, "looped"),
     ("gpipe", 2, "v"),
 ]
-# Zero-bubble schedules (backwards split into I and W) at pp 2 and 4.
-ZERO_BUBBLE = [("zb_h1", 1, "looped"), ("zbv", 2, "v")]
+# Zero-bubble schedules (backwards split into I and W) and DualPipeV (F&B steps) at pp 2 and 4.
+ZERO_BUBBLE = [("zb_h1", 1, "looped"), ("zbv", 2, "v"), ("dualpipev", 2, "v")]
 CASES = [
     pytest.param(name, pp, vp, pp != 4, where, id=f"{name}-pp{pp}-vp{vp}-{where}")
     for pp in (2, 4, 8)

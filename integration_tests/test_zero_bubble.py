@@ -43,7 +43,7 @@ def _forward_step(
 
 def _scaled_step(schedule: str, vp: int) -> dict[str, Any]:
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
-    placement = Placement.named("v" if schedule == "zbv" else "looped", comm.num_stages, vp)
+    placement = Placement.named("looped" if schedule == "zb_h1" else "v", comm.num_stages, vp)
     stages = placement.stages[comm.stage]
     chunks = [
         DistributedDataParallel(chunk, data_parallel_group=None)
@@ -91,7 +91,7 @@ def _scaled_step(schedule: str, vp: int) -> dict[str, Any]:
     return {"losses": [float(d["lm loss"]) for d in losses], "grads": grads, "syncs": sync_states}
 
 
-@pytest.mark.parametrize(("schedule", "vp"), [("zb_h1", 1), ("zbv", 2)])
+@pytest.mark.parametrize(("schedule", "vp"), [("zb_h1", 1), ("zbv", 2), ("dualpipev", 2)])
 def test_zero_bubble_fills_grad_buffers_with_scaled_gradients(schedule: str, vp: int) -> None:
     results = run_distributed(_scaled_step, 2, schedule, vp, timeout=120)
     expected_losses, expected_grads = reference_run(

@@ -4,7 +4,8 @@ The model files beside it (hf_llama.py, hf_gpt2.py, sequential.py) say how their
 into stages and runs one microbatch (`build`, `forward_step`, `batches`); this file does the
 rest, in the order that works: process groups -> schedule resolved -> model split for its
 placement, contracts inferred -> chunks wrapped in pp-optim's DDP -> optimizer -> executor.
-Arguments: schedule names (all five by default) and --distributed-optimizer; the pipeline is
+Arguments: schedule names (all by default; dualpipev-threads overlaps dualpipev's F&B steps in
+two threads) and --distributed-optimizer; the pipeline is
 2 stages, the rest of the world data parallelism. One process group serves every schedule;
 rank 0 prints {schedule: [loss of each step]}.
 """
@@ -17,10 +18,10 @@ import torch.distributed as dist
 
 from pp_comm import P2PCommunicator
 from pp_optim import DDPConfig, DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
-from pp_schedules import get_forward_backward_func, resolve_schedule
+from pp_schedules import ScheduleConfig, get_forward_backward_func, resolve_schedule
 from pp_state import ParallelConfig, ParallelState
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "dualpipev-threads")
 STEPS, MICROBATCHES = 5, 4
 # Megatron's adam is AdamW: decoupled weight decay 0.01 (its default, written out here) on
 # matrices only; clip_grad=1.0 by default, inside step()
@@ -43,13 +44,15 @@ def lm_loss(labels: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, d
 def train(model: Any, schedule: str, state: ParallelState, comm: P2PCommunicator) -> list[float]:
     """`STEPS` steps of `model` (a model file) under `schedule`; the mean loss of each."""
     m, dp, rank = MICROBATCHES, state.data_parallel_size, state.data_parallel_rank
-    resolved = resolve_schedule(schedule, pp_size=2, microbatch_counts=[m])
+    name, _, way = schedule.partition("-")  # dualpipev-threads: its F&B steps overlapped
+    resolved = resolve_schedule(name, pp_size=2, microbatch_counts=[m])
     pipe = model.build(resolved, state)  # this rank's chunks for resolved.placement
     ddp = DDPConfig(use_distributed_optimizer="--distributed-optimizer" in sys.argv)
     chunks = [DistributedDataParallel(c, ddp, data_parallel_group=state.group("dp"))
               for c in pipe.chunks]  # fmt: skip
     optimizer = get_megatron_optimizer(OPTIMIZER, chunks, parallel_state=state)
-    forward_backward = get_forward_backward_func(comm, resolved=resolved)
+    config = ScheduleConfig(fb_overlap=way or None)
+    forward_backward = get_forward_backward_func(comm, resolved, config=config)
     losses = []
     for step in range(STEPS):
         for chunk in chunks:

@@ -42,7 +42,10 @@ __all__ = [
     "pretrain_config_from_args",
 ]
 
-PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "auto"]
+PipelineScheduleName = Literal[
+    "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "auto"
+]
+FbOverlap = Literal["sequential", "chunk", "threads"]
 
 
 def _flag(name: str) -> str:
@@ -165,8 +168,15 @@ class ParallelArgs:
     pipeline_schedule: PipelineScheduleName | None = None
     """The schedule; by default interleaved_1f1b with virtual stages, 1f1b otherwise
     (Megatron's choice). zb_h1 and zbv split backwards (zero bubble; zbv needs 2 chunks per
-    rank); auto picks the shortest simulated schedule that holds no more activations than
-    1F1B."""
+    rank); dualpipev (DeepSeek's DualPipeV, 2 chunks per rank on the V, at least 2 x the
+    pipeline size microbatches) runs one microbatch's forward beside another's backward; auto
+    picks the shortest simulated schedule that holds no more activations than 1F1B."""
+
+    fb_overlap: FbOverlap | None = None
+    """How dualpipev's F&B steps run: sequential (the forward, then the backward), chunk (the
+    model chunk class's overlapped_forward_backward) or threads (the two halves take turns,
+    each computing while the other waits on communication); by default the chunk's function
+    if it has one, else sequential."""
 
     pipeline_schedule_file: str | None = None
     """Run the plan in this text file instead (one line of actions per pipeline rank, e.g.
@@ -205,6 +215,7 @@ class ParallelArgs:
         )
         _check_costs(self, ("pipeline_layout_embedding_cost", "pipeline_layout_loss_cost"))
         _check_layout_flags(self)
+        _check_fb_overlap(self)
         if self.pipeline_schedule is not None and self.pipeline_schedule_file is not None:
             raise ValueError(
                 f"--pipeline-schedule {self.pipeline_schedule} and --pipeline-schedule-file "
@@ -215,6 +226,34 @@ class ParallelArgs:
     def sequence_parallel_in_use(self) -> bool:
         """``--sequence-parallel`` where it applies: off at tensor-parallel size 1 (Megatron)."""
         return self.sequence_parallel and self.tensor_model_parallel_size > 1
+
+
+def _check_fb_overlap(parallel: ParallelArgs) -> None:
+    """``--fb-overlap`` overlaps F&B steps: a schedule with them, and no tensor parallelism.
+
+    Raises:
+        ValueError: A named schedule without F&B steps, or ``threads`` with tensor
+            parallelism; the message names the flags and the fix.
+    """
+    overlap, schedule = parallel.fb_overlap, parallel.pipeline_schedule
+    if overlap in (None, "sequential"):
+        return
+    if schedule not in (None, "dualpipev", "auto") or (
+        schedule is None and parallel.pipeline_schedule_file is None
+    ):
+        raise ValueError(
+            f"--fb-overlap {overlap} overlaps the F&B steps of dualpipev, but --pipeline-schedule "
+            f"{schedule or '(the default)'} has none; use --pipeline-schedule dualpipev, or drop "
+            "--fb-overlap"
+        )
+    tp = parallel.tensor_model_parallel_size
+    if overlap == "threads" and tp > 1:
+        raise ValueError(
+            f"--fb-overlap threads with --tensor-model-parallel-size {tp}: the two halves of an "
+            "F&B step would issue their tensor-parallel collectives in an order that can differ "
+            "between tensor-parallel ranks; use --fb-overlap sequential (or chunk, with a chunk "
+            "that orders them itself)"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

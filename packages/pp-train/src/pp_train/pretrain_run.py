@@ -184,6 +184,7 @@ class PretrainRun:
             state, model, optimizer, hidden_size=config.model.hidden_size, device=self.device,
             timers=timers, resolved=layout.resolved,
             sequence_parallel=config.parallel.sequence_parallel_in_use,
+            fb_overlap=config.parallel.fb_overlap,
         )  # fmt: skip
         calculator = microbatch_calculator(config, state.group_size("dp_cp"))
         logger, writer = self._logger()

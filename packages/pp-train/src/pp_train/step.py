@@ -90,6 +90,7 @@ def build_forward_backward_func(
     comm_config: CommConfig | None = None,
     resolved: ResolvedSchedule | None = None,
     sequence_parallel: bool = False,
+    fb_overlap: str | None = None,
 ) -> PipelineExecutor:
     """The schedule for `state`'s pipeline, wired to the optimizer's loss scale and DDP's no_sync.
 
@@ -112,6 +113,7 @@ def build_forward_backward_func(
             resolved for each microbatch count when first run.
         sequence_parallel: The chunks' activations between stages are split along the
             sequence over `state`'s tensor-parallel group (``--sequence-parallel``).
+        fb_overlap: How F&B steps run (``--fb-overlap``; `pp_schedules.ScheduleConfig`).
 
     Raises:
         ValueError: A resolved schedule that does not fit the pipeline or the chunks.
@@ -132,6 +134,7 @@ def build_forward_backward_func(
         pipeline_model_parallel_split_rank=state.pipeline_model_parallel_split_rank
         if pipelined else None,
         grad_scale_func=optimizer.scale_loss, no_sync_func=_no_sync_func(model), timers=timers,
+        fb_overlap=fb_overlap,
     )  # fmt: skip
     if sequence_parallel and state.tensor_model_parallel_size > 1:
         return _SequenceSplitExecutor(
