@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import ScheduleConfig, get_forward_backward_func
@@ -76,6 +77,29 @@ class _Communicating(StageStack):
         return super().forward(x)
 
 
+class _Recomputing(_Overlapping):
+    """A chunk that recomputes in backward: every layer (full) or its second half (selective)."""
+
+    selective: ClassVar[bool] = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def run(layers: Sequence[torch.nn.Module], value: torch.Tensor) -> torch.Tensor:
+            for layer in layers:
+                value = torch.tanh(layer(value))
+            return value
+
+        layers = list(self.layers)
+        if self.selective:  # the first half kept, the second recomputed
+            half = len(layers) // 2
+            x = run(layers[:half], x)
+            layers = layers[half:]
+        return checkpoint(run, layers, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+class _Selective(_Recomputing):
+    selective: ClassVar[bool] = True
+
+
 def _chunks(kind: type[StageStack], stages: Sequence[int], num_stages: int) -> list[StageStack]:
     layers = tiny_layers(LAYERS, WIDTH)
     per = LAYERS // num_stages
@@ -83,7 +107,10 @@ def _chunks(kind: type[StageStack], stages: Sequence[int], num_stages: int) -> l
 
 
 def _step(m: int, mode: str | None, kind_name: str) -> dict[str, Any]:
-    kind = {"plain": StageStack, "overlapping": _Overlapping, "communicating": _Communicating}
+    kind = {
+        "plain": StageStack, "overlapping": _Overlapping, "communicating": _Communicating,
+        "full": _Recomputing, "selective": _Selective,
+    }  # fmt: skip
     comm = P2PCommunicator(None, config=CommConfig(timeout=datetime.timedelta(seconds=60)))
     resolved = resolve_for(comm, "dualpipev", microbatch_counts=[m])
     placement = resolved.placement
@@ -116,6 +143,10 @@ def _step(m: int, mode: str | None, kind_name: str) -> dict[str, Any]:
         (4, 8, "threads", "communicating"),
         (4, 9, "chunk", "overlapping"),
         (4, 8, "sequential", "overlapping"),
+        (2, 4, "chunk", "full"),
+        (2, 4, "threads", "full"),
+        (4, 8, "chunk", "selective"),
+        (4, 8, "threads", "selective"),
     ],
 )
 def test_each_way_of_running_fb_steps_equals_one_process(
@@ -135,7 +166,7 @@ def test_each_way_of_running_fb_steps_equals_one_process(
                 torch.testing.assert_close(bias, want_bias, rtol=1e-5, atol=1e-7)
     made = plan("dualpipev", pp_size=pp, num_microbatches=m, vp_size=2)
     assert made.overlapped is not None
-    through_chunk = kind == "overlapping" and mode != "sequential"
+    through_chunk = kind in ("overlapping", "full", "selective") and mode in (None, "chunk")
     for rank, result in enumerate(results):
         # Every F&B step of the rank went through the chunk's function, or none did.
         expected = len(made.overlapped[rank]) if through_chunk else 0
