@@ -25,9 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from pp_schedules import Choice, Costs, Plan, ResolvedSchedule, schedule_spec
+from pp_schedules import Choice, Costs, ResolvedSchedule, schedule_spec
 from pp_schedules.planning import MemoryModel, Simulation, choose_schedule
-from pp_state import PipelineLayerLayout, Placement
 from pp_train.arguments import PretrainConfig
 from pp_train.layer_split import LayerSplit, rebalanced
 from pp_train.memory_plan import (
@@ -40,7 +39,7 @@ from pp_train.memory_plan import (
     with_memory_model,
 )
 from pp_train.recompute import RecomputeConfig
-from pp_train.world import RunLayout
+from pp_train.world import RunLayout, ScheduledLayers
 
 __all__ = [
     "ChunkMeasure",
@@ -97,7 +96,7 @@ class Measurements:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunPlan:
+class RunPlan(ScheduledLayers):
     """The run, decided once: what every part of `pretrain` after the decision reads."""
 
     world_size: int
@@ -127,16 +126,6 @@ class RunPlan:
     """The ``--pipeline-schedule-file`` the plan came from; None for a named schedule."""
 
     @property
-    def schedule(self) -> str | None:
-        """The schedule's name (``auto``'s pick); None for a plan file."""
-        return self.resolved.name
-
-    @property
-    def plan(self) -> Plan | None:
-        """The plan of ``--pipeline-schedule-file``; None for a named schedule."""
-        return self.resolved.plan
-
-    @property
     def schedule_title(self) -> str:
         """How the log names the schedule: its title, or the plan file and its placement."""
         if self.schedule is not None:
@@ -162,37 +151,9 @@ class RunPlan:
         return f"{head} (ms per chunk: {text}):\n{self.choice.table()}"
 
     @property
-    def placement(self) -> Placement:
-        """Which stage each chunk holds: the resolved schedule's."""
-        return self.resolved.placement
-
-    @property
     def prefetch(self) -> int:
         """How many exchanges early receives are posted."""
         return self.resolved.prefetch
-
-    @property
-    def microbatch_counts(self) -> tuple[int, ...]:
-        """Every number of microbatches a step runs, smallest first."""
-        return self.resolved.microbatch_counts
-
-    @property
-    def virtual_pipeline_model_parallel_size(self) -> int | None:
-        """Model chunks per rank; None without virtual stages (Megatron's convention)."""
-        return self.resolved.vp_size if self.resolved.vp_size > 1 else None
-
-    @property
-    def layer_counts(self) -> tuple[int, ...]:
-        """Transformer layers of each virtual stage, in pipeline order."""
-        return self.layer_split.counts
-
-    @property
-    def layer_layout(self) -> PipelineLayerLayout:
-        """Which transformer layers, and whether the embedding or the loss, each chunk holds."""
-        placement = self.placement
-        return PipelineLayerLayout.from_counts(
-            self.layer_counts, placement.pp_size, placement=placement
-        )
 
     def predicted(self, num_microbatches: int) -> Simulation | None:
         """The simulated step of `num_microbatches` with the byte model; None without one."""

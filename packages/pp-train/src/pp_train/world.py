@@ -32,11 +32,66 @@ from pp_train.num_microbatches_calculator import (
 )
 from pp_train.recompute import RecomputeConfig
 
-__all__ = ["RunLayout", "check_creatable_folder", "check_world", "microbatch_calculator"]
+__all__ = [
+    "RunLayout",
+    "ScheduledLayers",
+    "check_creatable_folder",
+    "check_world",
+    "microbatch_calculator",
+]
+
+
+class ScheduledLayers:
+    """What a run's resolved schedule and split of layers say, for a record holding both.
+
+    A subclass has ``resolved`` (a `ResolvedSchedule`) and ``layer_split`` (a `LayerSplit`):
+    the checked `RunLayout` and the decided `pp_train.run_plan.RunPlan`.
+    """
+
+    resolved: ResolvedSchedule
+    layer_split: LayerSplit
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int | None:
+        """Model chunks per rank; None without virtual stages (Megatron's convention)."""
+        return self.resolved.vp_size if self.resolved.vp_size > 1 else None
+
+    @property
+    def microbatch_counts(self) -> tuple[int, ...]:
+        """Every number of microbatches a step runs, smallest first."""
+        return self.resolved.microbatch_counts
+
+    @property
+    def schedule(self) -> str | None:
+        """The schedule's name (``auto`` resolved); None for a ``--pipeline-schedule-file`` plan."""
+        return self.resolved.name
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of ``--pipeline-schedule-file``, validated; None for a named schedule."""
+        return self.resolved.plan
+
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        """Transformer layers of each virtual stage, in pipeline order."""
+        return self.layer_split.counts
+
+    @property
+    def placement(self) -> Placement:
+        """Which stage each chunk holds: the resolved schedule's."""
+        return self.resolved.placement
+
+    @property
+    def layer_layout(self) -> PipelineLayerLayout:
+        """Which transformer layers, and whether the embedding or the loss, each chunk holds."""
+        placement = self.placement
+        return PipelineLayerLayout.from_counts(
+            self.layer_counts, placement.pp_size, placement=placement
+        )
 
 
 @dataclasses.dataclass(frozen=True)
-class RunLayout:
+class RunLayout(ScheduledLayers):
     """A configuration checked on a world: its sizes, split of layers and resolved schedule.
 
     What the flags name, resolved before any process group starts (``auto`` with default
@@ -60,47 +115,9 @@ class RunLayout:
     """Ranks each layer is split over: world = tensor x pipeline x data parallel."""
 
     @property
-    def virtual_pipeline_model_parallel_size(self) -> int | None:
-        """Model chunks per rank; None without virtual stages (Megatron's convention)."""
-        return self.resolved.vp_size if self.resolved.vp_size > 1 else None
-
-    @property
-    def microbatch_counts(self) -> tuple[int, ...]:
-        """Every number of microbatches a step runs, smallest first."""
-        return self.resolved.microbatch_counts
-
-    @property
-    def schedule(self) -> str | None:
-        """The schedule's name (``auto`` resolved); None for a ``--pipeline-schedule-file`` plan."""
-        return self.resolved.name
-
-    @property
-    def plan(self) -> Plan | None:
-        """The plan of ``--pipeline-schedule-file``, validated; None for a named schedule."""
-        return self.resolved.plan
-
-    @property
     def schedule_choice(self) -> Choice | None:
         """With ``--pipeline-schedule auto``: the choice and its table."""
         return self.resolved.choice
-
-    @property
-    def layer_counts(self) -> tuple[int, ...]:
-        """Transformer layers of each virtual stage, in pipeline order."""
-        return self.layer_split.counts
-
-    @property
-    def placement(self) -> Placement:
-        """Which stage each chunk holds: the resolved schedule's."""
-        return self.resolved.placement
-
-    @property
-    def layer_layout(self) -> PipelineLayerLayout:
-        """Which transformer layers, and whether the embedding or the loss, each chunk holds."""
-        placement = self.placement
-        return PipelineLayerLayout.from_counts(
-            self.layer_counts, placement.pp_size, placement=placement
-        )
 
 
 def check_world(
