@@ -121,13 +121,7 @@ def build_forward_backward_func(
     communicator = _pipeline_communicator(
         state, model, device=device, timers=timers, comm_config=comm_config
     )
-    if resolved is None:
-        resolved = on_demand_for(communicator, vp_size=len(model))
-    elif resolved.vp_size != len(model):
-        raise ValueError(
-            f"the resolved schedule runs {resolved.vp_size} model chunk(s) per rank, but "
-            f"{len(model)} were given; build the model for the resolved schedule"
-        )
+    resolved = _schedule_for(communicator, resolved, chunks=len(model))
     pipelined = state.pipeline_model_parallel_size > 1
     config = ScheduleConfig(
         hidden_size=hidden_size,
@@ -141,6 +135,20 @@ def build_forward_backward_func(
             state.tensor_model_parallel_size, communicator, resolved, config=config
         )
     return get_forward_backward_func(communicator, resolved, config=config)
+
+
+def _schedule_for(
+    communicator: P2PCommunicator | None, resolved: ResolvedSchedule | None, *, chunks: int
+) -> ResolvedSchedule:
+    """`resolved`, checked against the rank's chunk count; Megatron's choice when None."""
+    if resolved is None:
+        return on_demand_for(communicator, vp_size=chunks)
+    if resolved.vp_size != chunks:
+        raise ValueError(
+            f"the resolved schedule runs {resolved.vp_size} model chunk(s) per rank, but "
+            f"{chunks} were given; build the model for the resolved schedule"
+        )
+    return resolved
 
 
 class _SequenceSplitExecutor(PipelineExecutor):
