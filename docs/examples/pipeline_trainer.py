@@ -4,7 +4,7 @@ The model files beside it (hf_llama.py, hf_gpt2.py, sequential.py) say how their
 into stages and runs one microbatch (`build`, `forward_step`, `batches`); this file does the
 rest, in the order that works: process groups -> schedule resolved -> model split for its
 placement, contracts inferred -> chunks wrapped in pp-optim's DDP -> optimizer -> executor.
-Arguments: schedule names (all five by default) and --distributed-optimizer; the pipeline is
+Arguments: schedule names (all six by default) and --distributed-optimizer; the pipeline is
 2 stages, the rest of the world data parallelism. One process group serves every schedule;
 rank 0 prints {schedule: [loss of each step]}.
 """
@@ -20,7 +20,7 @@ from pp_optim import DDPConfig, DistributedDataParallel, OptimizerConfig, get_me
 from pp_schedules import get_forward_backward_func, resolve_schedule
 from pp_state import ParallelConfig, ParallelState
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 STEPS, MICROBATCHES = 5, 4
 # Megatron's adam is AdamW: decoupled weight decay 0.01 (its default, written out here) on
 # matrices only; clip_grad=1.0 by default, inside step()
