@@ -283,9 +283,8 @@ def _v_step(runs: list[tuple[str, str | None]]) -> dict[str, Any]:
 def test_a_weight_tied_across_a_ranks_two_stages_gets_its_whole_gradient_on_the_v() -> None:
     """Rank 0 holds stage 0 (the embedding) and stage 3 (the head) at pp 2 on the V.
 
-    torch's ScheduleZBVZeroBubble gave such a weight a wrong gradient; here both copies are
-    one parameter on rank 0, and the gradient of each step (ZB-V; DualPipeV with its F&B steps
-    in order and in two threads) is one process's.
+    Both copies are one parameter on rank 0, and its gradient after a step (ZB-V; DualPipeV
+    with its F&B steps in order and in two threads) is one process's, as is every other.
     """
     runs = [("zbv", None), ("dualpipev", "sequential"), ("dualpipev", "threads")]
     results = run_distributed(_v_step, 2, runs, timeout=180)
