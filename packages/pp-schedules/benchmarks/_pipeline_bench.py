@@ -77,13 +77,17 @@ def ours(
     vp: int,
     chunks: Sequence[StageChunk],
     data: list[Batch],
+    *,
+    fb_overlap: str | None = None,
 ) -> tuple[Step, PipelineExecutor]:
-    """One training step with this package's executor, and the executor."""
+    """One training step with this package's executor, and the executor.
+
+    `fb_overlap` is how F&B steps run (`ScheduleConfig.fb_overlap`, DualPipeV only).
+    """
     rows, cols, width = data[0]["x"].shape
     resolved = resolve_for(comm, name, vp_size=vp, microbatch_counts=[len(data)])
-    forward_backward = get_forward_backward_func(
-        comm, resolved, config=ScheduleConfig(hidden_size=width)
-    )
+    config = ScheduleConfig(hidden_size=width, fb_overlap=fb_overlap)
+    forward_backward = get_forward_backward_func(comm, resolved, config=config)
 
     def forward_step(it: Iterator[Batch], model: StageChunk) -> tuple[Any, Any]:
         batch = next(it)
