@@ -5,11 +5,11 @@ layers, seq 128, micro-batch 2, 8 microbatches) split at pp 2 into the same chun
 in the same processes, under two schedules:
 
 - ``1f1b``: two stages, one per rank, beside torch's `Schedule1F1B`;
-- ``dualpipev``: four stages on the V placement (rank 0 holds the first and the last: the
-  embedding with layer 0, and layer 3 with the norm and the output layer; rank 1 layers 1
-  and 2), beside torch's `ScheduleDualPipeV`. The chunks communicate nothing of their own,
-  so both run the halves of an F&B step one after the other (ours ``fb_overlap``
-  "sequential", torch's runtime without a custom function).
+- ``zbv`` and ``dualpipev``: four stages on the V placement (rank 0 holds the first and the
+  last: the embedding with layer 0, and layer 3 with the norm and the output layer; rank 1
+  layers 1 and 2), beside torch's `ScheduleZBVZeroBubble` and `ScheduleDualPipeV`. The chunks
+  communicate nothing of their own, so both run the halves of DualPipeV's F&B steps one after
+  the other (ours ``fb_overlap`` "sequential", torch's runtime without a custom function).
 
 Ours is `PipelineModel` (contracts inferred from a sample) run by pp-schedules' executor;
 torch's is a `PipelineStage` per chunk. Each stage computes the rotary cos/sin from the
@@ -33,7 +33,12 @@ from typing import Any
 import _pipeline_bench as bench
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+)
 
 from pp_comm import P2PCommunicator
 from pp_schedules import (
@@ -51,6 +56,7 @@ SIZES = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_
 SEQ, MICRO_BATCH = 128, 2
 TORCH_SCHEDULES: dict[str, bench.TorchSchedule] = {
     "1f1b": Schedule1F1B,
+    "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
 
@@ -133,7 +139,7 @@ def theirs(state: ParallelState, data: list[Any], schedule: str) -> bench.Step:
     """One step of the same chunks under torch.distributed.pipelining's `schedule`."""
     model, rotary = _llama()
     rank = state.pipeline_model_parallel_rank
-    placement = Placement.v_shape(2, 2) if schedule == "dualpipev" else Placement.looped(2)
+    placement = Placement.looped(2) if schedule == "1f1b" else Placement.v_shape(2, 2)
     names = _module_names(placement.num_stages)
     chunks, stages = [], []
     for index in placement.stages[rank]:
@@ -144,10 +150,9 @@ def theirs(state: ParallelState, data: list[Any], schedule: str) -> bench.Step:
         chunks.append(chunk)
         stages.append(PipelineStage(_TorchStage(chunk, rotary), index, placement.num_stages,
                                     torch.device("cpu")))  # fmt: skip
-    if schedule == "dualpipev":
-        run: Any = ScheduleDualPipeV(list(stages), n_microbatches=len(data), loss_fn=_loss)
-    else:
-        run = Schedule1F1B(stages[0], n_microbatches=len(data), loss_fn=_loss)
+    kind: Any = TORCH_SCHEDULES[schedule]
+    given = stages[0] if schedule == "1f1b" else list(stages)
+    run = kind(given, n_microbatches=len(data), loss_fn=_loss)
     inputs = torch.cat([ids for ids, _ in data])
     targets = torch.cat([labels for _, labels in data])
     first, last = placement.holds_first(rank), placement.holds_last(rank)
@@ -167,7 +172,7 @@ def main() -> None:
     """Time both under each schedule, alternating A B B A, and print the table (or JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedules", default="1f1b,dualpipev", help="comma-separated")
+    parser.add_argument("--schedules", default="1f1b,zbv,dualpipev", help="comma-separated")
     args, comm = bench.start(parser)
     state = ParallelState.create(ParallelConfig(pipeline_model_parallel_size=2))
     data = _data(args.microbatches)
