@@ -57,7 +57,6 @@ from pp_schedules import Placement, StageCosts
 from pp_schedules.planning import Action, PlanReport, simulate
 from pp_schedules.runtime import communicating, gather_timeline, measured_costs
 from pp_schedules.runtime._overlap import run_fb_step
-from pp_schedules.runtime._split_backward import backward_input
 
 TORCH_SCHEDULES: dict[str, bench.TorchSchedule] = {
     "1f1b": Schedule1F1B,
@@ -83,50 +82,6 @@ def wait(seconds: float) -> None:
     """Wait on communication: sleep without the device (and, in an F&B step, the lock)."""
     with communicating():
         time.sleep(seconds)
-
-
-class _Compute(torch.autograd.Function):
-    """Forward computes one time, the input's gradient another."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        compute(forward_s)
-        ctx.backward_s = backward_s
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        compute(ctx.backward_s)
-        return grad, None, None
-
-
-class _Communicate(torch.autograd.Function):
-    """Forward waits one time (a dispatch), the input's gradient another (its backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        wait(forward_s)
-        ctx.backward_s = backward_s
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        wait(ctx.backward_s)
-        return grad, None, None
-
-
-class _Weight(torch.autograd.Function):
-    """On the parameter alone: forward is free, the weight's gradient computes."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, weight_s: float) -> torch.Tensor:
-        ctx.weight_s = weight_s
-        return weight * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        compute(ctx.weight_s)
-        return grad, None
 
 
 class Sleeps(NamedTuple):
@@ -157,40 +112,17 @@ class Chunk(bench.StageChunk):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The input's branch (compute, then wait) plus the weight's."""
-        s = self.sleeps
-        hidden = _Compute.apply(x, s.forward, s.input)  # type: ignore[no-untyped-call]
-        hidden = _Communicate.apply(hidden, s.forward_wait, s.input_wait)  # type: ignore[no-untyped-call]
-        return hidden + _Weight.apply(self.weight, s.weight)  # type: ignore[no-any-return, no-untyped-call]
+        s, spend = self.sleeps, bench.Sleep.apply
+        # The input's gradient: its wait (the dispatch's backward), then its compute.
+        hidden = spend(x, s.forward, s.input, compute)  # type: ignore[no-untyped-call]
+        hidden = spend(hidden, s.forward_wait, s.input_wait, wait)  # type: ignore[no-untyped-call]
+        # On the parameter alone: forward is free, the weight's gradient computes.
+        return hidden + spend(self.weight, 0.0, s.weight, compute)  # type: ignore[no-any-return, no-untyped-call]
 
 
 def build(args: argparse.Namespace, vp: int) -> list[Chunk]:
     """This rank's chunks."""
     return [Chunk(Sleeps.of(args, vp)) for _ in range(vp)]
-
-
-def _alone(chunk: Chunk, first: bool) -> tuple[float, float, float, float]:
-    """Seconds of one F, I, W and whole B of `chunk`.
-
-    The first stage's input is data, which needs no gradient: its I is empty and its W is
-    its whole backward.
-    """
-    x = torch.randn(1, 4, 1, requires_grad=not first)
-    start = time.perf_counter()
-    out = chunk(x)
-    forward = time.perf_counter()
-    grad = torch.ones_like(out)
-    if not first:
-        _, weights = backward_input([out], [grad], [x], list(chunk.parameters()))
-        middle = time.perf_counter()
-        weights.run()
-        end = time.perf_counter()
-        out = chunk(x)
-    whole = time.perf_counter()
-    torch.autograd.backward(out, grad)
-    backward = time.perf_counter() - whole
-    if first:
-        return forward - start, 0.0, backward, backward
-    return forward - start, middle - forward, end - middle, backward
 
 
 def _fb_alone(sleeps: Sleeps) -> tuple[float]:
@@ -217,8 +149,8 @@ def _fb_alone(sleeps: Sleeps) -> tuple[float]:
 @functools.cache
 def chunk_costs(sleeps: Sleeps) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Median ms (slowest rank's) of the first and a middle chunk's F, I, W, B, and an F&B."""
-    first = bench.slowest_medians(lambda: _alone(Chunk(sleeps), True))
-    middle = bench.slowest_medians(lambda: _alone(Chunk(sleeps), False))
+    first = bench.slowest_medians(lambda: bench.split_step_times(Chunk(sleeps), first=True))
+    middle = bench.slowest_medians(lambda: bench.split_step_times(Chunk(sleeps)))
     (fb,) = bench.slowest_medians(lambda: _fb_alone(sleeps))
     return first, middle, fb
 
