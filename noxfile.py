@@ -424,6 +424,8 @@ BENCHMARKS = [
     ("pp-schedules", "schedules_vs_torch.py", [], 4),
     ("pp-schedules", "schedules_vs_torch.py", [], 8),
     ("pp-schedules", "zero_bubble_vs_torch.py", [], 4),
+    ("pp-schedules", "dualpipev_vs_torch.py", [], 2),
+    ("pp-schedules", "dualpipev_vs_torch.py", [], 4),
     ("pp-schedules", "any_model_vs_torch.py", [], 2),
     ("pp-schedules", "planning_at_scale.py", [], 1),
     ("pp-optim", "grad_allreduce.py", [], 2),

@@ -5,7 +5,10 @@ the other and overlapped in two threads) in one process group per size, at pp
 2 and at dp 2 x pp 2, 5 steps of pp-optim's AdamW (Megatron's adam, weight decay 0.01) with
 clipping; each step's loss within 1e-6 (relative) of the whole model trained in this process
 with the same optimizer on the same microbatches, through the model's own forward (Hugging
-Face's ``model(input_ids)`` for Llama and GPT-2). The Hugging Face cases need the transformers
+Face's ``model(input_ids)`` for Llama and GPT-2). On the V placement (zbv, dualpipev) rank 0
+holds the first stage and the last: tied Llama's embedding and output layer are one weight of
+two of its chunks. The Llama benchmark against torch.distributed.pipelining gets a quick pass
+here too, where transformers is installed. The Hugging Face cases need the transformers
 library: the ``examples`` nox session installs it (pinned) and sets PP_HF_EXAMPLES=1, which
 turns their skip into a failure.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -127,3 +131,18 @@ def test_hugging_face_gpt2_trains_as_one_process(torchrun: Torchrun, ranks: int)
     module = _example("hf_gpt2")
     results = _run(torchrun, "hf_gpt2", ranks)
     _assert_equal(results, reference_losses(module, module.gpt2(), _hf_logits, ranks // 2))
+
+
+def test_the_llama_benchmark_runs_every_schedule_beside_torchs(torchrun: Torchrun) -> None:
+    """benchmarks/any_model_vs_torch.py, a quick pass (no timing judged)."""
+    _needs_transformers()
+    script = ROOT / "packages" / "pp-schedules" / "benchmarks" / "any_model_vs_torch.py"
+    done = torchrun(script, 2, "--steps", "1", "--microbatches", "4", "--json", timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(r["schedule"], r["torch_schedule"]) for r in records] == [
+        ("1f1b", "Schedule1F1B"),
+        ("zbv", "ScheduleZBVZeroBubble"),
+        ("dualpipev", "ScheduleDualPipeV"),
+    ]
+    assert all(r["ratio"] > 0 for r in records)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "packages" / "pp-schedules" / "benchmarks"
 # The `torchrun` fixture from conftest.py: (script, ranks, *args) -> finished process.
@@ -66,3 +68,32 @@ def test_zero_bubble_against_torch_pipelining(torchrun: Torchrun) -> None:
     ratios += [r["ours_vs_1f1b"] for r in records[1:]]
     assert all(float(x) > 0 for x in ratios), records  # type: ignore[arg-type]
     assert all(isinstance(r["passed"], bool) and r["goal"] for r in records)
+
+
+def test_dualpipev_against_torch_pipelining(
+    torchrun: Torchrun, script_module: Callable[[Path], ModuleType]
+) -> None:
+    script = BENCHMARKS / "dualpipev_vs_torch.py"
+    args = ["--steps", "1", "--microbatches", "4", "--json", "--wait-ms", "0.5"]
+    args += ["--forward-ms", "1", "--input-ms", "1", "--weight-ms", "1"]
+    records = _records(torchrun(script, 2, *args))
+    assert [(r["schedule"], r["fb_overlap"], r["torch_schedule"]) for r in records] == [
+        ("1f1b", None, "Schedule1F1B"),
+        ("zbv", None, "ScheduleZBVZeroBubble"),
+        ("dualpipev", "threads", "ScheduleDualPipeV"),
+        ("dualpipev", "sequential", "ScheduleDualPipeV"),
+    ]
+    ratios = [r[k] for r in records for k in ("ours_vs_torch", "ours_vs_theory")]
+    ratios += [r["ours_vs_zbv"] for r in records[2:]]
+    assert all(float(x) > 0 for x in ratios), records  # type: ignore[arg-type]
+    # The sleeps' own makespan: DualPipeV's overlap hides a quarter of a forward per F&B step.
+    assert [r["nominal_ms"] for r in records] == pytest.approx([14.0, 12.5, 11.75, 12.5])
+    # Only the overlapped row is simulated with an F&B overlap (timed alone: 0 .. 1).
+    assert [r["overlap"] for r in records if r["fb_overlap"] != "threads"] == [0.0] * 3
+    assert 0.0 <= float(records[2]["overlap"]) <= 1.0  # type: ignore[arg-type]
+    assert all(isinstance(r["passed"], bool) and r["goal"] for r in records)
+    table = script_module(script)
+    for record in records:
+        line = table.render(record)
+        assert line.startswith(f"{record['schedule']}")
+        assert line.split()[-1] == ("yes" if record["passed"] else "NO")

@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import PipelineExecutor, Placement, ScheduleConfig, get_forward_backward_func
 from pp_schedules.runtime import resolve_for
+from pp_schedules.runtime._split_backward import backward_input
 
 Step = Callable[[], None]
 # One of torch's schedules: a single stage per rank, or a list of them.
@@ -31,18 +32,30 @@ Batch = dict[str, torch.Tensor]
 
 
 class Sleep(torch.autograd.Function):
-    """Forward sleeps one time, backward another: a stage with fixed costs."""
+    """Forward sleeps one time, backward another: a stage with fixed costs.
+
+    `spend` does the sleeping (`time.sleep` by default; one that holds a lock while it sleeps
+    stands for compute on a device); a time of 0 is not spent at all.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        time.sleep(forward_s)
-        ctx.backward_s = backward_s
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        forward_s: float,
+        backward_s: float,
+        spend: Callable[[float], None] = time.sleep,
+    ) -> torch.Tensor:
+        if forward_s:
+            spend(forward_s)
+        ctx.backward_s, ctx.spend = backward_s, spend
         return x * 1.0
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.backward_s)
-        return grad, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.backward_s:
+            ctx.spend(ctx.backward_s)
+        return grad, None, None, None
 
 
 class StageChunk(torch.nn.Module):
@@ -77,13 +90,17 @@ def ours(
     vp: int,
     chunks: Sequence[StageChunk],
     data: list[Batch],
+    *,
+    fb_overlap: str | None = None,
 ) -> tuple[Step, PipelineExecutor]:
-    """One training step with this package's executor, and the executor."""
+    """One training step with this package's executor, and the executor.
+
+    `fb_overlap` is how F&B steps run (`ScheduleConfig.fb_overlap`, DualPipeV only).
+    """
     rows, cols, width = data[0]["x"].shape
     resolved = resolve_for(comm, name, vp_size=vp, microbatch_counts=[len(data)])
-    forward_backward = get_forward_backward_func(
-        comm, resolved, config=ScheduleConfig(hidden_size=width)
-    )
+    config = ScheduleConfig(hidden_size=width, fb_overlap=fb_overlap)
+    forward_backward = get_forward_backward_func(comm, resolved, config=config)
 
     def forward_step(it: Iterator[Batch], model: StageChunk) -> tuple[Any, Any]:
         batch = next(it)
@@ -161,6 +178,31 @@ def alternate(steps: Sequence[Step], rounds: int, warm_up: int = 0) -> list[floa
             if index >= warm_up:
                 times[which].append(elapsed)
     return [statistics.median(t) for t in times]
+
+
+def split_step_times(chunk: torch.nn.Module, *, first: bool = False) -> tuple[float, ...]:
+    """Seconds of one F, I, W and whole B of `chunk` run alone (no pipeline, no communication).
+
+    A middle stage's input needs a gradient; the first stage's is data, which needs none:
+    its I is empty and its W is its whole backward, as the executors run it.
+    """
+    x = torch.randn(1, 4, 1, requires_grad=not first)
+    start = time.perf_counter()
+    out = chunk(x)
+    forward = time.perf_counter()
+    grad = torch.ones_like(out)
+    if not first:
+        _, weights = backward_input([out], [grad], [x], list(chunk.parameters()))
+        middle = time.perf_counter()
+        weights.run()
+        end = time.perf_counter()
+        out = chunk(x)
+    whole = time.perf_counter()
+    torch.autograd.backward(out, grad)
+    backward = time.perf_counter() - whole
+    if first:
+        return forward - start, 0.0, backward, backward
+    return forward - start, middle - forward, end - middle, backward
 
 
 def slowest_medians(once: Callable[[], Sequence[float]], rounds: int = 20) -> tuple[float, ...]:

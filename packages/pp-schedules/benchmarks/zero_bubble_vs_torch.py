@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +54,6 @@ from torch.distributed.pipelining import (
 from pp_comm import P2PCommunicator
 from pp_schedules import Costs, Placement
 from pp_schedules.planning import PlanReport, simulate
-from pp_schedules.runtime._split_backward import backward_input
 
 TORCH_SCHEDULES: dict[str, bench.TorchSchedule] = {
     "1f1b": Schedule1F1B,
@@ -66,20 +64,6 @@ SCHEDULES = (("1f1b", 1), ("zb_h1", 1), ("zbv", 2))
 # ZB-H1's time over our 1F1B's, by (pp, microbatches): the spec's goals.
 ZB_H1_GOALS = {(4, 8): 0.86, (4, 16): 0.92}
 THEORY_LIMIT = 1.05
-
-
-class _SleepWeight(torch.autograd.Function):
-    """On the parameter alone: forward is free, backward (the weight gradient) sleeps W."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, weight_s: float) -> torch.Tensor:
-        ctx.weight_s = weight_s
-        return weight * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.weight_s)
-        return grad, None
 
 
 class Chunk(bench.StageChunk):
@@ -95,7 +79,8 @@ class Chunk(bench.StageChunk):
         forward_s, input_s, weight_s = self.sleep
         # On the activation: forward sleeps F, backward (the input gradient) sleeps I.
         activation = bench.Sleep.apply(x, forward_s, input_s)  # type: ignore[no-untyped-call]
-        weight = _SleepWeight.apply(self.weight, weight_s)  # type: ignore[no-untyped-call]
+        # On the parameter alone: forward is free, backward (the weight gradient) sleeps W.
+        weight = bench.Sleep.apply(self.weight, 0.0, weight_s)  # type: ignore[no-untyped-call]
         return activation + weight  # type: ignore[no-any-return]
 
 
@@ -133,24 +118,7 @@ def attempt(action: Callable[[], Any]) -> tuple[Any, str | None]:
 def _stage_costs(sleep_ms: tuple[float, float, float], vp: int) -> tuple[float, ...]:
     forward_ms, input_ms, weight_ms = sleep_ms
     chunk = Chunk((forward_ms / 1e3 / vp, input_ms / 1e3 / vp, weight_ms / 1e3 / vp))
-    params = list(chunk.parameters())
-
-    def once() -> tuple[float, float, float, float]:  # F, I, W, B
-        x = torch.randn(1, 4, 1, requires_grad=True)  # a middle stage's input
-        start = time.perf_counter()
-        out = chunk(x)
-        forward = time.perf_counter()
-        grad = torch.ones_like(out)
-        _, weight_gradients = backward_input([out], [grad], [x], params)
-        middle = time.perf_counter()
-        weight_gradients.run()
-        end = time.perf_counter()
-        out = chunk(x)
-        whole = time.perf_counter()
-        torch.autograd.backward(out, grad)
-        return forward - start, middle - forward, end - middle, time.perf_counter() - whole
-
-    return bench.slowest_medians(once)
+    return bench.slowest_medians(lambda: bench.split_step_times(chunk))
 
 
 def stage_costs(args: argparse.Namespace, vp: int) -> tuple[float, ...]:

@@ -8,10 +8,15 @@ from pp_schedules import parse_schedule, resolve_schedule, schedule_spec
 from pp_schedules.planning import (
     Action,
     Costs,
+    MemoryModel,
     PairedActions,
+    PlanOption,
     StageCosts,
+    StageMemory,
+    choose_fitting,
     dualpipev,
     fb_time,
+    format_bytes,
     format_schedule,
     lower,
     plan,
@@ -191,6 +196,25 @@ def test_it_is_a_named_schedule_auto_weighs() -> None:
     picked = resolve_schedule("dualpipev", pp_size=2, microbatch_counts=[4, 8])
     assert picked.vp_size == 2
     assert picked.report(8).peak_in_flight == [5, 5]
+
+
+def test_the_planners_table_weighs_it_in_bytes_beside_zbv() -> None:
+    """A V option: both schedules on the V are simulated, each rank's peak bytes shown."""
+    model = MemoryModel.from_layers([1] * 4, layer=StageMemory(parameters=1_000,
+                                                               activation_bytes=10_000))  # fmt: skip
+    costs = Costs(forward=1, backward=2, overlap=1.0)
+    option = PlanOption("vp 2, V", 2, costs, model, placement="v")
+    choice = choose_fitting([option], pp_size=2, num_microbatches=8, memory_limit_bytes=None)
+    rows = {c.name: c for c in choice.candidates}
+    assert sorted(rows) == ["dualpipev", "zbv"]
+    report = validate(plan("dualpipev", pp_size=2, num_microbatches=8, vp_size=2))
+    peaks = simulate(report, costs, memory=model).peak_memory
+    assert rows["dualpipev"].peak_bytes == tuple(peaks)
+    # DualPipeV holds 2D + 1 = 5 chunks' activations at most, ZB-V here 4.
+    assert rows["dualpipev"].peak_memory == 2.5
+    line = next(row for row in choice.table().splitlines() if "dualpipev" in row)
+    assert "v " in line
+    assert all(format_bytes(peak) in line for peak in peaks)
 
 
 def test_the_flight_recorder_and_the_stop_report_name_fb_steps() -> None:

@@ -169,10 +169,11 @@ def _run(schedule: str, vp: int, placement_name: str, variant: str = "") -> dict
 @pytest.mark.parametrize(
     ("schedule", "vp", "placement", "variant"),
     [("1f1b", 1, "looped", ""), ("interleaved_1f1b", 2, "looped", ""),
-     ("zb_h1", 1, "looped", ""), ("zbv", 2, "v", ""), ("interleaved_1f1b", 2, "looped", "batched"),
+     ("zb_h1", 1, "looped", ""), ("zbv", 2, "v", ""), ("dualpipev", 2, "v", ""),
+     ("interleaved_1f1b", 2, "looped", "batched"),
      ("1f1b", 1, "looped", "late")],
-    ids=["1f1b", "interleaved", "zb_h1", "zbv", "interleaved-sends-complete-with-receives",
-         "1f1b-probe-attached-late"],
+    ids=["1f1b", "interleaved", "zb_h1", "zbv", "dualpipev",
+         "interleaved-sends-complete-with-receives", "1f1b-probe-attached-late"],
 )  # fmt: skip
 def test_the_predicted_bytes_are_what_the_step_allocates(
     schedule: str, vp: int, placement: str, variant: str
@@ -183,6 +184,9 @@ def test_the_predicted_bytes_are_what_the_step_allocates(
     delivered sends of a batch whose receive is not used yet complete when it is used, and
     the model holds them until then). "late" attaches the probe at the third step only: the
     frames pp-comm keeps for reuse were made before it counts, and are held all the same.
+    "dualpipev" runs its F&B steps one half after the other (``fb_overlap="sequential"``, the
+    default for chunks without an overlap function); the probe samples both halves once the
+    step is done, and the byte model says what it sees there.
     """
     results = run_distributed(_run, 2, schedule, vp, placement, variant, timeout=240)
     for rank, result in enumerate(results):

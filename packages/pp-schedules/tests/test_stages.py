@@ -3,7 +3,9 @@
 The model is batch-first and hands the next stage a dict of three tensors (hidden states, a
 skip connection and integer token ids), takes a per-microbatch input from the data iterator
 on every stage, and ties its output layer to its embedding. Every schedule trains it at
-pp 2 (and dp 2 x pp 2) with the same losses and weights as one process.
+pp 2 (and dp 2 x pp 2) with the same losses and weights as one process. On the V placement
+(zbv, dualpipev) rank 0 holds the first stage and the last, so the tie joins two of its own
+chunks: one parameter, whose gradient both chunks' backwards add to.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pp_comm import CommConfig, P2PCommunicator
 from pp_schedules import (
     PipelineChunk,
     PipelineModel,
+    ScheduleConfig,
     get_forward_backward_func,
     resolve_schedule,
     split_module_names,
@@ -30,7 +33,7 @@ from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 
 VOCAB, HIDDEN, SEQ, BATCH, BLOCKS, MICROBATCHES, STEPS = 11, 8, 5, 2, 4, 4, 3
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 TOLERANCE = 1e-6
 Microbatch = dict[str, torch.Tensor]
 
@@ -221,6 +224,83 @@ def test_every_schedule_trains_as_one_process_at_dp2_pp2() -> None:
     """Four ranks, five schedules in one process group."""
     results = run_distributed(_every_schedule, 4, 2, timeout=240)
     _check(results, dp=2)
+
+
+# ---------------------------------------------------------------- a tie within a rank
+def _named_grads(parts: Iterator[tuple[str, torch.nn.Module]]) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient under the whole model's names (a tie under each name)."""
+    return {
+        f"{name}.{key}": param.grad.clone()
+        for name, part in parts
+        for key, param in part.named_parameters(remove_duplicate=False)
+        if param.grad is not None
+    }
+
+
+def _one_process_grads() -> dict[str, torch.Tensor]:
+    """One step's gradients of the whole model in one process (mean loss over microbatches)."""
+    model = Model()
+    names = module_names(2)[0] + module_names(2)[1]
+    whole = PipelineChunk([(n, model.get_submodule(n)) for n in names], stage=0,
+                          placement=Placement.looped(1))  # fmt: skip
+    for batch in microbatches(0, MICROBATCHES):
+        loss, _ = _loss(batch["labels"], whole(batch["ids"], shift=batch["shift"]))
+        (loss / MICROBATCHES).backward()
+    return _named_grads((n, model.get_submodule(n)) for n in names)
+
+
+def _v_step(runs: list[tuple[str, str | None]]) -> dict[str, Any]:
+    """One step of each (schedule, fb_overlap) on the V at pp 2: this rank's gradients."""
+    timeout = datetime.timedelta(seconds=60)
+    state = ParallelState.create(ParallelConfig(pipeline_model_parallel_size=2, timeout=timeout))
+    comm = P2PCommunicator.from_parallel_state(state, config=CommConfig(timeout=timeout))
+    found: dict[str, Any] = {}
+    for schedule, fb_overlap in runs:
+        resolved = resolve_schedule(schedule, pp_size=2, microbatch_counts=[MICROBATCHES])
+        pipe = PipelineModel.from_model(Model(), module_names(4), placement=resolved, state=state)
+        sample = microbatches(0, 1)[0]
+        pipe.infer_contracts(sample["ids"], shift=sample["shift"])
+        config = ScheduleConfig(fb_overlap=fb_overlap)
+        forward_backward = get_forward_backward_func(comm, resolved, config=config)
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=[iter(microbatches(0, MICROBATCHES)) for _ in pipe.chunks],
+            model=pipe.chunks, num_microbatches=MICROBATCHES,
+        )  # fmt: skip
+        pipe.reduce_tied_grads()
+        found[f"{schedule} {fb_overlap}"] = {
+            "grads": _named_grads(
+                (name, part) for c in pipe.chunks
+                for name, part in zip(c.part_names, c.parts, strict=True)
+            ),
+            "ties": [(t.names, t.holders, t.group is None, len(t.params)) for t in pipe.ties],
+        }  # fmt: skip
+    comm.destroy()
+    state.destroy()
+    return found
+
+
+def test_a_weight_tied_across_a_ranks_two_stages_gets_its_whole_gradient_on_the_v() -> None:
+    """Rank 0 holds stage 0 (the embedding) and stage 3 (the head) at pp 2 on the V.
+
+    Both copies are one parameter on rank 0, and its gradient after a step (ZB-V; DualPipeV
+    with its F&B steps in order and in two threads) is one process's, as is every other.
+    """
+    runs = [("zbv", None), ("dualpipev", "sequential"), ("dualpipev", "threads")]
+    results = run_distributed(_v_step, 2, runs, timeout=180)
+    expected = _one_process_grads()
+    tied = ("embed.emb.weight", "head.weight")
+    for run in (f"{schedule} {overlap}" for schedule, overlap in runs):
+        zero = results[0][run]
+        assert zero["ties"] == [(tied, (0,), True, 1)], run  # both copies on rank 0, joined
+        for name in tied:
+            torch.testing.assert_close(zero["grads"][name], expected[name], rtol=1e-5,
+                                       atol=1e-7, msg=f"{run}: {name}")  # fmt: skip
+        grads = {**results[1][run]["grads"], **zero["grads"]}
+        assert set(grads) == set(expected), run
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7,
+                                       msg=f"{run}: {name}")  # fmt: skip
 
 
 # ---------------------------------------------------------------- parts, meta, shapes

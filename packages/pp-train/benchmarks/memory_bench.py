@@ -8,8 +8,9 @@ frees) on top of the static storages (parameters, gradient buffers, optimizer st
 a breakdown: tensors autograd saved for backward.
 
 1. **Predicted against measured** (goal: predicted / measured in 0.95 .. 1.05 on every row).
-   pp 2 and pp 4, schedules 1f1b, interleaved_1f1b (vp 2), zb_h1 and zbv (vp 2), each with no
-   recomputation, selective, and full uniform 1; 8 microbatches of 2 sequences. Predicted:
+   pp 2 and pp 4, schedules 1f1b, interleaved_1f1b (vp 2), zb_h1, zbv (vp 2) and dualpipev
+   (vp 2, its F&B steps one half after the other), each with no recomputation, selective, and
+   full uniform 1; 8 microbatches of 2 sequences. Predicted:
    `pp_train.app.auto_schedule.model_figures` measures each part of the GPT alone on one
    microbatch (a layer with each recomputation, the embedding, the loss; every storage each
    step of it holds), `memory_plan`'s `memory_model` turns them into the run's byte model
@@ -86,7 +87,7 @@ GPT = GPTConfig(
     num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=64,
     hidden_dropout=0.1, attention_dropout=0.1,
 )  # fmt: skip
-"""Tables 1 and 3: small enough that 24 configurations train in about a minute."""
+"""Tables 1 and 3: small enough that 30 configurations train in about a minute."""
 BIG_GPT = dataclasses.replace(GPT, hidden_size=128, num_attention_heads=8, seq_length=128)
 """Table 2: compute dominates the step."""
 RECOMPUTE: dict[str, RecomputeConfig | None] = {
@@ -105,6 +106,7 @@ def schedules(pp: int) -> list[runs.Setup]:
         runs.Setup(pp, "interleaved_1f1b", vp=2),
         runs.Setup(pp, "zb_h1"),
         runs.Setup(pp, "zbv", vp=2, placement="v"),
+        runs.Setup(pp, "dualpipev", vp=2, placement="v"),
     ]
 
 

@@ -24,7 +24,9 @@ steps of a validated plan, exchanges included, and keeps what the executor keeps
 
 Each compute step's ``during`` is the most held from the previous compute step's end (the
 point where the executor takes its previous sample) to this one's end, its own transient
-included; ``after`` is what is held right after it. Pure Python (no torch).
+included; ``after`` is what is held right after it. The two halves of an F&B step (DualPipeV)
+are walked forward first, then backward, and noted as the executor samples them: both once
+the step is done, the first with the step's peak. Pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ class RankBytes:
     """One rank's bytes above its static bytes over one step (the second of two).
 
     Attributes:
-        after: Held right after each compute step, in plan order.
+        after: Held right after each compute step, in plan order (after both halves of an
+            F&B step, for each of them).
         during: The most held from the end of the compute step before (or the start) to the
-            end of each compute step.
+            end of each compute step (for an F&B step: its first half's covers the step,
+            its second half's is what the first's `after` holds).
         closing: The most held after the last compute step (its trailing exchanges).
         start: Held when the step starts: transfer frames kept from the step before.
     """
@@ -326,16 +330,40 @@ def walk_rank(
         during: list[int] = []
         high = walk.level
         for index, step in enumerate(steps):
-            if step.compute is not None:
-                during.append(max(high, walk.compute(step.compute)))
-                after.append(walk.level)
-                high = walk.level
-            else:
+            if step.overlap:
+                continue  # walked with the forward before it, as one F&B step
+            if step.compute is None:
                 assert step.exchange is not None
                 walk.exchange(index, step.exchange)
                 high = max(high, walk.level)
-            for done in delivered.get(index, ()):
-                walk.complete(done)
+                for done in delivered.get(index, ()):
+                    walk.complete(done)
+                continue
+            halves = 2 if index + 1 < len(steps) and steps[index + 1].overlap else 1
+            high = _sampled(walk, steps[index : index + halves], index, high, (after, during))
         closing = high
         walk.finish()
     return RankBytes(tuple(after), tuple(during), closing, start)
+
+
+def _sampled(
+    walk: _Walk, steps: Sequence[Step], index: int, high: int, samples: tuple[list[int], list[int]]
+) -> int:
+    """Walk one compute step, or the two of an F&B step, and note them as the probe samples.
+
+    The executor samples an F&B step once both halves are done, once per half: the first
+    sample's peak covers both halves, the second's is the bytes held at the first (between
+    them only the forward's sends complete, which frees). Returns the level at the last sample.
+    """
+    after, during = samples
+    peak = high
+    for step in steps:
+        assert step.compute is not None
+        peak = max(peak, walk.compute(step.compute))
+    for offset in range(len(steps)):
+        during.append(peak)
+        after.append(walk.level)
+        peak = high = walk.level
+        for done in walk.delivered.get(index + offset, ()):
+            walk.complete(done)
+    return high

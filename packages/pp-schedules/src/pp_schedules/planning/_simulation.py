@@ -269,9 +269,12 @@ class MemoryTrack:
         static: Parameters, gradients and optimizer state.
         after: Live bytes right after each compute step, in the order of the rank's spans:
             what `MemoryProbe` samples after the same steps (``MemorySample.live_bytes``).
+            The probe samples both halves of an F&B step once the step is done, and so do
+            these figures.
         during: The most live bytes from the end of the compute step before (or the start)
             to the end of each step, its transient and the exchanges before it included:
-            what the probe's ``peak_live_bytes`` measures over the same interval.
+            what the probe's ``peak_live_bytes`` measures over the same interval (an F&B
+            step's peak on its forward's entry).
         peak: The most bytes the rank holds at any time.
         peak_step: The index (into the rank's spans) of the step where the peak occurs; None
             when the rank runs no step.
