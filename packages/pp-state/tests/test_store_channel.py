@@ -5,12 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from pp_state import StoreChannel, StoreTimeoutError
+from pp_state import StoreChannel, StoreGoneError, StoreTimeoutError
 
 pytestmark = pytest.mark.reliability
 
@@ -128,3 +129,58 @@ def test_a_hosting_rank_whose_readers_never_come_times_out_naming_them(tmp_path:
     host = StoreChannel(store, rank=0, world_size=2, timeout=0.3, hosts_store=True)
     with pytest.raises(StoreTimeoutError, match="printed/seen/1"):
         host.publish("printed", "--lr inf")
+
+
+_HOST = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+print(store.port, flush=True)
+sys.stdin.readline()  # until told to leave
+"""
+
+
+def test_a_store_whose_host_exited_is_gone_and_torch_is_not_called(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    host = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_HOST)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        channel = StoreChannel.connect("127.0.0.1", port, rank=1, world_size=2, timeout=10)
+        assert channel.address == f"127.0.0.1:{port}"
+        channel.set("k", "v")
+        assert (channel.read("k"), channel.read("missing")) == (b"v", None)
+        assert (channel.add("n", 2), channel.add("n", 3)) == (2, 5)
+        assert not channel.gone()
+        assert host.stdin is not None
+        host.stdin.write("\n")
+        host.stdin.flush()
+        host.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not channel.gone() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert channel.gone()
+        for call in (lambda: channel.set("k", "w"), lambda: channel.read("k"),
+                     lambda: channel.wait(["k"]), lambda: channel.add("n", 1)):  # fmt: skip
+            with pytest.raises(StoreGoneError, match=rf"store at 127.0.0.1:{port} is gone"):
+                call()
+        # torch's client prints a C++ stack trace for each call to a gone store; none came.
+        assert "Exception raised from" not in capfd.readouterr().err
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_a_file_store_is_never_gone(tmp_path: Path) -> None:
+    channel = StoreChannel.from_file(str(tmp_path / "store"), rank=0, world_size=1, timeout=5)
+    assert channel.address is None
+    assert not channel.gone()
+    channel.delete("never-set")  # nothing to delete: no error
+    channel.set("k", "v")
+    channel.delete("k")
+    assert channel.read("k") is None

@@ -16,22 +16,32 @@ Keys live under a prefix holding torchrun's run id and restart count, so a resta
 another job on the same store) never sees a stale key. After the default process group
 exists, `from_default_group` uses its store instead; tests use `from_file` (a FileStore).
 
+A TCPStore lives in one process (torchrun's agent, or rank 0 under other launchers). When that
+process has exited, each call of torch's client prints a C++ stack trace before it raises. A
+channel over a TCPStore therefore keeps one idle connection of its own to the store's server
+(one per process and address): once the server has closed it, `gone` says so, and every call
+of the channel raises `StoreGoneError` at once, without calling torch.
+
 pp-state reads no environment variable: the entry point hands `from_torchrun_environment`
 its ``os.environ``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+import socket
+import threading
 from collections.abc import Iterable, Mapping
+from typing import ClassVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from pp_state.numbers import is_real
 
-__all__ = ["StoreChannel", "StoreTimeoutError"]
+__all__ = ["StoreChannel", "StoreGoneError", "StoreTimeoutError"]
 
 _DEFAULT_NAMESPACE = "pp"
 
@@ -55,6 +65,68 @@ class StoreTimeoutError(TimeoutError):
             f"rank {rank} waited {seconds:g} s for store key(s) {', '.join(keys)}; no rank "
             f"set it in that time{detail}"
         )
+
+
+class StoreGoneError(RuntimeError):
+    """The store's server has closed its connections: the process that hosted it has exited.
+
+    Attributes:
+        address: The store's ``host:port``.
+    """
+
+    def __init__(self, address: str) -> None:
+        """Names the store's address."""
+        self.address = address
+        super().__init__(
+            f"the job's store at {address} is gone: the process that hosted it has exited "
+            "(rank 0, or torchrun's agent)"
+        )
+
+
+class _Sentinels:
+    """One idle connection per TCPStore address, opened on first use (see the module)."""
+
+    lock = threading.Lock()
+    sockets: ClassVar[dict[tuple[str, int], socket.socket | None]] = {}
+
+
+def _tcp_address(store: dist.Store) -> tuple[str, int] | None:
+    """The ``(host, port)`` of the TCPStore under `store` (prefixes removed), or None."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 16:
+        store, seen = store.underlying_store, seen + 1
+    if isinstance(store, dist.TCPStore):
+        return str(store.host), int(store.port)
+    return None
+
+
+def _sentinel(address: tuple[str, int]) -> socket.socket | None:
+    """The idle connection to the store at `address`; None when none could be opened."""
+    with _Sentinels.lock:
+        if address not in _Sentinels.sockets:
+            try:
+                link: socket.socket | None = socket.create_connection(address, timeout=5.0)
+            except ConnectionRefusedError:  # nothing listens: told by `_closed` below
+                link = socket.socket()
+                link.close()
+            except OSError:  # unreachable for now: no sentinel, the store is used as it is
+                link = None
+            if link is not None and link.fileno() >= 0:
+                link.setblocking(False)
+            _Sentinels.sockets[address] = link
+        return _Sentinels.sockets[address]
+
+
+def _closed(link: socket.socket) -> bool:
+    """Whether the server closed `link` (or it could never be opened)."""
+    if link.fileno() < 0:
+        return True
+    try:
+        return link.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):  # open, nothing to read: the server is there
+        return False
+    except OSError:  # reset by the server's exit
+        return True
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -96,6 +168,7 @@ class StoreChannel:
         self.prefix = prefix.rstrip("/") + "/"
         self.timeout = float(timeout)
         self.hosts_store = hosts_store
+        self._address = _tcp_address(store)
 
     @classmethod
     def connect(
@@ -214,9 +287,66 @@ class StoreChannel:
             world_size=world_size, prefix=prefix, timeout=timeout, agent_store=agent,
         )  # fmt: skip
 
+    @property
+    def address(self) -> str | None:
+        """The store's ``host:port`` when it is a TCPStore, else None."""
+        return None if self._address is None else f"{self._address[0]}:{self._address[1]}"
+
+    def gone(self) -> bool:
+        """Whether the store's server has closed its connections (its process exited).
+
+        Always False for a store that is not a TCPStore (a FileStore, a HashStore).
+        """
+        if self._address is None:
+            return False
+        link = _sentinel(self._address)
+        return link is not None and _closed(link)
+
+    def _reachable(self) -> None:
+        """Raises `StoreGoneError` when the store is gone (see `gone`)."""
+        if self.gone():
+            raise StoreGoneError(str(self.address))
+
     def set(self, key: str, value: str) -> None:
-        """Sets `key` (under the prefix) to `value`; every waiter on it wakes."""
+        """Sets `key` (under the prefix) to `value`; every waiter on it wakes.
+
+        Raises:
+            StoreGoneError: The store is gone; torch was not called.
+        """
+        self._reachable()
         self.store.set(self.prefix + key, value)
+
+    def read(self, key: str) -> bytes | None:
+        """The value of `key` if it is set, else None, without waiting.
+
+        Raises:
+            StoreGoneError: The store is gone; torch was not called.
+        """
+        self._reachable()
+        full = self.prefix + key
+        if not self.store.check([full]):
+            return None
+        value: bytes = self.store.get(full)
+        return value
+
+    def delete(self, key: str) -> None:
+        """Removes `key` if it is set (a store without deletes keeps it).
+
+        Raises:
+            StoreGoneError: The store is gone; torch was not called.
+        """
+        self._reachable()
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without deletes
+            self.store.delete_key(self.prefix + key)
+
+    def add(self, key: str, amount: int) -> int:
+        """Adds `amount` to the counter `key` (0 when unset); returns the new value.
+
+        Raises:
+            StoreGoneError: The store is gone; torch was not called.
+        """
+        self._reachable()
+        return int(self.store.add(self.prefix + key, amount))
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Returns once every key in `keys` is set.
@@ -228,9 +358,11 @@ class StoreChannel:
         Raises:
             StoreTimeoutError: A key was not set in time; it names the keys, the rank and the
                 seconds.
+            StoreGoneError: The store is gone; torch was not called.
         """
         names = list(keys)
         seconds = self.timeout if timeout is None else float(timeout)
+        self._reachable()
         try:
             self.store.wait([self.prefix + key for key in names], _timedelta(seconds))
         except RuntimeError as error:  # torch's DistStoreError, or a FileStore's timeout
