@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from pp_state import StoreChannel, StoreGoneError, StoreTimeoutError
+from pp_state import StoreChannel, StoreGoneError, StoreTimeoutError, store_channel
+from pp_state.store_channel import store_traces
 
 pytestmark = pytest.mark.reliability
 
@@ -142,7 +143,7 @@ sys.stdin.readline()  # until told to leave
 
 
 def test_a_store_whose_host_exited_is_gone_and_torch_is_not_called(
-    capfd: pytest.CaptureFixture[str],
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     host = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(_HOST)], stdin=subprocess.PIPE,
@@ -171,6 +172,19 @@ def test_a_store_whose_host_exited_is_gone_and_torch_is_not_called(
                 call()
         # torch's client prints a C++ stack trace for each call to a gone store; none came.
         assert "Exception raised from" not in capfd.readouterr().err
+        # The gone store met before its closed connection is seen (the host exited a moment
+        # before): torch's trace is caught and kept, the console gets nothing.
+        store_traces()
+        monkeypatch.setattr(store_channel, "_closed", lambda link: False)
+        with pytest.raises(RuntimeError) as caught:
+            channel.read("k")  # a set may still go out; a read needs the server's answer
+        assert not isinstance(caught.value, StoreGoneError)
+        print("a line of its own", file=sys.stderr, flush=True)
+        assert capfd.readouterr().err == "a line of its own\n"
+        (trace,) = store_traces()
+        assert "TCPStore" in trace.splitlines()[0]
+        assert trace.splitlines()[1].startswith("Exception raised from ")
+        assert store_traces() == []
     finally:
         host.kill()
         host.wait()
@@ -184,3 +198,20 @@ def test_a_file_store_is_never_gone(tmp_path: Path) -> None:
     channel.set("k", "v")
     channel.delete("k")
     assert channel.read("k") is None
+
+
+def test_only_a_store_s_stack_trace_is_taken_out_of_what_c_plus_plus_wrote() -> None:
+    written = (
+        b"[W1206 02:52:11.933 ProcessGroupGloo.cpp:9] a warning of one line\n"
+        b"[W1206 02:52:11.934 TCPStore.cpp:106] [c10d] sendBytes failed: Broken pipe\n"
+        b"Exception raised from sendBytes at Utils.hpp:758 (most recent call first):\n"
+        b"frame #0: c10::Error::Error(...)\n<omitting python frames>\nframe #18: _start\n\n"
+        b"and a line after it\n"
+    )
+    rest, traces = store_channel._split_traces(written)
+    assert rest == (
+        b"[W1206 02:52:11.933 ProcessGroupGloo.cpp:9] a warning of one line\nand a line after it\n"
+    )
+    assert len(traces) == 1
+    assert traces[0].startswith(b"[W1206 02:52:11.934 TCPStore.cpp:106]")
+    assert traces[0].endswith(b"frame #18: _start\n\n")

@@ -20,7 +20,11 @@ A TCPStore lives in one process (torchrun's agent, or rank 0 under other launche
 process has exited, each call of torch's client prints a C++ stack trace before it raises. A
 channel over a TCPStore therefore keeps one idle connection of its own to the store's server
 (one per process and address): once the server has closed it, `gone` says so, and every call
-of the channel raises `StoreGoneError` at once, without calling torch.
+of the channel raises `StoreGoneError` at once, without calling torch. A call that still
+meets the gone store (its host exited a moment before) prints nothing either: while the
+channel's quick calls (`set`, `read`, `delete`, `add`) run, what torch's C++ side writes to
+stderr is caught, a store's stack trace kept aside (`store_traces` hands the kept ones to a
+report's files) and everything else written back.
 
 pp-state reads no environment variable: the entry point hands `from_torchrun_environment`
 its ``os.environ``.
@@ -31,17 +35,20 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
+import re
 import socket
+import tempfile
 import threading
-from collections.abc import Iterable, Mapping
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import ClassVar, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from pp_state.numbers import is_real
 
-__all__ = ["StoreChannel", "StoreGoneError", "StoreTimeoutError"]
+__all__ = ["StoreChannel", "StoreGoneError", "StoreTimeoutError", "store_traces"]
 
 _DEFAULT_NAMESPACE = "pp"
 
@@ -127,6 +134,93 @@ def _closed(link: socket.socket) -> bool:
         return False
     except OSError:  # reset by the server's exit
         return True
+
+
+_T = TypeVar("_T")
+_TRACE_HEAD = re.compile(rb"^\[[EWI]\d{4} [^\]]*\] ")
+_TRACE_LINES = (b"Exception raised from ", b"frame #", b"<omitting python frames>")
+_TRACES_KEPT = 32
+
+
+class _Catcher:
+    """The process's catch of what C++ writes to stderr during a store call (see the module)."""
+
+    lock = threading.Lock()
+    file: ClassVar[list[int]] = []  # the catch file's descriptor, made on first use
+    traces: ClassVar[list[str]] = []
+
+
+def _split_traces(text: bytes) -> tuple[bytes, list[bytes]]:
+    """`text` without the C++ stack traces in it, and those traces.
+
+    A trace is a log line (``[W1206 02:52:11.93 TCPStore.cpp:106] ...``) followed by
+    ``Exception raised from ...``, its frames and the blank line that ends them.
+    """
+    lines = text.splitlines(keepends=True)
+    kept, traces, index = [], [], 0
+    while index < len(lines):
+        following = lines[index + 1] if index + 1 < len(lines) else b""
+        if _TRACE_HEAD.match(lines[index]) and following.startswith(_TRACE_LINES[0]):
+            end = index + 2
+            while end < len(lines) and lines[end].startswith(_TRACE_LINES):
+                end += 1
+            if end < len(lines) and not lines[end].strip():
+                end += 1
+            traces.append(b"".join(lines[index:end]))
+            index = end
+        else:
+            kept.append(lines[index])
+            index += 1
+    return b"".join(kept), traces
+
+
+def _caught(call: Callable[[], _T]) -> _T:
+    """`call()` with stderr's C++ output caught: traces kept, the rest written back."""
+    with _Catcher.lock:
+        if not _Catcher.file:
+            with tempfile.TemporaryFile() as made:  # unlinked: the descriptor keeps it
+                _Catcher.file.append(os.dup(made.fileno()))
+        catch = _Catcher.file[0]
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr at all: nothing to catch
+            return call()
+        try:
+            os.dup2(catch, 2)
+            return call()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            _release(catch)
+
+
+def _release(catch: int) -> None:
+    """Write back what was caught, less the traces (the last few dozen kept)."""
+    size = os.lseek(catch, 0, os.SEEK_END)
+    if not size:
+        return
+    os.lseek(catch, 0, os.SEEK_SET)
+    text = os.read(catch, size)
+    os.ftruncate(catch, 0)
+    os.lseek(catch, 0, os.SEEK_SET)
+    rest, traces = _split_traces(text)
+    _Catcher.traces.extend(t.decode(errors="replace") for t in traces)
+    del _Catcher.traces[:-_TRACES_KEPT]
+    with contextlib.suppress(OSError):
+        while rest:
+            rest = rest[os.write(2, rest) :]
+
+
+def store_traces() -> list[str]:
+    """The stack traces torch printed in this process's channel calls since the last ask.
+
+    Each is one trace's text (its log line, ``Exception raised from ...``, its frames);
+    taking them empties the list. A stop report keeps them in its files.
+    """
+    with _Catcher.lock:
+        taken = list(_Catcher.traces)
+        _Catcher.traces.clear()
+    return taken
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -314,7 +408,7 @@ class StoreChannel:
             StoreGoneError: The store is gone; torch was not called.
         """
         self._reachable()
-        self.store.set(self.prefix + key, value)
+        _caught(lambda: self.store.set(self.prefix + key, value))
 
     def read(self, key: str) -> bytes | None:
         """The value of `key` if it is set, else None, without waiting.
@@ -324,10 +418,14 @@ class StoreChannel:
         """
         self._reachable()
         full = self.prefix + key
-        if not self.store.check([full]):
-            return None
-        value: bytes = self.store.get(full)
-        return value
+
+        def read() -> bytes | None:
+            if not self.store.check([full]):
+                return None
+            value: bytes = self.store.get(full)
+            return value
+
+        return _caught(read)
 
     def delete(self, key: str) -> None:
         """Removes `key` if it is set (a store without deletes keeps it).
@@ -336,8 +434,12 @@ class StoreChannel:
             StoreGoneError: The store is gone; torch was not called.
         """
         self._reachable()
-        with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without deletes
-            self.store.delete_key(self.prefix + key)
+
+        def delete() -> None:
+            with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without it
+                self.store.delete_key(self.prefix + key)
+
+        _caught(delete)
 
     def add(self, key: str, amount: int) -> int:
         """Adds `amount` to the counter `key` (0 when unset); returns the new value.
@@ -346,7 +448,7 @@ class StoreChannel:
             StoreGoneError: The store is gone; torch was not called.
         """
         self._reachable()
-        return int(self.store.add(self.prefix + key, amount))
+        return int(_caught(lambda: self.store.add(self.prefix + key, amount)))
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Returns once every key in `keys` is set.
