@@ -152,20 +152,18 @@ def _endpoints_key(rank: int) -> str:
     return f"alive/{rank}/endpoints"
 
 
-def _finished_key(rank: int) -> str:
-    return f"alive/{rank}/finished"
+def _finished_key(rank: int, run: str) -> str:
+    return f"alive/{rank}/finished/{run}"
 
 
 def publish_identity(channel: StoreChannel, rank: int) -> bool:
     """Publish this process's identity as `rank`; False if the store fails (nothing raised).
 
-    A leaving note or finished mark an earlier process left as `rank` in the same store is
-    removed.
+    A leaving note an earlier process left as `rank` in the same store is removed.
     """
     try:
-        for key in (_left_key(rank), _finished_key(rank)):
-            with contextlib.suppress(Exception):  # a store without deletes
-                channel.delete(key)
+        with contextlib.suppress(Exception):  # a store without deletes
+            channel.delete(_left_key(rank))
         channel.set(_identity_key(rank), json.dumps(dataclasses.asdict(own_identity(rank))))
     except Exception:  # a gone store must not stop training
         return False
@@ -193,22 +191,33 @@ def leave(channel: StoreChannel, rank: int, reason: str) -> bool:
     return True
 
 
-def finish(channel: StoreChannel, rank: int) -> bool:
-    """Mark `rank` as finished with the store (see `wait_until_finished`); False if it fails."""
+def finish(channel: StoreChannel, rank: int, run: str = "") -> bool:
+    """Mark `rank` as finished with the store in `run` (see `wait_until_finished`).
+
+    Returns:
+        False if the store fails (nothing raised).
+    """
     try:
-        channel.set(_finished_key(rank), repr(time.time()))
+        channel.set(_finished_key(rank, run), repr(time.time()))
     except Exception:  # a gone store: nobody waits for the mark any more
         return False
     return True
 
 
 def wait_until_finished(
-    channel: StoreChannel, ranks: Iterable[int], timeout: float, *, poll_s: float = 0.1
+    channel: StoreChannel,
+    ranks: Iterable[int],
+    timeout: float,
+    *,
+    run: str = "",
+    poll_s: float = 0.1,
 ) -> list[int]:
-    """Wait until each of `ranks` has finished (`finish`), or is gone, stopped or silent.
+    """Wait until each of `ranks` has finished `run` (`finish`), or is gone, stopped or silent.
 
     For the process that hosts the store: it keeps it up until the others have done with it.
-    At most `timeout` seconds; a store that fails ends the wait.
+    Marks are per `run` (a token the ranks share), so that a mark of an earlier run in the
+    same store is not taken for this one's. At most `timeout` seconds; a store that fails
+    ends the wait.
 
     Returns:
         The ranks neither finished nor lost when the wait ended.
@@ -217,7 +226,7 @@ def wait_until_finished(
     deadline = time.monotonic() + max(timeout, 0.0)
     while waiting:
         try:
-            waiting = {r for r in waiting if _read(channel, _finished_key(r)) is None}
+            waiting = {r for r in waiting if _read(channel, _finished_key(r, run)) is None}
             found = assess(channel, waiting) if waiting else {}
         except Exception:  # nothing more can be read: nobody can use the store either
             break
