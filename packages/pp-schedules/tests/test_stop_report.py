@@ -374,6 +374,41 @@ def test_a_rank_that_left_on_its_own_error_is_not_taken_for_the_lost_one() -> No
     assert left.state == "left"
 
 
+def test_a_rank_gone_in_another_pipeline_is_the_cause_not_a_busy_rank_of_this_one() -> None:
+    """tp 2 x pp 2 x dp 2, the report of pipeline [1, 5] after rank 6 (of [2, 6]) died.
+
+    Rank 5 answered the ask at its step 2 (its work held up by the ranks around rank 6),
+    rank 1 waits for it: by the plan's waits rank 5 is the head of the chain. No position
+    names rank 6, but its liveness record says it is gone: a live rank is never the cause
+    then (the report once read "rank 5 (...) is busy at step 2").
+    """
+    steps, pipeline = _pp2_steps(), (1, 5)
+    busy = _walked(1, steps, 2)  # rank 5 (stage 1) runs its step 2
+    heads = {
+        1: _waiting_at(1, "B", steps, {**_error(5, timed_out=True), "peer_stage": 1}, pipeline),
+        5: dict(_document(5, busy, None, pipeline), answers_ask=True),
+    }
+    heads[1]["coordinates"] = _coordinates(1, pipeline, 0) | {"tensor_parallel": 1}
+    heads[5]["coordinates"] = _coordinates(5, pipeline, 0) | {"tensor_parallel": 1}
+    described = {6: "rank 6 (pipeline stage 1 of [2, 6], dp 1, tp 0)"}
+    before = build_stop_report(steps, heads, iteration=3, pipeline=pipeline)
+    assert before.cause.startswith("rank 5 (pipeline stage 1 of [1, 5], dp 0, tp 1) is busy")
+    report = build_stop_report(
+        steps, heads, iteration=3, pipeline=pipeline, describe=described.__getitem__,
+        liveness={6: _Live("gone", "its process 4242 on this host has exited"),
+                  5: _Live("alive", "its process 4243 on this host runs")},
+    )  # fmt: skip
+    assert report.cause.startswith(
+        "rank 6 (pipeline stage 1 of [2, 6], dp 1, tp 0) is gone (its process 4242 on this "
+        "host has exited); in this pipeline rank 5 (pipeline stage 1 of [1, 5], dp 0, tp 1) "
+        "is busy at step 2"
+    ), report.cause
+    assert "; rank 1 waits for it at step " in report.cause
+    gone = next(p for p in report.positions if p.rank == 6)
+    assert (gone.stage, gone.state, gone.inferred) == (None, "gone", True)
+    assert "rank 6 (pipeline stage 1 of [2, 6], dp 1, tp 0): step unknown, gone" in report.render()
+
+
 def test_a_failed_collective_is_recorded_as_failed_and_waits_on_who_never_reached_it() -> None:
     recorder = _walked(0, _steps(), 1)
     recorder.end()

@@ -445,6 +445,13 @@ def report_stop(host: StopHost, error: BaseException | None = None) -> StopRepor
              is not None}  # fmt: skip
     involved = set(own["pipeline"]) | named | {r for h in heads.values() for r in _wanted(h)}
     liveness = _evidence(channel, sorted(involved - set(heads)), comm.rank)
+    if not any(getattr(live, "lost", False) for live in liveness.values()):
+        # Nothing lost among the ranks these positions name: a rank lost elsewhere in the
+        # job still comes before a live rank that is merely at the head of the waits.
+        world = int((own.get("run") or {}).get("world_size") or 0)
+        elsewhere = sorted(set(range(world)) - involved - set(heads))
+        lost = _evidence(channel, elsewhere, comm.rank)
+        liveness |= {rank: live for rank, live in lost.items() if getattr(live, "lost", False)}
     return build_stop_report(
         host.recorder.plan, heads, host.recorder.iteration, pipeline=comm.pipeline_ranks,
         liveness=liveness, describe=lambda rank: describe_rank(host, rank),
