@@ -139,6 +139,8 @@ class StopReport:
         iteration: The executor call the reporting rank was in.
         pipeline: The reported pipeline's global ranks, in stage order.
         ignored: Documents set aside, with why ("rank 5: published for another plan").
+        store_traces: The stack traces torch printed for the store while this rank gathered
+            (kept out of the console, written beside the report).
     """
 
     cause: str
@@ -149,6 +151,7 @@ class StopReport:
     iteration: int = 0
     pipeline: tuple[int, ...] = ()
     ignored: list[str] = dataclasses.field(default_factory=list)
+    store_traces: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def answered(self) -> list[int]:
@@ -228,6 +231,7 @@ class StopReport:
                 "grid": self.grid(),
                 "heads": {str(rank): head for rank, head in self.heads.items()},
                 "ignored": self.ignored,
+                "store_traces": self.store_traces,
             },
             indent=1,
         )
@@ -262,13 +266,18 @@ class StopReport:
         return json.dumps(trace)
 
     def write(self, directory: str | Path, stem: str = "pipeline-stop") -> list[Path]:
-        """Write ``<stem>.txt``, ``<stem>.json`` and ``<stem>.trace.json`` under `directory`."""
+        """Write ``<stem>.txt``, ``<stem>.json`` and ``<stem>.trace.json`` under `directory`.
+
+        With `store_traces`, ``<stem>.store-traces.txt`` too.
+        """
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         paths = [root / f"{stem}.txt", root / f"{stem}.json", root / f"{stem}.trace.json"]
-        for path, text in zip(
-            paths, (self.render(), self.to_json(), self.chrome_trace()), strict=True
-        ):
+        texts = [self.render(), self.to_json(), self.chrome_trace()]
+        if self.store_traces:
+            paths.append(root / f"{stem}.store-traces.txt")
+            texts.append("\n".join(trace.rstrip() for trace in self.store_traces))
+        for path, text in zip(paths, texts, strict=True):
             path.write_text(text + ("\n" if not text.endswith("\n") else ""))
         return paths
 
