@@ -310,6 +310,11 @@ def test_an_address_is_mapped_to_the_rank_whose_endpoints_hold_it(tmp_path: Path
     try:
         port = listener.getsockname()[1]
         assert ("127.0.0.1", port) in liveness.own_endpoints()
+        assert ("127.0.0.1", port) in liveness.own_endpoints(listening=True)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            mine = client.getsockname()[1]
+            assert ("127.0.0.1", mine) in liveness.own_endpoints()
+            assert ("127.0.0.1", mine) not in liveness.own_endpoints(listening=True)
         assert liveness.publish_endpoints(channel, 3)
         channel.set("alive/5/endpoints", json.dumps([["127.0.0.1", 1]]))
         assert liveness.ranks_at(channel, f"[127.0.0.1]:{port}", [3, 5]) == [3]

@@ -368,6 +368,9 @@ def peer_finder(
 
 
 # ------------------------------------------------------------------------------ endpoints
+_LISTEN = "0A"  # a listening socket's state in /proc/net/tcp
+
+
 def _socket_inodes() -> set[str]:
     """The inodes of this process's sockets."""
     inodes = set()
@@ -390,11 +393,12 @@ def _host_of(hex_address: str) -> str:
     return socket.inet_ntop(socket.AF_INET6, words)
 
 
-def own_endpoints() -> list[tuple[str, int]]:
+def own_endpoints(*, listening: bool = False) -> list[tuple[str, int]]:
     """The local side of every TCP socket this process holds: ``(host, port)``, sorted.
 
     Listening sockets and connections alike (a backend's pair sockets, the store's), from
-    ``/proc/self/net/tcp`` and ``tcp6``; [] where /proc cannot tell (off Linux).
+    ``/proc/self/net/tcp`` and ``tcp6``; [] where /proc cannot tell (off Linux). With
+    `listening`, the listening sockets only.
     """
     try:
         inodes = _socket_inodes()
@@ -406,7 +410,11 @@ def own_endpoints() -> list[tuple[str, int]]:
             next(lines, None)
             for line in lines:
                 fields = line.split()
-                if len(fields) > 9 and fields[9] in inodes:
+                if (
+                    len(fields) > 9
+                    and fields[9] in inodes
+                    and (not listening or fields[3] == _LISTEN)
+                ):
                     host, port = fields[1].rsplit(":", 1)
                     found.add((_host_of(host), int(port, 16)))
     return sorted(found)
