@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pp_schedules.planning import Step
-from pp_schedules.runtime._timeline import MeasuredSpan, chrome_trace
+from pp_schedules.runtime._timeline import recorded_trace
 
 __all__ = ["RankPosition", "StopReport", "Wait", "build_stop_report", "describe_step"]
 
@@ -243,27 +243,7 @@ class StopReport:
         moved by the offset it published); a step still open when the rank published ends
         at that moment.
         """
-        order = [p.rank for p in self.positions]
-        spans: list[list[MeasuredSpan]] = [[] for _ in order]
-        for rank, head in self.heads.items():
-            if rank not in order:
-                continue
-            track = order.index(rank)
-            offset = float(head.get("clock_offset", 0.0))
-            published = float(head.get("published_at", 0.0))
-            for step in head.get("recent", []):
-                end = step["end"] + offset if step["end"] is not None else published
-                spans[track].append(
-                    MeasuredSpan(
-                        track, step["action"], step["kind"], step["microbatch"], step["chunk"],
-                        step["start"] + offset, max(end, step["start"] + offset),
-                    )
-                )  # fmt: skip
-        trace = json.loads(chrome_trace(spans))
-        for event in trace["traceEvents"]:
-            if event.get("name") == "thread_name":
-                event["args"]["name"] = f"rank {order[event['tid']]}"
-        return json.dumps(trace)
+        return recorded_trace([p.rank for p in self.positions], self.heads)
 
     def write(self, directory: str | Path, stem: str = "pipeline-stop") -> list[Path]:
         """Write ``<stem>.txt``, ``<stem>.json`` and ``<stem>.trace.json`` under `directory`.
