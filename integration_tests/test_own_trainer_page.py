@@ -1,4 +1,4 @@
-"""docs/own-trainer.md shows the Llama example whole, and it stays at most 90 lines of code."""
+"""docs/own-trainer.md shows the Llama example whole, and it stays at most 100 lines of code."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "own-trainer.md"
 TRAINER = [ROOT / "docs" / "examples" / name for name in ("hf_llama.py", "pipeline_trainer.py")]
-GOAL = 90
-"""Lines of code of the Llama trainer, every schedule and data parallelism included."""
+GOAL = 100
+"""Lines of code of the Llama trainer, every schedule, data parallelism and the story of a rank
+that dies (`watch_pipeline`, short timeouts, --steps) included (90 before that story)."""
 
 
 def code_lines(source: str) -> int:
@@ -52,7 +53,7 @@ def test_the_page_shows_each_file_whole(path: Path) -> None:
     assert f"```python\n{path.read_text()}```" in PAGE.read_text()
 
 
-def test_the_llama_trainer_is_at_most_90_lines_of_code() -> None:
+def test_the_llama_trainer_is_at_most_100_lines_of_code() -> None:
     counted = sum(code_lines(path.read_text()) for path in TRAINER)
     assert counted <= GOAL, f"{counted} lines of code; the goal is {GOAL}"
     assert f"are {counted} lines of code" in PAGE.read_text()
