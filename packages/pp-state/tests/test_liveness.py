@@ -382,3 +382,31 @@ def test_a_peer_named_only_by_its_address_is_mapped_to_its_global_rank(tmp_path:
         named = re.search(r"peer rank (\d+) \((gone|left): ", message)
         assert named is not None, message
         assert (named.group(1) == "2") == (named.group(2) == "gone"), message
+
+
+def test_a_process_read_while_the_store_was_there_is_told_without_the_store(
+    tmp_path: Path,
+) -> None:
+    channel = _channel(tmp_path)
+    child = _child(channel, 0, tmp_path)
+    try:
+        identity = liveness.read_identity(channel, 0)
+        assert identity is not None
+        assert identity.pid == child.pid
+        seen = liveness.by_process(identity)
+        assert seen is not None
+        assert seen.state == "alive"
+        child.kill()
+        child.wait()
+        gone = liveness.by_process(identity)
+        assert gone is not None
+        assert (gone.state, gone.evidence) == (
+            "gone",
+            f"its process {child.pid} on this host has exited",
+        )
+        elsewhere = liveness.Identity(rank=0, host="other", pid=1, space="another-boot:1")
+        assert liveness.by_process(elsewhere) is None  # another host: only the store could say
+        assert liveness.read_identity(channel, 9) is None
+    finally:
+        child.kill()
+        child.wait()

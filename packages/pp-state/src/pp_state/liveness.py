@@ -55,6 +55,7 @@ __all__ = [
     "address_book",
     "assess",
     "beat",
+    "by_process",
     "describe",
     "finish",
     "leave",
@@ -66,6 +67,7 @@ __all__ = [
     "publish_endpoints",
     "publish_identity",
     "ranks_at",
+    "read_identity",
     "wait_until_finished",
 ]
 
@@ -267,6 +269,24 @@ def _by_process(identity: Identity, here: str) -> Liveness | None:
     if state in ("T", "t"):
         return Liveness(identity.rank, "stopped", f"{where} is stopped")
     return Liveness(identity.rank, "alive", f"{where} runs")
+
+
+def read_identity(channel: StoreChannel, rank: int) -> Identity | None:
+    """The identity `rank` published, or None (none, or a store that fails)."""
+    try:
+        text = _read(channel, _identity_key(rank))
+    except Exception:  # evidence is best effort
+        return None
+    return None if text is None else Identity(**json.loads(text))
+
+
+def by_process(identity: Identity) -> Liveness | None:
+    """What the process of `identity` says now, without the store, when it can be seen.
+
+    For a rank whose identity was read while the store was there: "gone", "stopped" or
+    "alive" from /proc on the same host (and process-id namespace); None elsewhere.
+    """
+    return _by_process(identity, _space())
 
 
 def _one(channel: StoreChannel, rank: int, stale_after: float, here: str) -> Liveness:
