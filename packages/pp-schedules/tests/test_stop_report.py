@@ -613,7 +613,7 @@ def test_a_rank_lost_elsewhere_in_the_job_is_the_cause_not_a_live_one_here(
 
 def test_a_backend_s_own_lost_peer_error_is_a_lost_transfer_not_the_rank_s_own_failure() -> None:
     """A collective outside `collective(...)` raises gloo's bare error: still a lost peer."""
-    comm = SimpleNamespace(rank=0, pipeline_ranks=[0, 1])
+    comm: Any = SimpleNamespace(rank=0, pipeline_ranks=[0, 1])
     record = error_record(RuntimeError("Connection closed by peer [127.0.0.1]:5"), comm)
     assert record is not None
     assert (record["transfer"], record["lost"], record["peer"]) == (True, True, None)

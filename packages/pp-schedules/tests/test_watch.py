@@ -195,3 +195,55 @@ def test_an_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:
 
 def test_run_token_without_a_process_group_is_the_process_id() -> None:
     assert run_token() == str(os.getpid())
+
+
+_STORE_HOST = """
+import datetime, sys
+import torch.distributed as dist
+from pp_state import liveness
+from pp_state.store_channel import StoreChannel
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+channel = StoreChannel(store, rank=5, world_size=2, prefix="pp")
+liveness.publish_identity(channel, 5)
+channel.set("watch/store-host", "5")
+print(store.port, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_store_host_killed_is_named_gone_when_no_report_can_be_gathered(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Without torchrun rank 0's process hosts the store: killed, it takes every record
+    with it, but its identity, read at the start, still names it."""
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        channel = StoreChannel.connect("127.0.0.1", port, rank=0, world_size=2, prefix="pp")
+        state = SimpleNamespace(
+            coordinates=lambda rank=None: SimpleNamespace(describe=lambda: f"rank {rank} (here)")
+        )
+        error = CollectiveError(rank=0, operation="loss all-reduce", group_ranks=(0, 5),
+                                cause="Connection closed by peer", peer=5)  # fmt: skip
+        watch = watch_pipeline(_executor(channel), state, sigterm=False)
+        watch.__enter__()
+        host.kill()
+        host.wait()
+        deadline = time.monotonic() + 10
+        while not channel.gone() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        watch.__exit__(CollectiveError, error, None)  # as a with block the error leaves
+    finally:
+        host.kill()
+        host.wait()
+    err = capfd.readouterr().err
+    assert (
+        f"pp-schedules: rank 0 (here) stopped: cause: rank 5 (here) is gone (its process "
+        f"{host.pid} on this host has exited; it hosted the job's store, so no report could "
+        "be gathered); its own error: CollectiveError: "
+    ) in err
+    assert "Exception raised from" not in err

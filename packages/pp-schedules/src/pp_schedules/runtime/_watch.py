@@ -63,7 +63,7 @@ from pp_state.collectives import (
     set_peer_finder,
 )
 from pp_state.coordinates import RankCoordinates
-from pp_state.store_channel import StoreChannel
+from pp_state.store_channel import StoreChannel, StoreGoneError
 
 __all__ = [
     "PipelineWatch",
@@ -288,6 +288,7 @@ class PipelineWatch:
         self._answered: bytes | None = None
         self._beating: StoreChannel | None = None
         self._handled = threading.Event()  # the main thread is done with its failure
+        self._store_host: liveness.Identity | None = None  # read while the store was there
 
     # ------------------------------------------------------------------ entering and leaving
     def __enter__(self) -> PipelineWatch:
@@ -295,6 +296,7 @@ class PipelineWatch:
         self.hosts_store = _hosts_store(self.channel)
         self._publish_records()
         self.run_token = run_token()  # after every rank published its identity
+        self._store_host = self._read_store_host()
         executor = self.executor
         if executor is not None:
             executor.coordinates = getattr(self.state, "coordinates", None)
@@ -329,8 +331,22 @@ class PipelineWatch:
         if liveness.publish_identity(channel, self.rank):
             liveness.publish_endpoints(channel, self.rank)
             self._beating = channel
+            if self.hosts_store:
+                with contextlib.suppress(Exception):  # then nobody can name it: no more
+                    channel.set(_STORE_HOST, str(self.rank))
         else:
             self.note("publish its liveness record", RuntimeError("the store did not answer"))
+
+    def _read_store_host(self) -> liveness.Identity | None:
+        """The identity of the rank whose process hosts the store, if a rank does."""
+        channel = self.channel
+        if channel is None or self.hosts_store:
+            return None
+        try:
+            text = channel.read(_STORE_HOST)
+        except Exception:  # a store that fails: nothing to remember
+            return None
+        return None if text is None else liveness.read_identity(channel, int(text))
 
     def _set_hooks(self) -> None:
         """Collectives recorded by the executor, lost members named by the records."""
@@ -393,6 +409,7 @@ class PipelineWatch:
         if not isinstance(report, StopReport) and self.executor is not None:
             report = self.executor.report_stop(error)  # printed whole by the reporting rank
         if not isinstance(report, StopReport):
+            self._store_host_gone(error)
             return
         self.stop_report = report
         if report.reporter != self._global_rank():
@@ -400,6 +417,34 @@ class PipelineWatch:
                 f"{self.program}: {self._name(report)} stopped: cause: {report.cause}; its own "
                 f"error: {first_line(error)}"
             )
+
+    def _store_host_gone(self, error: Exception) -> None:
+        """No report (the store is gone): name the rank whose exit took it, if it exited.
+
+        Without torchrun rank 0's process hosts the store; killed, it takes every record and
+        position with it. Its identity, read at the start, still tells from /proc that its
+        process has exited.
+        """
+        host, channel = self._store_host, self.channel
+        if host is None or channel is None or not channel.gone():
+            return
+        seen = liveness.by_process(host)
+        if seen is None or seen.state != "gone":
+            return
+        name = self._describe(host.rank)
+        _say(
+            f"{self.program}: {self._describe(self.rank)} stopped: cause: {name} is gone "
+            f"({seen.evidence}; it hosted the job's store, so no report could be gathered); "
+            f"its own error: {first_line(error)}"
+        )
+
+    def _describe(self, rank: int) -> str:
+        """``rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0)``, or ``rank 1`` without a state."""
+        coordinates = getattr(self.state, "coordinates", None)
+        if coordinates is not None:
+            with contextlib.suppress(Exception):
+                return str(coordinates(rank).describe())
+        return f"rank {rank}"
 
     def _global_rank(self) -> int:
         comm = self.executor.communicator if self.executor is not None else None
@@ -436,7 +481,13 @@ class PipelineWatch:
         beats = 0
         while self._beating is not None and not self._stop.is_set():
             if not liveness.beat(self._beating, self.rank):
-                self.note("publish its heartbeat", RuntimeError("the store did not answer"))
+                gone = self._beating.gone()
+                self.note(
+                    "publish its heartbeat",
+                    StoreGoneError(str(self._beating.address))
+                    if gone
+                    else RuntimeError("the store did not answer"),
+                )
                 return
             self._answer_ask()
             beats += 1
@@ -534,6 +585,8 @@ class PipelineWatch:
 
 _KEEP = object()
 """A hook this watch did not set, so leaves as it is."""
+_STORE_HOST = "watch/store-host"
+"""The key under which the rank hosting the store says so."""
 
 
 def _leave(status: int) -> None:
