@@ -142,6 +142,8 @@ def script_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[Path], ModuleTyp
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        # Registered while the test runs: dataclasses look their module up by name.
+        monkeypatch.setitem(sys.modules, spec.name, module)
         spec.loader.exec_module(module)
         return module
 

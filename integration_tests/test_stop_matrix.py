@@ -4,7 +4,8 @@ Each case starts the bundled GPT under torchrun, waits for the third iteration, 
 moment more (up to 1.5 s, seeded by the case), then kill -9s one worker (or SIGSTOPs it) by
 its global rank. Every report the survivors print or write and every survivor's one-line exit
 must name that rank, with its pipeline coordinates, as the cause: never a live rank, and never
-a stage index for a rank. A loaded case runs two busy processes per core beside the job.
+a stage index for a rank; no collective error may leave a peer's address unmapped ("peer rank
+unknown (address ...)"). A loaded case runs two busy processes per core beside the job.
 
 The default run takes three cases (a kill at each layout, one under load, and a stop):
 ``PP_STOP_MATRIX=1`` (``nox -s stop_matrix``) takes every rank of both layouts in turn, killed
@@ -174,4 +175,6 @@ def test_a_killed_or_stopped_rank_is_named_with_its_coordinates_by_every_survivo
     assert set(exits) == survivors, (sorted(exits), text[-6000:])
     for rank, cause in exits.items():
         assert _named_first(cause) == victim, (rank, victim, cause)
+    # Every collective error that names a peer's address names its global rank too.
+    assert "peer rank unknown (address" not in text, text[-6000:]
     assert text.count("Traceback") <= 1, text  # torchrun's own ChildFailedError only

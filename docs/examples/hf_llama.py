@@ -44,11 +44,10 @@ def keyword_inputs(ids: torch.Tensor) -> dict[str, Any]:
 
 def build(resolved: Any, state: ParallelState) -> PipelineModel:
     """This rank's chunks for the resolved schedule's placement, contracts inferred."""
-    model = llama()
     layers = [f"model.layers.{i}" for i in range(SIZES["num_hidden_layers"])]
     ends = {"first": ["model.embed_tokens"], "last": ["model.norm", "lm_head"]}
     names = split_module_names(layers, resolved.placement.num_stages, **ends)
-    pipe = PipelineModel.from_model(model, names, placement=resolved, state=state)
+    pipe = PipelineModel.from_model(llama(), names, placement=resolved, state=state)
     ids = batches(0, 1)[0][0]  # a sample microbatch: the contracts come from its forward
     pipe.infer_contracts(ids, **keyword_inputs(ids))
     return pipe

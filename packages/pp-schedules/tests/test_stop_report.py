@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+import pp_schedules.runtime._stop_channel as stop_channel
 from pp_schedules.planning import plan, validate
 from pp_schedules.planning._lowering import Step
 from pp_schedules.runtime._flight_recorder import (
@@ -22,14 +25,17 @@ from pp_schedules.runtime._flight_recorder import (
 from pp_schedules.runtime._stop_channel import (
     answer_ask,
     ask_to_publish,
+    error_record,
     foreign,
     gather_positions,
     publish_document,
     publish_head,
     read_position,
+    report_stop,
 )
 from pp_schedules.runtime._stop_diagnosis import build_stop_report
 from pp_schedules.runtime._stop_report import describe_step
+from pp_state import liveness
 from pp_state.store_channel import StoreChannel
 
 PP, M = 3, 4
@@ -375,6 +381,41 @@ def test_a_rank_that_left_on_its_own_error_is_not_taken_for_the_lost_one() -> No
     assert left.state == "left"
 
 
+def test_a_rank_gone_in_another_pipeline_is_the_cause_not_a_busy_rank_of_this_one() -> None:
+    """tp 2 x pp 2 x dp 2, the report of pipeline [1, 5] after rank 6 (of [2, 6]) died.
+
+    Rank 5 answered the ask at its step 2 (its work held up by the ranks around rank 6),
+    rank 1 waits for it: by the plan's waits rank 5 is the head of the chain. No position
+    names rank 6, but its liveness record says it is gone: a live rank is never the cause
+    then (the report once read "rank 5 (...) is busy at step 2").
+    """
+    steps, pipeline = _pp2_steps(), (1, 5)
+    busy = _walked(1, steps, 2)  # rank 5 (stage 1) runs its step 2
+    heads = {
+        1: _waiting_at(1, "B", steps, {**_error(5, timed_out=True), "peer_stage": 1}, pipeline),
+        5: dict(_document(5, busy, None, pipeline), answers_ask=True),
+    }
+    heads[1]["coordinates"] = _coordinates(1, pipeline, 0) | {"tensor_parallel": 1}
+    heads[5]["coordinates"] = _coordinates(5, pipeline, 0) | {"tensor_parallel": 1}
+    described = {6: "rank 6 (pipeline stage 1 of [2, 6], dp 1, tp 0)"}
+    before = build_stop_report(steps, heads, iteration=3, pipeline=pipeline)
+    assert before.cause.startswith("rank 5 (pipeline stage 1 of [1, 5], dp 0, tp 1) is busy")
+    report = build_stop_report(
+        steps, heads, iteration=3, pipeline=pipeline, describe=described.__getitem__,
+        liveness={6: _Live("gone", "its process 4242 on this host has exited"),
+                  5: _Live("alive", "its process 4243 on this host runs")},
+    )  # fmt: skip
+    assert report.cause.startswith(
+        "rank 6 (pipeline stage 1 of [2, 6], dp 1, tp 0) is gone (its process 4242 on this "
+        "host has exited); in this pipeline rank 5 (pipeline stage 1 of [1, 5], dp 0, tp 1) "
+        "is busy at step 2"
+    ), report.cause
+    assert "; rank 1 waits for it at step " in report.cause
+    gone = next(p for p in report.positions if p.rank == 6)
+    assert (gone.stage, gone.state, gone.inferred) == (None, "gone", True)
+    assert "rank 6 (pipeline stage 1 of [2, 6], dp 1, tp 0): step unknown, gone" in report.render()
+
+
 def test_a_failed_collective_is_recorded_as_failed_and_waits_on_who_never_reached_it() -> None:
     recorder = _walked(0, _steps(), 1)
     recorder.end()
@@ -511,3 +552,86 @@ def test_a_position_published_before_this_stop_is_used_only_if_no_newer_comes(
     heads, _ = gather_positions(channel, document, wait_s=3.0)
     timer.join()
     assert heads[1]["published_at"] == newer["published_at"]
+
+
+# ------------------------------------------------------------------ gathering and the store
+def _host_running(tmp_path: Path) -> Any:
+    """Stage 0 of the pipeline [0, 1] in its first step, publishing into a FileStore."""
+    comm = SimpleNamespace(rank=0, pipeline_ranks=[0, 1], prev_rank=1, next_rank=1)
+    recorder = FlightRecorder()
+    recorder.start_call(0, _steps2())
+    recorder.begin(0, _steps2()[0][0])
+    return SimpleNamespace(
+        communicator=comm, rank=0, pp_size=2, recorder=recorder,
+        channel=StoreChannel(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1),
+        report_wait=10.0, coordinates=None, run_token="t",
+    )  # fmt: skip
+
+
+def _gone_identity(channel: StoreChannel, rank: int) -> None:
+    """Rank `rank`'s identity, of a process of this host that has exited."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    identity = dataclasses.replace(liveness.own_identity(rank), pid=done.pid)
+    channel.set(f"alive/{rank}/identity", json.dumps(dataclasses.asdict(identity)))
+
+
+def test_a_gather_does_not_wait_for_a_rank_whose_process_is_gone(tmp_path: Path) -> None:
+    host = _host_running(tmp_path)
+    _gone_identity(host.channel, 1)
+    published = publish_head(host, RuntimeError("Connection closed by peer [127.0.0.1]:5"))
+    assert published is not None
+    started = time.monotonic()
+    heads, _ = gather_positions(host.channel, published[1], wait_s=10.0)
+    assert set(heads) == {0}
+    assert time.monotonic() - started < 5.0  # not the 10 s it could wait for rank 1
+
+
+def test_a_rank_lost_elsewhere_in_the_job_is_the_cause_not_a_live_one_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """World of 4, pipeline [0, 1]: rank 1 answers, busy; rank 3 of another pipeline is gone."""
+    world = SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 4)
+    monkeypatch.setattr(stop_channel, "dist", world)
+    host = _host_running(tmp_path)
+    busy = FlightRecorder()
+    busy.start_call(1, _steps2())
+    busy.begin(0, _steps2()[1][0])
+    answer = SimpleNamespace(**{**vars(host), "rank": 1, "recorder": busy,
+                                "communicator": SimpleNamespace(**{**vars(host.communicator),
+                                                                   "rank": 1})})  # fmt: skip
+    document = stop_channel.position_document(answer, None, answers_ask=True)
+    document["published_at"] += 5.0  # an answer to the ask, after this rank's own position
+    publish_document(host.channel, document)
+    for rank in (2,):
+        liveness.publish_identity(host.channel, rank)  # this process: alive
+    _gone_identity(host.channel, 3)
+    report = report_stop(host, RuntimeError("timed out waiting for rank 1"))
+    assert report is not None
+    assert report.cause.startswith("rank 3 is gone (its process "), report.cause
+    assert "; in this pipeline " in report.cause
+
+
+def test_a_backend_s_own_lost_peer_error_is_a_lost_transfer_not_the_rank_s_own_failure() -> None:
+    """A collective outside `collective(...)` raises gloo's bare error: still a lost peer."""
+    comm: Any = SimpleNamespace(rank=0, pipeline_ranks=[0, 1])
+    record = error_record(RuntimeError("Connection closed by peer [127.0.0.1]:5"), comm)
+    assert record is not None
+    assert (record["transfer"], record["lost"], record["peer"]) == (True, True, None)
+    own = error_record(RuntimeError("CUDA out of memory"), comm)
+    assert own is not None
+    assert (own["transfer"], own["lost"]) == (False, False)
+
+
+def test_torch_s_store_traces_go_to_a_file_beside_the_report(tmp_path: Path) -> None:
+    steps = _steps()
+    report = build_stop_report(steps, {1: _waiting_at(1, "B", steps, _error(2))})
+    trace = (
+        "[W1206 TCPStore.cpp:106] sendBytes failed\nException raised from sendBytes\nframe #0: x"
+    )
+    written = dataclasses.replace(report, store_traces=[trace]).write(tmp_path)
+    assert [p.name for p in written][3:] == ["pipeline-stop.store-traces.txt"]
+    assert written[3].read_text() == trace + "\n"
+    assert "Exception raised" not in written[0].read_text()
+    assert json.loads(written[1].read_text())["store_traces"] == [trace]
+    assert len(report.write(tmp_path / "none")) == 3  # no traces, no fourth file

@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pp_state import CollectiveError, collective, is_lost_peer
+import pp_state.collectives as collectives_module
+from pp_state import (
+    CollectiveError,
+    collective,
+    collective_error,
+    is_lost_peer,
+    set_address_book,
+    set_peer_finder,
+)
 from pp_testing import DistributedTestError, run_distributed
 
 pytestmark = pytest.mark.reliability
@@ -46,6 +54,71 @@ def test_the_error_names_operation_iteration_peer_address_and_cause() -> None:
     message = str(error)
     assert message.startswith("rank -1: exit decision at iteration 7 over ranks []")
     assert "peer rank unknown (address [127.0.0.1]:51099) closed the connection" in message
+
+
+def _group_of_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Errors raised here come from rank -1 of a group of global ranks 0..3 (no process group)."""
+    monkeypatch.setattr(collectives_module, "_group_ranks", lambda group: (0, 1, 2, 3))
+
+
+def test_a_member_found_by_its_address_is_the_peer_with_its_evidence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _group_of_four(monkeypatch)
+    asked: list[tuple[str, tuple[int, ...]]] = []
+
+    def book(address: str, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+        asked.append((address, ranks))
+        return (2,), "left: it left after its own error: P2PError: rank 2 lost rank 3"
+
+    previous = set_address_book(book)
+    finder = set_peer_finder(lambda ranks: (1, "gone: never asked"))
+    try:
+        error = collective_error(RuntimeError(_CLOSED), "exit decision")
+    finally:
+        set_address_book(previous)
+        set_peer_finder(finder)
+    assert asked == [("[127.0.0.1]:51099", (0, 1, 2, 3))]
+    assert (error.peer, error.peer_candidates) == (2, ())
+    assert "peer rank 2 (left: it left after its own error: P2PError: rank 2 lost" in str(error)
+
+
+def test_an_address_two_members_hold_names_both_and_the_finder_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _group_of_four(monkeypatch)
+    previous = set_address_book(lambda address, ranks: ((1, 3), None))
+    try:
+        unknown = collective_error(RuntimeError(_CLOSED), "timer all-gather")
+        finder = set_peer_finder(lambda ranks: (3, "gone: its process 9 on this host has exited"))
+        try:
+            found = collective_error(RuntimeError(_CLOSED), "timer all-gather")
+        finally:
+            set_peer_finder(finder)
+    finally:
+        set_address_book(previous)
+    assert (unknown.peer, unknown.peer_candidates) == (None, (1, 3))
+    assert (
+        "peer rank unknown (address [127.0.0.1]:51099: rank 1 or 3; its port, read as printed "
+        "or byte-swapped, is an endpoint of each)"
+    ) in str(unknown)
+    assert (found.peer, found.peer_candidates) == (3, ())
+    assert "peer rank 3 (gone: its process 9 on this host has exited)" in str(found)
+
+
+def test_a_failing_address_book_leaves_the_error_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    _group_of_four(monkeypatch)
+
+    def book(address: str, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+        raise RuntimeError("the store did not answer")
+
+    previous = set_address_book(book)
+    try:
+        error = collective_error(RuntimeError(_CLOSED), "exit decision")
+    finally:
+        set_address_book(previous)
+    assert error.peer is None
+    assert "peer rank unknown (address [127.0.0.1]:51099) closed" in str(error)
 
 
 def test_an_outer_wrapper_adds_the_iteration_once() -> None:

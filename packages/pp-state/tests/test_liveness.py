@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from pp_state import (
     coordinates_in,
     liveness,
     rank_layout,
+    set_address_book,
     set_collective_hook,
     set_peer_finder,
 )
@@ -262,3 +265,148 @@ def test_without_evidence_the_peer_stays_unknown() -> None:
         set_peer_finder(previous)
     assert error.peer is None
     assert "peer rank unknown (address [::1]:5)" in str(error)
+
+
+def test_a_rank_that_left_a_note_and_still_runs_is_leaving_not_alive(tmp_path: Path) -> None:
+    channel = _channel(tmp_path)
+    child = _child(channel, 1, tmp_path)
+    try:
+        liveness.leave(channel, 1, "P2PError: rank 1 lost rank 3")
+        leaving = liveness.assess(channel, [1])[1]
+        assert (leaving.state, leaving.lost) == ("left", False)
+        assert leaving.evidence == "it is leaving after its own error: P2PError: rank 1 lost rank 3"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_store_s_host_waits_until_every_other_rank_finished_or_is_lost(
+    tmp_path: Path,
+) -> None:
+    channel = _channel(tmp_path)
+    running, killed = _child(channel, 1, tmp_path), _child(channel, 2, tmp_path)
+    try:
+        killed.kill()
+        killed.wait()
+        started = time.monotonic()
+        assert liveness.wait_until_finished(channel, [1, 2], timeout=0.3) == [1]
+        assert time.monotonic() - started >= 0.3  # rank 1 runs and has not finished
+        assert liveness.finish(channel, 1, run="a")
+        started = time.monotonic()
+        assert liveness.wait_until_finished(channel, [1, 2], timeout=30, run="a") == []
+        assert time.monotonic() - started < 5
+        # a mark of run "a" is not one of run "b": the ranks share a run token per watch
+        assert liveness.wait_until_finished(channel, [1], timeout=0.1, run="b") == [1]
+    finally:
+        for child in (running, killed):
+            child.kill()
+            child.wait()
+
+
+# ------------------------------------------------------------------------------ endpoints
+def test_an_address_is_mapped_to_the_rank_whose_endpoints_hold_it(tmp_path: Path) -> None:
+    channel = _channel(tmp_path)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = listener.getsockname()[1]
+        assert ("127.0.0.1", port) in liveness.own_endpoints()
+        assert ("127.0.0.1", port) in liveness.own_endpoints(listening=True)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            mine = client.getsockname()[1]
+            assert ("127.0.0.1", mine) in liveness.own_endpoints()
+            assert ("127.0.0.1", mine) not in liveness.own_endpoints(listening=True)
+        assert liveness.publish_endpoints(channel, 3)
+        channel.set("alive/5/endpoints", json.dumps([["127.0.0.1", 1]]))
+        assert liveness.ranks_at(channel, f"[127.0.0.1]:{port}", [3, 5]) == [3]
+        # gloo prints the port with its two bytes swapped: that reading is matched too
+        swapped = ((port & 0xFF) << 8) | (port >> 8)
+        assert liveness.ranks_at(channel, f"[127.0.0.1]:{swapped}", [3, 5]) == [3]
+        assert liveness.ranks_at(channel, f"[::ffff:127.0.0.1]:{port}", [3, 5]) == [3]
+        assert liveness.ranks_at(channel, f"[10.0.0.9]:{port}", [3, 5]) == []  # another host
+        assert liveness.ranks_at(channel, f"[127.0.0.1]:{port}", [5, 6]) == []  # not a member
+        # rank 5 holds the port of the other reading: the address names both
+        channel.set("alive/5/endpoints", json.dumps([["127.0.0.1", swapped]]))
+        assert liveness.ranks_at(channel, f"[127.0.0.1]:{port}", [3, 5]) == [3, 5]
+        book = liveness.address_book(channel, wait_s=0.0)
+        assert book(f"[127.0.0.1]:{port}", (3, 5)) == ((3, 5), None)
+        liveness.publish_identity(channel, 3)  # this process: alive, so nothing more is said
+        assert book(f"[127.0.0.1]:{port}", (3,)) == ((3,), None)
+        liveness.leave(channel, 3, "CollectiveError: rank 3: it saw rank 0 go")
+        assert book(f"[127.0.0.1]:{port}", (3,)) == (
+            (3,), "left: it is leaving after its own error: CollectiveError: rank 3: it saw rank 0 go"
+        )  # fmt: skip
+    finally:
+        listener.close()
+
+
+def _lose_rank_two_by_address(marks: str) -> tuple[str, str]:
+    """4 ranks publish their endpoints; rank 2 dies; the others' errors map its address."""
+    rank = dist.get_rank()
+    channel = StoreChannel.from_default_group(timeout=5.0)
+    dist.barrier()  # every pair connected before the endpoints are read
+    liveness.publish_identity(channel, rank)
+    liveness.publish_endpoints(channel, rank)
+    previous = set_address_book(liveness.address_book(channel))
+    dist.barrier()
+    if rank == 2:
+        Path(marks, "killed").write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        with collective("test all-reduce"):
+            for _ in range(1000):
+                dist.all_reduce(torch.ones(4))
+                time.sleep(0.01)
+    except CollectiveError as error:
+        # As a watched rank does: one that stops on what it saw says so before it exits.
+        liveness.leave(channel, rank, f"{type(error).__name__}: {error}")
+        return str(error.peer_address), str(error)
+    finally:
+        set_address_book(previous)
+    return "none", ""
+
+
+@pytest.mark.reliability
+def test_a_peer_named_only_by_its_address_is_mapped_to_its_global_rank(tmp_path: Path) -> None:
+    """No peer finder: what names a peer is the address in each survivor's error.
+
+    The first survivor to fail saw rank 2's connection close; a later one may see the
+    connection of a survivor that left before it, named as such (never unknown, never gone).
+    """
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_lose_rank_two_by_address, 4, str(tmp_path), pg_timeout=10.0, timeout=60)
+    outcomes = caught.value.results
+    assert sorted(outcomes) == [0, 1, 3]
+    addressed = [message for address, message in outcomes.values() if address != "None"]
+    assert any("peer rank 2 (gone: its process " in m for m in addressed), outcomes
+    for message in addressed:
+        named = re.search(r"peer rank (\d+) \((gone|left): ", message)
+        assert named is not None, message
+        assert (named.group(1) == "2") == (named.group(2) == "gone"), message
+
+
+def test_a_process_read_while_the_store_was_there_is_told_without_the_store(
+    tmp_path: Path,
+) -> None:
+    channel = _channel(tmp_path)
+    child = _child(channel, 0, tmp_path)
+    try:
+        identity = liveness.read_identity(channel, 0)
+        assert identity is not None
+        assert identity.pid == child.pid
+        seen = liveness.by_process(identity)
+        assert seen is not None
+        assert seen.state == "alive"
+        child.kill()
+        child.wait()
+        gone = liveness.by_process(identity)
+        assert gone is not None
+        assert (gone.state, gone.evidence) == (
+            "gone",
+            f"its process {child.pid} on this host has exited",
+        )
+        elsewhere = liveness.Identity(rank=0, host="other", pid=1, space="another-boot:1")
+        assert liveness.by_process(elsewhere) is None  # another host: only the store could say
+        assert liveness.read_identity(channel, 9) is None
+    finally:
+        child.kill()
+        child.wait()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from pp_state import StoreChannel, StoreTimeoutError
+from pp_state import StoreChannel, StoreGoneError, StoreTimeoutError, store_channel
+from pp_state.store_channel import store_traces
 
 pytestmark = pytest.mark.reliability
 
@@ -128,3 +130,88 @@ def test_a_hosting_rank_whose_readers_never_come_times_out_naming_them(tmp_path:
     host = StoreChannel(store, rank=0, world_size=2, timeout=0.3, hosts_store=True)
     with pytest.raises(StoreTimeoutError, match="printed/seen/1"):
         host.publish("printed", "--lr inf")
+
+
+_HOST = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+print(store.port, flush=True)
+sys.stdin.readline()  # until told to leave
+"""
+
+
+def test_a_store_whose_host_exited_is_gone_and_torch_is_not_called(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_HOST)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        channel = StoreChannel.connect("127.0.0.1", port, rank=1, world_size=2, timeout=10)
+        assert channel.address == f"127.0.0.1:{port}"
+        channel.set("k", "v")
+        assert (channel.read("k"), channel.read("missing")) == (b"v", None)
+        assert (channel.add("n", 2), channel.add("n", 3)) == (2, 5)
+        assert not channel.gone()
+        assert host.stdin is not None
+        host.stdin.write("\n")
+        host.stdin.flush()
+        host.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not channel.gone() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert channel.gone()
+        for call in (lambda: channel.set("k", "w"), lambda: channel.read("k"),
+                     lambda: channel.wait(["k"]), lambda: channel.add("n", 1)):  # fmt: skip
+            with pytest.raises(StoreGoneError, match=rf"store at 127.0.0.1:{port} is gone"):
+                call()
+        # torch's client prints a C++ stack trace for each call to a gone store; none came.
+        assert "Exception raised from" not in capfd.readouterr().err
+        # The gone store met before its closed connection is seen (the host exited a moment
+        # before): torch's trace is caught and kept, the console gets nothing.
+        store_traces()
+        monkeypatch.setattr(store_channel, "_closed", lambda link: False)
+        with pytest.raises(RuntimeError) as caught:
+            channel.read("k")  # a set may still go out; a read needs the server's answer
+        assert not isinstance(caught.value, StoreGoneError)
+        print("a line of its own", file=sys.stderr, flush=True)
+        assert capfd.readouterr().err == "a line of its own\n"
+        (trace,) = store_traces()
+        assert "TCPStore" in trace.splitlines()[0]
+        assert trace.splitlines()[1].startswith("Exception raised from ")
+        assert store_traces() == []
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_a_file_store_is_never_gone(tmp_path: Path) -> None:
+    channel = StoreChannel.from_file(str(tmp_path / "store"), rank=0, world_size=1, timeout=5)
+    assert channel.address is None
+    assert not channel.gone()
+    channel.delete("never-set")  # nothing to delete: no error
+    channel.set("k", "v")
+    channel.delete("k")
+    assert channel.read("k") is None
+
+
+def test_only_a_store_s_stack_trace_is_taken_out_of_what_c_plus_plus_wrote() -> None:
+    written = (
+        b"[W1206 02:52:11.933 ProcessGroupGloo.cpp:9] a warning of one line\n"
+        b"[W1206 02:52:11.934 TCPStore.cpp:106] [c10d] sendBytes failed: Broken pipe\n"
+        b"Exception raised from sendBytes at Utils.hpp:758 (most recent call first):\n"
+        b"frame #0: c10::Error::Error(...)\n<omitting python frames>\nframe #18: _start\n\n"
+        b"and a line after it\n"
+    )
+    rest, traces = store_channel._split_traces(written)
+    assert rest == (
+        b"[W1206 02:52:11.933 ProcessGroupGloo.cpp:9] a warning of one line\nand a line after it\n"
+    )
+    assert len(traces) == 1
+    assert traces[0].startswith(b"[W1206 02:52:11.934 TCPStore.cpp:106]")
+    assert traces[0].endswith(b"frame #18: _start\n\n")

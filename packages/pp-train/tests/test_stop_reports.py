@@ -44,7 +44,6 @@ from pp_train.stop_reports import (
     report_non_finite,
     report_stem,
     stop_evidence,
-    use_default_store,
 )
 from pp_train.training import NonFiniteError
 
@@ -180,8 +179,12 @@ def test_a_gone_store_costs_the_watcher_one_line_per_thing_and_no_stack_trace(
 ) -> None:
     gone = StoreChannel(_GoneStore(), rank=0, world_size=2)  # type: ignore[arg-type]
     monkeypatch.setattr(SignalWatcher, "_dump_channel", lambda self: gone)
-    monkeypatch.setattr(SignalWatcher, "_liveness_channel", lambda self: gone)
-    with SignalWatcher(None, iteration=lambda: 1, directory=tmp_path, poll_s=0.02) as watcher:
+    executor = get_forward_backward_func(None, config=ScheduleConfig(hidden_size=WIDTH))
+    executor.channel = gone  # the liveness record goes there (pp-schedules' watch_pipeline)
+    with (
+        stop_evidence(executor, None),  # type: ignore[arg-type]
+        SignalWatcher(None, iteration=lambda: 1, directory=tmp_path, poll_s=0.02) as watcher,
+    ):
         time.sleep(0.3)  # several polls, each failing
     assert watcher.dumps == 0
     err = capfd.readouterr().err
@@ -272,12 +275,12 @@ def test_sigterm_publishes_the_position_while_the_main_thread_waits_in_a_receive
 
 def _busy_rank_answers(directory: str, busy: int) -> dict[str, Any]:
     executor = _executor(report_wait=5.0)
-    use_default_store(executor)
-    if dist.get_rank() == busy:
-        with SignalWatcher(executor, iteration=lambda: 2, directory=Path(directory), poll_s=0.1):
-            time.sleep(4.0)  # busy: neither lost nor in a transfer; its watcher answers
-        return {}
-    report = report_stop(executor, None)
+    with stop_evidence(executor, None):  # type: ignore[arg-type]
+        if dist.get_rank() == busy:
+            with SignalWatcher(executor, iteration=lambda: 2, directory=Path(directory)):
+                time.sleep(4.0)  # busy: neither lost nor in a transfer; its watch answers
+            return {}
+        report = report_stop(executor, None)
     assert report is not None
     return {
         "answered": report.answered,
@@ -291,7 +294,8 @@ def _busy_rank_answers(directory: str, busy: int) -> dict[str, Any]:
 def test_a_busy_rank_asked_for_its_position_publishes_it_from_its_watcher(
     tmp_path: Path, busy: int
 ) -> None:
-    """One rank stops and asks; the other, busy in its main thread, answers from its watcher.
+    """One rank stops and asks; the other, busy in its main thread, answers from a thread of
+    its watch (pp-schedules' `watch_pipeline`, entered by `stop_evidence`).
 
     The rank that stopped prints the report even when the busy one is the lower stage."""
     stopped = 1 - busy

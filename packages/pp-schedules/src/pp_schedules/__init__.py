@@ -13,7 +13,9 @@ The names a trainer needs are here; the package has two rooms for the rest:
 A trainer resolves its schedule once (`resolve_schedule` -> `ResolvedSchedule`: the name,
 placement and every validated plan of the run), splits its model for the placement
 (`PipelineModel`) and runs each step through the executor that takes it
-(`get_forward_backward_func(communicator, resolved)`).
+(`get_forward_backward_func(communicator, resolved)`), inside ``with
+watch_pipeline(executor, state):`` for the story of a rank that dies (liveness records, the
+stop report naming global ranks, SIGTERM answered).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from pp_schedules.runtime import (
     deallocate_output_tensor,
     get_forward_backward_func,
     split_module_names,
+    watch_pipeline,
     write_schedule_trace,
 )
 
@@ -93,5 +96,6 @@ __all__ = [
     "runtime",
     "schedule_spec",
     "split_module_names",
+    "watch_pipeline",
     "write_schedule_trace",
 ]

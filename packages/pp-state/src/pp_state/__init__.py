@@ -10,10 +10,12 @@
   embedding or loss each (rank, chunk) holds; `LayerLayoutError` for a layout that cannot be.
 - `collective`: wrap a collective so a dead or silent peer raises one `CollectiveError`
   naming the rank, the peer, the operation and the iteration; `set_collective_hook` tells a
-  recorder of every wrapped collective, `set_peer_finder` names a lost member by evidence.
+  recorder of every wrapped collective, `set_peer_finder` names a lost member by evidence,
+  `set_address_book` the member a backend's peer address belongs to.
 - `RankCoordinates` / `coordinates_in` (`ParallelState.coordinates`): where a global rank sits
   ("rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0)"); `pp_state.liveness`: each rank's
-  identity and heartbeat in the store, and what they say of a rank (gone, stopped, silent).
+  identity, heartbeat and endpoints in the store, and what they say of a rank (gone, stopped,
+  silent, left).
 - `is_int`, `is_real`, `check_int`, `check_at_least`, `divisors` (`pp_state.numbers`): the
   whole-number checks every layer shares (a bool is never a count).
 - `pp_state.parallel_state`: Megatron's ``parallel_state`` names over a set-once default state.
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
         collective_device,
         collective_error,
         is_lost_peer,
+        set_address_book,
         set_collective_hook,
         set_peer_finder,
     )
@@ -90,7 +93,7 @@ if TYPE_CHECKING:
     from pp_state.params import param_is_not_tensor_parallel_duplicate
     from pp_state.process_groups_config import ProcessGroupCollection
     from pp_state.state import ParallelConfig, ParallelState, StateDestroyedError
-    from pp_state.store_channel import StoreChannel, StoreTimeoutError
+    from pp_state.store_channel import StoreChannel, StoreGoneError, StoreTimeoutError
 
 __version__ = _version("pp-state")
 
@@ -101,6 +104,7 @@ _LAZY = {
     "collective": "pp_state.collectives",
     "collective_device": "pp_state.collectives",
     "collective_error": "pp_state.collectives",
+    "set_address_book": "pp_state.collectives",
     "set_collective_hook": "pp_state.collectives",
     "set_peer_finder": "pp_state.collectives",
     "is_lost_peer": "pp_state.collectives",
@@ -118,6 +122,7 @@ _LAZY = {
     "ProcessGroupCollection": "pp_state.process_groups_config",
     "StateDestroyedError": "pp_state.state",
     "StoreChannel": "pp_state.store_channel",
+    "StoreGoneError": "pp_state.store_channel",
     "StoreTimeoutError": "pp_state.store_channel",
 }
 
@@ -157,6 +162,7 @@ __all__ = [
     "RankGenerator",
     "StateDestroyedError",
     "StoreChannel",
+    "StoreGoneError",
     "StoreTimeoutError",
     "__version__",
     "at_iteration",
@@ -182,6 +188,7 @@ __all__ = [
     "param_is_not_tensor_parallel_duplicate",
     "rank_layout",
     "reset_default_state",
+    "set_address_book",
     "set_collective_hook",
     "set_default_state",
     "set_peer_finder",

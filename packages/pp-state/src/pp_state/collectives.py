@@ -16,14 +16,19 @@ none. Entering and leaving costs a method call; nothing is checked unless an err
 With a collective hook set, each entry also looks up the group's ranks and hands the hook a
 record (tensor-parallel collectives inside a forward included).
 
-Two hooks, set by a trainer (pp-train sets both):
+Three hooks, set by a trainer (pp-train and `pp_schedules.runtime.watch_pipeline` set them):
 
 - `set_collective_hook(hook)`: ``hook.begin(operation, group_ranks, iteration)`` and
   ``hook.end(token, failed)`` around every `collective` (pp-schedules' flight recorder keeps them
   beside the plan steps, so a stop report knows which collective a rank was in);
 - `set_peer_finder(finder)`: names the lost member of a group of more than two ranks, where
   the backend's error does not (``finder(other_ranks)`` returns the peer and the evidence, or
-  None; `pp_state.liveness.lost_peer` is one).
+  None; `pp_state.liveness.lost_peer` is one);
+- `set_address_book(book)`: maps the address a backend's error names ("Connection closed by
+  peer [127.0.0.1]:51099") to the member of the group it belongs to, with what its liveness
+  record says of it (``book(address, other_ranks)`` returns the candidates and the evidence;
+  `pp_state.liveness.address_book` is one). A member found by its address is the peer; the
+  peer finder is asked only when no single member holds the address.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "AddressBook",
     "CollectiveError",
     "CollectiveHook",
     "PeerFinder",
@@ -45,6 +51,7 @@ __all__ = [
     "collective_device",
     "collective_error",
     "is_lost_peer",
+    "set_address_book",
     "set_collective_hook",
     "set_peer_finder",
 ]
@@ -77,6 +84,9 @@ class CollectiveHook(Protocol):
 
 PeerFinder = Callable[[tuple[int, ...]], tuple[int, str] | None]
 """Names the lost member of some ranks: (global rank, evidence in words), or None."""
+AddressBook = Callable[[str, tuple[int, ...]], tuple[tuple[int, ...], str | None]]
+"""Maps a backend's peer address to the members of some ranks that hold it, and says what the
+liveness record shows of a single one (None: alive, or nothing known)."""
 
 
 class _Hooks:
@@ -84,6 +94,7 @@ class _Hooks:
 
     collective: CollectiveHook | None = None
     peer: PeerFinder | None = None
+    addresses: AddressBook | None = None
 
 
 _HOOKS = _Hooks()
@@ -109,6 +120,16 @@ def set_peer_finder(finder: PeerFinder | None) -> PeerFinder | None:
     return previous
 
 
+def set_address_book(book: AddressBook | None) -> AddressBook | None:
+    """Ask `book` which member a backend's peer address belongs to (None: nobody).
+
+    Returns:
+        The book set before, to put back.
+    """
+    previous, _HOOKS.addresses = _HOOKS.addresses, book
+    return previous
+
+
 class CollectiveError(RuntimeError):
     """A collective failed because a peer died, left or did not answer within the timeout.
 
@@ -122,6 +143,8 @@ class CollectiveError(RuntimeError):
         group_ranks: Global ranks of the group the collective ran over.
         iteration: The training iteration, when the caller knows it, or None.
         timed_out: True when the peer did not answer in time (rather than closing).
+        peer_candidates: When the peer is unknown, the members whose published endpoints
+            hold its address (two or more: the address cannot tell them apart); else ().
     """
 
     def __init__(
@@ -136,8 +159,10 @@ class CollectiveError(RuntimeError):
         iteration: int | None = None,
         timed_out: bool = False,
         peer_evidence: str | None = None,
+        peer_candidates: tuple[int, ...] = (),
     ) -> None:
         """Builds the one-line message from the context."""
+        self.peer_candidates = tuple(peer_candidates)
         self.rank = rank
         self.peer = peer
         self.peer_address = peer_address
@@ -154,6 +179,12 @@ class CollectiveError(RuntimeError):
         who = "peer rank unknown" if self.peer is None else f"peer rank {self.peer}"
         if self.peer_evidence is not None:
             who += f" ({self.peer_evidence})"
+        elif self.peer_address is not None and len(self.peer_candidates) > 1:
+            *first, last = self.peer_candidates
+            who += (
+                f" (address {self.peer_address}: rank {', '.join(map(str, first))} or {last}; "
+                "its port, read as printed or byte-swapped, is an endpoint of each)"
+            )
         elif self.peer_address is not None:
             who += f" (address {self.peer_address})"
         what = "did not answer in time" if self.timed_out else "closed the connection or died"
@@ -174,6 +205,7 @@ class CollectiveError(RuntimeError):
             iteration=iteration,
             timed_out=self.timed_out,
             peer_evidence=self.peer_evidence,
+            peer_candidates=self.peer_candidates,
         )
 
 
@@ -207,27 +239,49 @@ def collective_error(
     """The `error_class` naming this rank, the group, the peer and `operation` for `error`.
 
     For callers that catch the backend's error themselves (a ``Work.wait()``); `collective`
-    uses it too. The peer is a rank when the group has one other rank, else the one the peer
-    finder (`set_peer_finder`) shows lost, with its evidence, else unknown.
+    uses it too. The peer is the other member of a group of two, else the member whose
+    endpoints hold the address the error names (`set_address_book`), else the one the peer
+    finder (`set_peer_finder`) shows lost, else unknown; with what its liveness record says
+    of it, when that is more than "alive".
     """
     rank = dist.get_rank() if dist.is_initialized() else -1
     ranks = _group_ranks(group)
-    others = [other for other in ranks if other != rank]
+    others = tuple(other for other in ranks if other != rank)
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    address = _ADDRESS.search(text)
+    found = _ADDRESS.search(text)
+    address = found.group(0) if found else None
     lowered = text.lower()
-    peer, evidence = (others[0], None) if len(others) == 1 else _found_peer(tuple(others))
+    held, said = _at_address(address, others)
+    peer: int | None
+    if len(others) == 1:
+        peer, evidence = others[0], said if held == others else None
+    elif len(held) == 1:
+        peer, evidence = held[0], said
+    else:
+        peer, evidence = _found_peer(others)
     return error_class(
         rank=rank,
         operation=operation,
         group_ranks=ranks,
         cause=text,
         peer=peer,
-        peer_address=address.group(0) if address else None,
+        peer_address=address,
         iteration=iteration,
         timed_out="timed out" in lowered or "timeout" in lowered,
         peer_evidence=evidence,
+        peer_candidates=held if peer is None and len(held) > 1 else (),
     )
+
+
+def _at_address(address: str | None, others: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+    """The members of `others` the address book says hold `address`, and its evidence."""
+    book = _HOOKS.addresses
+    if book is None or address is None or not others:
+        return (), None
+    try:
+        return book(address, others)
+    except Exception:  # a book that fails must not hide the collective's own error
+        return (), None
 
 
 def _found_peer(others: tuple[int, ...]) -> tuple[int | None, str | None]:

@@ -9,18 +9,29 @@ liveness record in the job's store (a `pp_state.store_channel.StoreChannel`):
 - a **heartbeat** (`beat`): the wall-clock time, set again and again by a thread of the
   trainer's (pp-train's signal watcher beats every half second);
 - a **leaving note** (`leave`), set by a rank that stops on an error of its own seeing, just
-  before it exits: a rank that left after others failed is not the one that was lost.
+  before it exits: a rank that left after others failed is not the one that was lost;
+- its **endpoints** (`publish_endpoints`): the local side of every TCP socket the process
+  holds, so that the address a backend's error names ("Connection closed by peer
+  [127.0.0.1]:51099") can be mapped back to a rank (`ranks_at`, `address_book`);
+- a **finished** mark (`finish`), set by every rank when it stops watching: the rank hosting
+  the store waits for the others' (`wait_until_finished`) before it takes the store away.
 
 `assess(channel, ranks)` turns them into a `Liveness` per rank: on the same host (and in the
 same process-id namespace) the process itself says it (gone when it has exited, stopped when
 it is stopped, SIGSTOP), elsewhere the heartbeat does (gone or stopped when it is older than
-`stale_after` seconds). A gone rank that left a note is "left", not lost. `lost_peer(channel,
+`stale_after` seconds). A rank that left a note is "left", not lost, whether its process has
+exited yet or not. `lost_peer(channel,
 ranks)` names the rank of a group that such evidence shows lost first (the one whose
 heartbeat stopped first; without heartbeats, gone before stopped before silent), for an error
 that would otherwise say "peer rank unknown". Heartbeats are compared by wall-clock time: on
 several hosts, their clocks must agree within a second or so (NTP).
 
 Nothing here waits without a bound; a store that fails makes every rank "unknown".
+
+gloo names a peer by the remote end of the connection that failed: the peer's listening port,
+or the local port of a connection the peer opened. torch 2.13's gloo prints that port with
+its two bytes swapped (51099 for 39887), so `ranks_at` matches both readings; an address
+that two ranks' endpoints hold under the two readings names both as candidates.
 """
 
 from __future__ import annotations
@@ -41,15 +52,23 @@ __all__ = [
     "STALE_AFTER_S",
     "Identity",
     "Liveness",
+    "address_book",
     "assess",
     "beat",
+    "by_process",
     "describe",
+    "finish",
     "leave",
     "lost_first",
     "lost_peer",
+    "own_endpoints",
     "own_identity",
     "peer_finder",
+    "publish_endpoints",
     "publish_identity",
+    "ranks_at",
+    "read_identity",
+    "wait_until_finished",
 ]
 
 HEARTBEAT_S = 0.5
@@ -86,8 +105,8 @@ class Liveness:
         rank: The global rank.
         state: "alive"; "gone" (its process has exited without a note); "stopped" (its
             process is stopped); "silent" (no heartbeat for a while, on another host: gone or
-            stopped); "left" (it exited after a note: it stopped on an error it saw);
-            "unknown" (no record, or no store).
+            stopped); "left" (it left a note: it stopped on an error it saw, and has exited
+            or is exiting); "unknown" (no record, or no store).
         evidence: In words: "its process 4242 on this host has exited", "no heartbeat for
             6.1 s".
         heartbeat_age: Seconds since its last heartbeat, when it beat at all.
@@ -131,14 +150,22 @@ def _left_key(rank: int) -> str:
     return f"alive/{rank}/left"
 
 
+def _endpoints_key(rank: int) -> str:
+    return f"alive/{rank}/endpoints"
+
+
+def _finished_key(rank: int, run: str) -> str:
+    return f"alive/{rank}/finished/{run}"
+
+
 def publish_identity(channel: StoreChannel, rank: int) -> bool:
     """Publish this process's identity as `rank`; False if the store fails (nothing raised).
 
     A leaving note an earlier process left as `rank` in the same store is removed.
     """
     try:
-        with contextlib.suppress(Exception):  # no such key, or a store without deletes
-            channel.store.delete_key(channel.prefix + _left_key(rank))
+        with contextlib.suppress(Exception):  # a store without deletes
+            channel.delete(_left_key(rank))
         channel.set(_identity_key(rank), json.dumps(dataclasses.asdict(own_identity(rank))))
     except Exception:  # a gone store must not stop training
         return False
@@ -166,12 +193,55 @@ def leave(channel: StoreChannel, rank: int, reason: str) -> bool:
     return True
 
 
+def finish(channel: StoreChannel, rank: int, run: str = "") -> bool:
+    """Mark `rank` as finished with the store in `run` (see `wait_until_finished`).
+
+    Returns:
+        False if the store fails (nothing raised).
+    """
+    try:
+        channel.set(_finished_key(rank, run), repr(time.time()))
+    except Exception:  # a gone store: nobody waits for the mark any more
+        return False
+    return True
+
+
+def wait_until_finished(
+    channel: StoreChannel,
+    ranks: Iterable[int],
+    timeout: float,
+    *,
+    run: str = "",
+    poll_s: float = 0.1,
+) -> list[int]:
+    """Wait until each of `ranks` has finished `run` (`finish`), or is gone, stopped or silent.
+
+    For the process that hosts the store: it keeps it up until the others have done with it.
+    Marks are per `run` (a token the ranks share), so that a mark of an earlier run in the
+    same store is not taken for this one's. At most `timeout` seconds; a store that fails
+    ends the wait.
+
+    Returns:
+        The ranks neither finished nor lost when the wait ended.
+    """
+    waiting = set(ranks)
+    deadline = time.monotonic() + max(timeout, 0.0)
+    while waiting:
+        try:
+            waiting = {r for r in waiting if _read(channel, _finished_key(r, run)) is None}
+            found = assess(channel, waiting) if waiting else {}
+        except Exception:  # nothing more can be read: nobody can use the store either
+            break
+        waiting -= {rank for rank, live in found.items() if live.lost}
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return sorted(waiting)
+
+
 def _read(channel: StoreChannel, key: str) -> str | None:
-    full = channel.prefix + key
-    if not channel.store.check([full]):
-        return None
-    value: bytes = channel.store.get(full)
-    return value.decode()
+    value = channel.read(key)
+    return None if value is None else value.decode()
 
 
 def _process_state(pid: int) -> str | None:
@@ -201,6 +271,24 @@ def _by_process(identity: Identity, here: str) -> Liveness | None:
     return Liveness(identity.rank, "alive", f"{where} runs")
 
 
+def read_identity(channel: StoreChannel, rank: int) -> Identity | None:
+    """The identity `rank` published, or None (none, or a store that fails)."""
+    try:
+        text = _read(channel, _identity_key(rank))
+    except Exception:  # evidence is best effort
+        return None
+    return None if text is None else Identity(**json.loads(text))
+
+
+def by_process(identity: Identity) -> Liveness | None:
+    """What the process of `identity` says now, without the store, when it can be seen.
+
+    For a rank whose identity was read while the store was there: "gone", "stopped" or
+    "alive" from /proc on the same host (and process-id namespace); None elsewhere.
+    """
+    return _by_process(identity, _space())
+
+
 def _one(channel: StoreChannel, rank: int, stale_after: float, here: str) -> Liveness:
     text = _read(channel, _identity_key(rank))
     identity = None if text is None else Identity(**json.loads(text))
@@ -208,11 +296,12 @@ def _one(channel: StoreChannel, rank: int, stale_after: float, here: str) -> Liv
     age = None if beat_text is None else max(time.time() - float(beat_text), 0.0)
     if identity is not None:
         seen = _by_process(identity, here)
-        if seen is not None and seen.state == "gone":
+        if seen is not None and seen.state in ("gone", "alive"):
             note = _read(channel, _left_key(rank))
             if note is not None:
                 reason = json.loads(note).get("reason", "")
-                return Liveness(rank, "left", f"it left after its own error: {reason}", age)
+                leaves = "left" if seen.state == "gone" else "is leaving"
+                return Liveness(rank, "left", f"it {leaves} after its own error: {reason}", age)
         if seen is not None:
             return dataclasses.replace(seen, heartbeat_age=age)
     if age is not None and age > stale_after and _read(channel, _left_key(rank)) is not None:
@@ -296,3 +385,130 @@ def peer_finder(
         return None if live is None else (live.rank, describe(live))
 
     return find
+
+
+# ------------------------------------------------------------------------------ endpoints
+_LISTEN = "0A"  # a listening socket's state in /proc/net/tcp
+
+
+def _socket_inodes() -> set[str]:
+    """The inodes of this process's sockets."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    return inodes
+
+
+def _host_of(hex_address: str) -> str:
+    """A /proc/net/tcp address ("0100007F", or 32 digits for IPv6) as text."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+    if len(words) == 4:
+        return socket.inet_ntop(socket.AF_INET, words)
+    if words[:12] == b"\x00" * 10 + b"\xff\xff":  # an IPv4 address mapped into IPv6
+        return socket.inet_ntop(socket.AF_INET, words[12:])
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def own_endpoints(*, listening: bool = False) -> list[tuple[str, int]]:
+    """The local side of every TCP socket this process holds: ``(host, port)``, sorted.
+
+    Listening sockets and connections alike (a backend's pair sockets, the store's), from
+    ``/proc/self/net/tcp`` and ``tcp6``; [] where /proc cannot tell (off Linux). With
+    `listening`, the listening sockets only.
+    """
+    try:
+        inodes = _socket_inodes()
+    except OSError:
+        return []
+    found = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with contextlib.suppress(OSError), open(table, encoding="ascii") as lines:
+            next(lines, None)
+            for line in lines:
+                fields = line.split()
+                if (
+                    len(fields) > 9
+                    and fields[9] in inodes
+                    and (not listening or fields[3] == _LISTEN)
+                ):
+                    host, port = fields[1].rsplit(":", 1)
+                    found.add((_host_of(host), int(port, 16)))
+    return sorted(found)
+
+
+def publish_endpoints(channel: StoreChannel, rank: int) -> bool:
+    """Publish this process's TCP endpoints as `rank`'s (`own_endpoints`); False if it fails.
+
+    Published at the start and again now and then (a group made later opens new sockets).
+    """
+    try:
+        channel.set(_endpoints_key(rank), json.dumps(own_endpoints()))
+    except Exception:  # a gone store must not stop training
+        return False
+    return True
+
+
+def _parse_address(address: str) -> tuple[str, int] | None:
+    """``[127.0.0.1]:51099`` (a backend's form) or ``127.0.0.1:51099`` as (host, port)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if host.lower().startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return (host, int(port)) if port.isdigit() and host else None
+
+
+def _swapped(port: int) -> int:
+    return ((port & 0xFF) << 8) | (port >> 8)
+
+
+def ranks_at(channel: StoreChannel, address: str, ranks: Iterable[int]) -> list[int]:
+    """The ranks of `ranks` whose published endpoints hold `address` (see the module).
+
+    The port is matched as printed and with its bytes swapped; the host must match too
+    (or the endpoint listen on every address). Ranks without published endpoints, or a
+    store that fails, match nothing.
+    """
+    parsed = _parse_address(address)
+    if parsed is None:
+        return []
+    host, port = parsed
+    ports = {port, _swapped(port)}
+    found: list[int] = []
+    for rank in ranks:
+        try:
+            text = _read(channel, _endpoints_key(rank))
+        except Exception:  # evidence is best effort
+            return found
+        endpoints = [] if text is None else json.loads(text)
+        if any(int(p) in ports and h in (host, "0.0.0.0", "::") for h, p in endpoints):
+            found.append(rank)
+    return found
+
+
+def address_book(
+    channel: StoreChannel, *, wait_s: float = 4 * HEARTBEAT_S
+) -> Callable[[str, tuple[int, ...]], tuple[tuple[int, ...], str | None]]:
+    """An address book for `pp_state.collectives.set_address_book`, over `channel`.
+
+    It maps a backend's address to the ranks of a group whose endpoints hold it (`ranks_at`)
+    and, for one rank, says what its liveness record shows of it, unless it is alive. A
+    killed process closes its sockets a moment before it shows as exited: a rank that still
+    runs is looked at again for up to `wait_s` seconds.
+    """
+
+    def look_up(address: str, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+        found = tuple(ranks_at(channel, address, ranks))
+        if len(found) != 1:
+            return found, None
+        deadline = time.monotonic() + wait_s
+        live = assess(channel, found)[found[0]]
+        while live.state == "alive" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            live = assess(channel, found)[found[0]]
+        return found, None if live.state in ("alive", "unknown") else describe(live)
+
+    return look_up

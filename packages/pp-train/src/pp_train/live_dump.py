@@ -17,12 +17,10 @@ reads it:
   request, on stderr. Training goes on. ``python -m pp_train.dump --pid <torchrun's pid>``
   sends the signal to one worker of a job (`pp_train.dump`).
 
-The thread also answers a stopped rank that asks where this one is (a rank busy in a long
-step, not lost, shows its step instead of being placed by the plan), and keeps this rank's
-liveness record (`pp_state.liveness`): the process's
-identity, published once, and a heartbeat every half second, from which a survivor names a
-rank that died or stopped. A store that fails costs one line per thing the thread could not
-do, never a stack trace.
+This rank's liveness record (identity and heartbeat) and its answers to a stopped rank that
+asks where it is are pp-schedules' `watch_pipeline`'s, which the loop enters first
+(`pp_train.stop_reports.stop_evidence`). A store that fails costs one line per thing the
+thread could not do, never a stack trace.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pp_schedules import PipelineExecutor
-from pp_schedules.runtime import answer_ask, first_line
+from pp_schedules.runtime import first_line
 from pp_state import liveness
 from pp_state.store_channel import StoreChannel
 from pp_train.stop_reports import report_on_sigterm, use_default_store, write_line
@@ -161,18 +159,11 @@ class SignalWatcher:
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous: tuple[int, Any] | None = None
         self._thread: threading.Thread | None = None
-        self._beater: threading.Thread | None = None
         self._noted: set[str] = set()
-        self._alive: StoreChannel | None = None
-        self._answered: bytes | None = None  # the last ask for this rank's position answered
 
     def __enter__(self) -> SignalWatcher:
         if self.executor is not None:
             use_default_store(self.executor)
-        self._alive = self._liveness_channel()
-        if self._alive is not None and not liveness.publish_identity(self._alive, self.rank):
-            self._alive = None
-            self._note("publish its liveness record", RuntimeError("the store did not answer"))
         self._channel = self._dump_channel()
         self._seen = self._requests()
         if threading.current_thread() is threading.main_thread():
@@ -184,56 +175,18 @@ class SignalWatcher:
             self._previous = (old_fd, signal.signal(signal.SIGUSR2, _ignore))
         self._thread = threading.Thread(target=self._watch, name="pp-train-signals", daemon=True)
         self._thread.start()
-        # A thread of its own: the watcher may spend seconds reporting a stop.
-        self._beater = threading.Thread(target=self._beat, name="pp-train-heartbeat", daemon=True)
-        self._beater.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        for thread in (self._thread, self._beater):
-            if thread is not None:
-                thread.join(_JOIN_S)
+        if self._thread is not None:
+            self._thread.join(_JOIN_S)
         if self._previous is not None:
             old_fd, old_handler = self._previous
             signal.set_wakeup_fd(old_fd)
             signal.signal(signal.SIGUSR2, old_handler)
         for end in self._sockets or ():
             end.close()
-
-    def _liveness_channel(self) -> StoreChannel | None:
-        """Where this rank's identity and heartbeat go: the stop reports' channel."""
-        if self.executor is not None and self.executor.channel is not None:
-            return self.executor.channel
-        if not dist.is_initialized():
-            return None
-        try:
-            return StoreChannel.from_default_group(timeout=10.0)
-        except Exception as error:  # no store: no liveness record, reports say "unknown"
-            self._note("reach the default group's store", error)
-            return None
-
-    def _beat(self) -> None:
-        """Set this rank's heartbeat every `pp_state.liveness.HEARTBEAT_S` seconds.
-
-        Until the watcher stops, or the store fails (one line, and no more beats).
-        """
-        channel = self._alive
-        while channel is not None and not self._stop.is_set():
-            if not liveness.beat(channel, self.rank):
-                self._note("publish its heartbeat", RuntimeError("the store did not answer"))
-                return
-            self._stop.wait(liveness.HEARTBEAT_S)
-
-    def _answer_ask(self) -> None:
-        """Publish this rank's position when a stopped rank asks for it (it is busy, not lost)."""
-        what = "answer a request for its position"
-        if self.executor is None or self.executor.channel is None or what in self._noted:
-            return
-        try:
-            self._answered = answer_ask(self.executor, self._answered)
-        except Exception as error:  # a gone store: the report places this rank by the plan
-            self._note(what, error)
 
     def _dump_channel(self) -> StoreChannel | None:
         if not dist.is_initialized():
@@ -261,7 +214,7 @@ class SignalWatcher:
         if self._channel is None:
             return 0
         try:
-            return int(self._channel.store.add(self._channel.prefix + _REQUESTS, add))
+            return self._channel.add(_REQUESTS, add)  # a gone store: no call of torch's
         except Exception as error:  # the store is gone: the job is ending anyway
             self._note("read the dump requests", error)
             return self._seen
@@ -274,7 +227,6 @@ class SignalWatcher:
 
     def _watch_until_stopped(self) -> None:
         while not self._stop.is_set():
-            self._answer_ask()
             for signum in self._signals():
                 if signum == signal.SIGTERM:
                     self._on_sigterm()
@@ -319,7 +271,8 @@ class SignalWatcher:
                 f"its pipeline stopped: {outcome.report.cause}"
             )
             sys.stdout.flush()
-            if self._alive is not None:  # the others' evidence: this rank left on its own
-                liveness.leave(self._alive, self.rank, f"SIGTERM: {outcome.report.cause}")
+            channel = self.executor.channel
+            if channel is not None:  # the others' evidence: this rank left on its own
+                liveness.leave(channel, self.rank, f"SIGTERM: {outcome.report.cause}")
             # The main thread waits for a rank that is gone; no save can follow.
             self.leave(1)

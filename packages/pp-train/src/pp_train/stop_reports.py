@@ -18,31 +18,33 @@ pp-schedules' executor builds a `StopReport` when a call fails on two or more pi
 - on SIGTERM (torchrun's agent terminates the survivors soon after a rank dies, long before any
   p2p timeout), publishes the position at once and, when the pipeline is broken, prints the
   report (`report_on_sigterm`, run by `pp_train.live_dump.SignalWatcher`'s thread).
+
+The evidence a report reads while training (liveness records and the heartbeat, names by
+global rank and place, the run token, collectives recorded, the leaving note) is
+pp-schedules' `watch_pipeline`, which `stop_evidence` enters with pp-train's own reporting.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from pp_comm import P2PError
 from pp_schedules import PipelineExecutor
-from pp_schedules.runtime import StopReport, first_line, read_position, report_stop
-from pp_state.collectives import (
-    CollectiveError,
-    collective,
-    collective_device,
-    set_collective_hook,
-    set_peer_finder,
+from pp_schedules.runtime import (
+    PipelineWatch,
+    SigtermOutcome,
+    StopReport,
+    first_line,
+    report_stop,
+    run_token,
 )
-from pp_state.liveness import leave, peer_finder
+from pp_schedules.runtime import report_on_sigterm as _sigterm_report
+from pp_state.collectives import CollectiveError
 from pp_state.state import ParallelState
 from pp_state.store_channel import StoreChannel
 from pp_train.arguments import PretrainConfig
@@ -217,39 +219,6 @@ def _print_and_keep(
     return report
 
 
-@dataclasses.dataclass(frozen=True)
-class SigtermOutcome:
-    """What `report_on_sigterm` found.
-
-    Attributes:
-        published: This rank published its position.
-        report: The report, when the pipeline is broken (a rank failed or did not answer).
-        failed: A rank that answered had failed: the pipeline cannot finish the iteration.
-    """
-
-    published: bool
-    report: StopReport | None = None
-    failed: bool = False
-
-
-def _own_error_published(executor: PipelineExecutor) -> bool:
-    """Whether the executor has published this rank's failure in the current call already.
-
-    Its failure path publishes with the error before it raises; a signal arriving then must
-    not overwrite that position with one without the error.
-    """
-    channel, communicator = executor.channel, executor.communicator
-    if channel is None or communicator is None:
-        return False
-    try:
-        document = read_position(channel, communicator.rank)
-    except Exception:  # a store that fails: publish anyway, it notes its own failure
-        return False
-    if document is None:
-        return False
-    return document.get("iteration") == executor.recorder.iteration and bool(document.get("error"))
-
-
 def use_default_store(executor: PipelineExecutor) -> None:
     """Give the executor the default group's store as its channel (unless it has one).
 
@@ -270,71 +239,41 @@ def report_on_sigterm(
     Otherwise the lowest pipeline rank that answered prints and writes it. A rank whose
     executor is already reporting its own failure does nothing here.
     """
-    if executor.communicator is None or _own_error_published(executor):
-        return SigtermOutcome(published=False)
-    report = report_stop(executor, None)
-    if report is None:
-        return SigtermOutcome(published=False)
-    failed = any(head.get("error") for head in report.heads.values())
-    if not failed and len(report.heads) == executor.pp_size:
-        return SigtermOutcome(published=True)
-    if _reports_here(report, executor):
-        write_line(report.render())
-    keep_report(None, report, executor, directory, iteration)
-    return SigtermOutcome(published=True, report=report, failed=failed)
+    outcome = _sigterm_report(executor)
+    report = outcome.report
+    if report is not None:
+        if _reports_here(report, executor):
+            write_line(report.render())
+        keep_report(None, report, executor, directory, iteration)
+    return outcome
 
 
-def run_token() -> str:
-    """A token every rank of this job shares and another job does not: rank 0's, broadcast.
+def _note(rank: int) -> Callable[[str, BaseException], None]:
+    """pp-train's line for a thing a rank could not do (a store that does not answer)."""
 
-    A collective over every rank (call it on each). Positions a stop publishes carry it, so
-    documents another job left in a shared store are set aside.
-    """
-    if not dist.is_initialized():
-        return f"{os.getpid()}"
-    drawn = int.from_bytes(os.urandom(7), "little")
-    token = torch.tensor([drawn], dtype=torch.int64, device=collective_device())
-    with collective("run token broadcast"):
-        dist.broadcast(token, src=0)
-    return f"{int(token.item()):014x}"
+    def note(what: str, error: BaseException) -> None:
+        write_line(
+            f"pp-train: rank {rank} could not {what} ({first_line(error)}); live dumps and "
+            "stop reports may miss this rank"
+        )
+
+    return note
 
 
 @contextlib.contextmanager
 def stop_evidence(executor: PipelineExecutor | None, state: ParallelState) -> Iterator[None]:
     """While training: what a stop report needs beyond the plan steps.
 
-    The executor names ranks by their place in `state` (``rank 1 (pipeline stage 0 of
-    [1, 3], dp 1, tp 0)``) and tags its positions with the job's `run_token`; pp-state's
-    collectives are recorded beside the plan steps (the executor's flight recorder) and a
-    collective's error names the member the liveness records show lost
-    (`pp_state.liveness.peer_finder`). Everything is put back on leaving.
+    pp-schedules' `watch_pipeline`, pp-train's reports aside (the loop writes its own, and
+    `pp_train.live_dump.SignalWatcher` answers SIGTERM): the executor names ranks by their
+    place in `state` (``rank 1 (pipeline stage 0 of [1, 3], dp 1, tp 0)``) and tags its
+    positions with the job's `run_token`; this rank's liveness record and heartbeat are kept;
+    pp-state's collectives are recorded beside the plan steps and a collective's error names
+    the member the liveness records show lost, or its address belongs to; a rank that stops
+    on a failure it saw leaves a note. Everything is put back on leaving.
     """
-    token = run_token()
-    hook = peer = None
-    if executor is not None:
-        executor.coordinates = getattr(state, "coordinates", None)  # a state of pp-state's
-        executor.run_token = token
-        use_default_store(executor)
-        hook = executor.recorder.collective_hook()
-    channel = executor.channel if executor is not None else None
-    if channel is None and dist.is_initialized():
-        with contextlib.suppress(Exception):  # no store: errors name no lost member
-            channel = StoreChannel.from_default_group(timeout=10.0)
-    if channel is not None:
-        peer = peer_finder(channel)
-    previous_hook = set_collective_hook(hook) if hook is not None else None
-    previous_peer = set_peer_finder(peer) if peer is not None else None
-    try:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with PipelineWatch(
+        executor, state, sigterm=False, report_errors=False, note=_note(rank), program="pp-train"
+    ):
         yield
-    except Exception as error:
-        # A rank that stops on a failure it saw (a transfer or collective that lost a peer)
-        # says so, so it is not taken for the lost one; a rank failing on its own error
-        # (out of memory, a bad batch) leaves no note: the others name it.
-        if channel is not None and isinstance(error, (P2PError, CollectiveError)):
-            leave(channel, dist.get_rank() if dist.is_initialized() else 0, first_line(error))
-        raise
-    finally:
-        if hook is not None:
-            set_collective_hook(previous_hook)
-        if peer is not None:
-            set_peer_finder(previous_peer)

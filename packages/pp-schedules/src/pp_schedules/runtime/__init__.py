@@ -16,7 +16,11 @@ runs exactly that.
   `measured_costs`.
 - When a pipeline stops: `FlightRecorder` (each rank's last steps and collectives), the stop
   channel (`report_stop`, `read_position`, `answer_ask`) and the `StopReport` naming where
-  every rank was and which one is the cause.
+  every rank was and which one is the cause; `watch_pipeline` (`PipelineWatch`) gives a
+  training loop all of it in one ``with``: liveness records and a heartbeat, names by global
+  rank and place, the report of a failure outside the executor, a leaving note, SIGTERM
+  answered (`report_on_sigterm`, `SigtermOutcome`), the run token (`run_token`) and the
+  store kept up by the rank hosting it.
 """
 
 from __future__ import annotations
@@ -68,6 +72,13 @@ from pp_schedules.runtime._timeline import (
     memory_counters,
     summary,
 )
+from pp_schedules.runtime._watch import (
+    PipelineWatch,
+    SigtermOutcome,
+    report_on_sigterm,
+    run_token,
+    watch_pipeline,
+)
 
 __all__ = [
     "DEFAULT_RECORDER_SIZE",
@@ -85,9 +96,11 @@ __all__ = [
     "PipelineChunk",
     "PipelineExecutor",
     "PipelineModel",
+    "PipelineWatch",
     "RankPosition",
     "RunStats",
     "ScheduleConfig",
+    "SigtermOutcome",
     "StopReport",
     "TensorSpec",
     "Tie",
@@ -111,11 +124,14 @@ __all__ = [
     "memory_counters",
     "on_demand_for",
     "read_position",
+    "report_on_sigterm",
     "report_stop",
     "resolve_for",
+    "run_token",
     "split_module_names",
     "storage_bytes",
     "summary",
     "transport_of",
+    "watch_pipeline",
     "write_schedule_trace",
 ]

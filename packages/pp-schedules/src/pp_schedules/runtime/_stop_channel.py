@@ -12,6 +12,7 @@ bound, and a store that fails only costs a one-line note on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -27,11 +28,11 @@ from pp_comm import P2PCommunicator, P2PError, P2PMismatchError, P2PTimeoutError
 from pp_schedules.runtime._flight_recorder import FlightRecorder
 from pp_schedules.runtime._stop_diagnosis import build_stop_report
 from pp_schedules.runtime._stop_report import StopReport
-from pp_state.collectives import CollectiveError
+from pp_state.collectives import CollectiveError, is_lost_peer
 from pp_state.coordinates import RankCoordinates
 from pp_state.liveness import assess
 from pp_state.numbers import is_real
-from pp_state.store_channel import StoreChannel
+from pp_state.store_channel import StoreChannel, store_traces
 
 __all__ = [
     "DEFAULT_REPORT_WAIT_S",
@@ -60,6 +61,7 @@ DEFAULT_REPORT_WAIT_S = 5.0
 """How long a stopped rank waits for the other ranks' positions, at most."""
 _POLL_S = 0.05
 _EARLIER_S = 1.0  # a position without an error older than this before one's own is a snapshot
+_LOOK_S = 0.5  # how often a gather reads the liveness records of the ranks it waits for
 _MESSAGE_CHARS = 400
 
 
@@ -117,7 +119,9 @@ def error_record(
     lines = str(error).strip().splitlines()
     # The backend's own words (source paths, advice) follow " Cause: " in pp-comm's errors.
     message = lines[0].split(" Cause: ")[0][:_MESSAGE_CHARS] if lines else ""
-    transfer = isinstance(error, (P2PError, CollectiveError))
+    # A backend's own error for a lost peer (a collective outside `collective(...)`) is a
+    # lost transfer too, though it names no rank: never this rank's own failure.
+    transfer = isinstance(error, (P2PError, CollectiveError)) or is_lost_peer(error)
     peer = getattr(error, "peer", None) if transfer else None
     timed_out = isinstance(error, P2PTimeoutError) or bool(getattr(error, "timed_out", False))
     mismatch = isinstance(error, P2PMismatchError)
@@ -297,11 +301,8 @@ def answer_ask(host: StopHost, answered: bytes | None = None) -> bytes | None:
     channel = host.channel
     if comm is None or channel is None or not host.recorder.plan:
         return answered
-    key = channel.prefix + _ask_key(comm.rank)
-    if not channel.store.check([key]):
-        return answered
-    asked: bytes = channel.store.get(key)
-    if asked == answered:
+    asked = channel.read(_ask_key(comm.rank))
+    if asked is None or asked == answered:
         return answered
     with _PUBLISHING:  # never over the position this rank's failure publishes meanwhile
         published = read_position(channel, comm.rank)
@@ -315,10 +316,10 @@ def answer_ask(host: StopHost, answered: bytes | None = None) -> bytes | None:
 
 def read_position(channel: StoreChannel, global_rank: int) -> dict[str, Any] | None:
     """The position `global_rank` published in `channel`, or None if it has published none."""
-    key = channel.prefix + _key(global_rank)
-    if not channel.store.check([key]):
+    text = channel.read(_key(global_rank))
+    if text is None:
         return None
-    document: dict[str, Any] = json.loads(channel.store.get(key))
+    document: dict[str, Any] = json.loads(text)
     return document
 
 
@@ -342,6 +343,7 @@ def gather_positions(
     wanted = _wanted(own)
     deadline = time.monotonic() + wait_s
     ask_at, asked = time.monotonic() + min(1.0, wait_s / 4), set[int]()
+    lost = _Lost(channel, own["global_rank"])
     while True:
         missing = wanted - set(known) - set(ignored) - asked
         if missing and time.monotonic() >= ask_at:  # alive but busy ranks: say where you are
@@ -350,6 +352,8 @@ def gather_positions(
             except Exception as error:  # the gather goes on without it
                 _note(own["global_rank"], "ask the other ranks for their positions", error)
             asked |= missing
+        if asked:  # a rank its record shows lost cannot answer: no need to wait for it
+            lost.look(wanted - set(known) - set(ignored))
         for global_rank in sorted(wanted - set(known) - set(ignored)):
             try:
                 document = read_position(channel, global_rank)
@@ -359,9 +363,27 @@ def gather_positions(
             if document is not None:
                 _take(document, own, known, ignored, earlier)
                 wanted |= _wanted(known.get(global_rank, {}))
-        if not wanted - set(known) - set(ignored) or time.monotonic() >= deadline:
+        if not wanted - set(known) - set(ignored) - lost.ranks or time.monotonic() >= deadline:
             return {**earlier, **known}, list(ignored.values())
         time.sleep(_POLL_S)
+
+
+class _Lost:
+    """The ranks a gather waits for that their liveness records show lost (read now and then)."""
+
+    def __init__(self, channel: StoreChannel, rank: int) -> None:
+        self.channel = channel
+        self.rank = rank
+        self.ranks: set[int] = set()
+        self._next = 0.0
+
+    def look(self, ranks: set[int]) -> None:
+        """Read the records of `ranks` again, at most every half second."""
+        if not ranks - self.ranks or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + _LOOK_S
+        found = _evidence(self.channel, sorted(ranks - self.ranks), self.rank)
+        self.ranks |= {rank for rank, live in found.items() if getattr(live, "lost", False)}
 
 
 def _take(
@@ -446,8 +468,16 @@ def report_stop(host: StopHost, error: BaseException | None = None) -> StopRepor
              is not None}  # fmt: skip
     involved = set(own["pipeline"]) | named | {r for h in heads.values() for r in _wanted(h)}
     liveness = _evidence(channel, sorted(involved - set(heads)), comm.rank)
-    return build_stop_report(
+    if not any(getattr(live, "lost", False) for live in liveness.values()):
+        # Nothing lost among the ranks these positions name: a rank lost elsewhere in the
+        # job still comes before a live rank that is merely at the head of the waits.
+        world = int((own.get("run") or {}).get("world_size") or 0)
+        elsewhere = sorted(set(range(world)) - involved - set(heads))
+        lost = _evidence(channel, elsewhere, comm.rank)
+        liveness |= {rank: live for rank, live in lost.items() if getattr(live, "lost", False)}
+    report = build_stop_report(
         host.recorder.plan, heads, host.recorder.iteration, pipeline=comm.pipeline_ranks,
         liveness=liveness, describe=lambda rank: describe_rank(host, rank),
         ignored=ignored,
     )  # fmt: skip
+    return dataclasses.replace(report, store_traces=store_traces())

@@ -14,7 +14,9 @@ The cause is the first of these the evidence shows:
 2. a rank's own failure (an error that is not a lost transfer or collective);
 3. a rank lost by liveness: gone (its process has exited), stopped, or silent (no heartbeat);
    among several, the one whose heartbeat stopped first (without heartbeats: gone, then
-   stopped, then silent), naming who waits for it;
+   stopped, then silent), naming who waits for it; a lost rank of another pipeline that the
+   positions do not mention counts too (the cause then says where this pipeline's chain
+   ends: a live rank is never the cause while one is lost);
 4. a rank the survivors' errors show lost (a connection closed), without liveness records;
 5. a rank that published nothing and that others wait for;
 6. the head of the waits-for chain within one call ("busy").
@@ -184,7 +186,10 @@ def _lost_cause(
     if not lost:
         return None
     live, p = min(lost, key=lambda pair: _lost_first(pair[0]))
-    return _lost_sentence(p, context, waits, f"{live.state} ({live.evidence})")
+    sentence = _lost_sentence(p, context, waits, f"{live.state} ({live.evidence})")
+    if _waiting_on(p.rank, waits) or _seen(p.rank, context):
+        return sentence
+    return _elsewhere(sentence, positions, waits)
 
 
 def _lost_sentence(p: RankPosition, context: Context, waits: Sequence[Wait], how: str) -> str:
@@ -260,6 +265,12 @@ def _cause(positions: Sequence[RankPosition], context: Context, waits: Sequence[
     return "no rank is named: every rank that published waits for another or has ended"
 
 
+def _elsewhere(cause: str, positions: Sequence[RankPosition], waits: Sequence[Wait]) -> str:
+    """A lost rank nobody here waits for: say too where this pipeline's chain ends."""
+    busy = _busy_cause(positions, waits)
+    return cause if busy is None else f"{cause}; in this pipeline {busy}"
+
+
 def build_stop_report(
     steps: Sequence[Sequence[Step]],
     heads: Mapping[int, Head],
@@ -279,7 +290,8 @@ def build_stop_report(
         pipeline: The pipeline's global ranks in stage order; by default stage `s` is
             global rank `s`.
         liveness: What the store says of each rank (`pp_state.liveness.Liveness` by global
-            rank: ``state`` and ``evidence``); none by default.
+            rank: ``state`` and ``evidence``); none by default. A lost rank in it that no
+            position mentions is placed among the other ranks.
         describe: Names a rank that published nothing, with its place; by default its
             pipeline stage only.
         ignored: Documents set aside as not of this run, in words.
@@ -304,6 +316,13 @@ def build_stop_report(
         if (error := head.get("error") or {}).get("lost") and error.get("peer") is not None
     }
     others = sorted({w.peer for w in waits} | set(heads) | lost) if heads else []
+    # A rank the liveness records show lost counts wherever it is: while one is gone, the
+    # live head of this pipeline's waits is not the cause.
+    others += sorted(
+        rank
+        for rank, live in context.liveness.items()
+        if getattr(live, "state", None) in _LOST and rank not in others and rank not in ranks
+    )
     involved = list(ranks) + [r for r in others if r not in ranks]
     positions = [rank_position(rank, context, waits) for rank in involved]
     return StopReport(

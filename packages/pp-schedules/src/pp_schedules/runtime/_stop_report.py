@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pp_schedules.planning import Step
-from pp_schedules.runtime._timeline import MeasuredSpan, chrome_trace
+from pp_schedules.runtime._timeline import recorded_trace
 
 __all__ = ["RankPosition", "StopReport", "Wait", "describe_step", "paired_step"]
 
@@ -110,6 +110,8 @@ class StopReport:
         iteration: The executor call the reporting rank was in.
         pipeline: The reported pipeline's global ranks, in stage order.
         ignored: Documents set aside, with why ("rank 5: published for another plan").
+        store_traces: The stack traces torch printed for the store while this rank gathered
+            (kept out of the console, written beside the report).
     """
 
     cause: str
@@ -120,6 +122,7 @@ class StopReport:
     iteration: int = 0
     pipeline: tuple[int, ...] = ()
     ignored: list[str] = dataclasses.field(default_factory=list)
+    store_traces: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def answered(self) -> list[int]:
@@ -199,6 +202,7 @@ class StopReport:
                 "grid": self.grid(),
                 "heads": {str(rank): head for rank, head in self.heads.items()},
                 "ignored": self.ignored,
+                "store_traces": self.store_traces,
             },
             indent=1,
         )
@@ -210,36 +214,21 @@ class StopReport:
         moved by the offset it published); a step still open when the rank published ends
         at that moment.
         """
-        order = [p.rank for p in self.positions]
-        spans: list[list[MeasuredSpan]] = [[] for _ in order]
-        for rank, head in self.heads.items():
-            if rank not in order:
-                continue
-            track = order.index(rank)
-            offset = float(head.get("clock_offset", 0.0))
-            published = float(head.get("published_at", 0.0))
-            for step in head.get("recent", []):
-                end = step["end"] + offset if step["end"] is not None else published
-                spans[track].append(
-                    MeasuredSpan(
-                        track, step["action"], step["kind"], step["microbatch"], step["chunk"],
-                        step["start"] + offset, max(end, step["start"] + offset),
-                    )
-                )  # fmt: skip
-        trace = json.loads(chrome_trace(spans))
-        for event in trace["traceEvents"]:
-            if event.get("name") == "thread_name":
-                event["args"]["name"] = f"rank {order[event['tid']]}"
-        return json.dumps(trace)
+        return recorded_trace([p.rank for p in self.positions], self.heads)
 
     def write(self, directory: str | Path, stem: str = "pipeline-stop") -> list[Path]:
-        """Write ``<stem>.txt``, ``<stem>.json`` and ``<stem>.trace.json`` under `directory`."""
+        """Write ``<stem>.txt``, ``<stem>.json`` and ``<stem>.trace.json`` under `directory`.
+
+        With `store_traces`, ``<stem>.store-traces.txt`` too.
+        """
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         paths = [root / f"{stem}.txt", root / f"{stem}.json", root / f"{stem}.trace.json"]
-        for path, text in zip(
-            paths, (self.render(), self.to_json(), self.chrome_trace()), strict=True
-        ):
+        texts = [self.render(), self.to_json(), self.chrome_trace()]
+        if self.store_traces:
+            paths.append(root / f"{stem}.store-traces.txt")
+            texts.append("\n".join(trace.rstrip() for trace in self.store_traces))
+        for path, text in zip(paths, texts, strict=True):
             path.write_text(text + ("\n" if not text.endswith("\n") else ""))
         return paths
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pp_schedules.planning import CATEGORIES, Simulation
 
@@ -260,3 +261,33 @@ def summary(
             f"measured/simulated {ratio:.2f}"
         )
     return line
+
+
+def recorded_trace(order: Sequence[int], heads: Mapping[int, Mapping[str, Any]]) -> str:
+    """A Chrome trace of the steps each rank recorded, a track per rank of `order`.
+
+    `heads` are the positions the ranks published (their ``recent`` steps, ``clock_offset``
+    and ``published_at``): tracks are named by global rank, times are wall-clock (each rank's
+    monotonic clock moved by the offset it published), and a step still open when the rank
+    published ends at that moment. A stop report draws its ranks with it.
+    """
+    spans: list[list[MeasuredSpan]] = [[] for _ in order]
+    for rank, head in heads.items():
+        if rank not in order:
+            continue
+        track = list(order).index(rank)
+        offset = float(head.get("clock_offset", 0.0))
+        published = float(head.get("published_at", 0.0))
+        for step in head.get("recent", []):
+            end = step["end"] + offset if step["end"] is not None else published
+            spans[track].append(
+                MeasuredSpan(
+                    track, step["action"], step["kind"], step["microbatch"], step["chunk"],
+                    step["start"] + offset, max(end, step["start"] + offset),
+                )
+            )  # fmt: skip
+    trace = json.loads(chrome_trace(spans))
+    for event in trace["traceEvents"]:
+        if event.get("name") == "thread_name":
+            event["args"]["name"] = f"rank {order[event['tid']]}"
+    return json.dumps(trace)
