@@ -41,6 +41,10 @@ MEGATRON_ORACLE = ("megatron-core==0.16.1", "einops~=0.8")
 # The Hugging Face models docs/examples pipeline (hf_llama.py, hf_gpt2.py), a test-time oracle
 # (of pp-train's Hugging Face export and import too: nox -s hf_oracle).
 TRANSFORMERS = "transformers==5.25.0"
+# Outside libraries a package's own tests check it against, and the variable that turns their
+# skip into a failure: pp-train's Hugging Face export and import against transformers' GPT-2
+# run in tests(pp-train) (`hf_oracle` runs them alone).
+TEST_ORACLES = {"pp-train": ((TRANSFORMERS,), "PP_TRAIN_HF_ORACLE")}
 
 nox.needs_version = ">=2024.3.2"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -48,13 +52,8 @@ nox.options.error_on_external_run = True
 nox.options.sessions = [
     "lint",
     "tests",
-    "mypy",
-    "layers",
     "integration",
-    "megatron_oracle",
-    "megatron_tensor_oracle",
-    "megatron_data_oracle",
-    "hf_oracle",
+    "megatron_oracles",
     "examples",
 ]
 
@@ -283,69 +282,84 @@ def lint(session: nox.Session) -> None:
         session.run("ruff", "format", "--check", ".")
 
 
+MYPY = "mypy>=1.10"
+
+
+def _mypy(session: nox.Session, package: str) -> None:
+    """mypy --strict over a package's source, tests and benchmarks."""
+    source = PACKAGES / package / "src" / _import_name(package)
+    benchmarks = [str(path) for path in [PACKAGES / package / "benchmarks"] if path.is_dir()]
+    session.run(
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "--cache-dir",
+        str(Path(session.virtualenv.location) / ".mypy_cache"),
+        str(source),
+        str(PACKAGES / package / "tests"),
+        *benchmarks,
+    )
+
+
 @nox.session
 @nox.parametrize("package", [nox.param(dist, id=dist) for dist in ALL_PACKAGES])
 def tests(session: nox.Session, package: str) -> None:
-    """A package's unit tests, with only that package and its declared lower layers."""
-    _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()))
+    """mypy --strict and a package's unit tests, with only that package and its lower layers.
+
+    One environment serves both checks (building one costs more than mypy itself), and the
+    package's outside oracles (`TEST_ORACLES`).
+    """
+    oracles, variable = TEST_ORACLES.get(package, ((), ""))
+    _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()),
+             *oracles, MYPY)  # fmt: skip
     # The ten slowest tests are listed, so the growth of the run shows where it comes from.
     with _unless_passed(session, _package_inputs(package)):
-        _pytest(session, str(PACKAGES / package / "tests"), "--durations=10")
+        _mypy(session, package)
+        env = {**TEST_ENV, variable: "1"} if variable else TEST_ENV
+        _pytest(session, str(PACKAGES / package / "tests"), "--durations=10", env=env)
 
 
 @nox.session
 @nox.parametrize("package", [nox.param(dist, id=dist) for dist in ALL_PACKAGES])
 def mypy(session: nox.Session, package: str) -> None:
-    """mypy --strict over a package and its tests, seeing only its declared lower layers."""
-    _install(
-        session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()), "mypy>=1.10"
-    )
-    source = PACKAGES / package / "src" / _import_name(package)
-    benchmarks = [str(path) for path in [PACKAGES / package / "benchmarks"] if path.is_dir()]
+    """mypy --strict alone (the default run's `tests` sessions run it too)."""
+    _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS.get(package, ()), MYPY)
     with _unless_passed(session, _package_inputs(package)):
-        session.run(
-            "mypy",
-            "--config-file",
-            str(ROOT / "pyproject.toml"),
-            "--cache-dir",
-            str(Path(session.virtualenv.location) / ".mypy_cache"),
-            str(source),
-            str(PACKAGES / package / "tests"),
-            *benchmarks,
-        )
+        _mypy(session, package)
 
 
-def _oracle(session: nox.Session, package: str, test_file: str, variable: str) -> None:
-    """Run `package`'s test file against megatron-core from the package registry."""
-    _install(session, [package, TEST_HELPERS], *TEST_TOOLS, *MEGATRON_ORACLE)
-    # The variable turns the test file's skip (megatron-core absent) into a failure here.
-    with _unless_passed(session, _package_inputs(package)):
-        test = str(PACKAGES / package / "tests" / test_file)
-        _pytest(session, test, env={**TEST_ENV, variable: "1"})
+# Each oracle: (package, test file, the variable that turns its skip into a failure).
+MEGATRON_ORACLES = [
+    # pp-state's rank layouts against megatron-core's own, every factorisation up to 64
+    ("pp-state", "test_megatron_oracle.py", "PP_STATE_MEGATRON_ORACLE"),
+    # pp_tensor.megatron against megatron-core's tensor_parallel: names, signatures, the
+    # config's fields, and its layers and cross entropy run on the CPU
+    ("pp-tensor", "test_megatron_oracle.py", "PP_TENSOR_MEGATRON_ORACLE"),
+    # pp-train's indexed files and GPT samples against megatron-core's, token for token
+    ("pp-train", "test_megatron_data_oracle.py", "PP_TRAIN_MEGATRON_ORACLE"),
+]
 
 
 @nox.session
-def megatron_oracle(session: nox.Session) -> None:
-    """pp-state's rank layouts against megatron-core's own, for every factorisation up to 64."""
-    _oracle(session, "pp-state", "test_megatron_oracle.py", "PP_STATE_MEGATRON_ORACLE")
+def megatron_oracles(session: nox.Session) -> None:
+    """pp-state, pp-tensor and pp-train against megatron-core from the package registry.
 
-
-@nox.session
-def megatron_tensor_oracle(session: nox.Session) -> None:
-    """pp_tensor.megatron against megatron-core's tensor_parallel: names, signatures, the
-    config's fields, and its layers and cross entropy run on the CPU."""
-    _oracle(session, "pp-tensor", "test_megatron_oracle.py", "PP_TENSOR_MEGATRON_ORACLE")
-
-
-@nox.session
-def megatron_data_oracle(session: nox.Session) -> None:
-    """pp-train's indexed files and GPT samples against megatron-core's, token for token."""
-    _oracle(session, "pp-train", "test_megatron_data_oracle.py", "PP_TRAIN_MEGATRON_ORACLE")
+    One environment (pp-train and its lower layers, megatron-core) runs the three test files;
+    each file's variable makes a megatron-core that will not import a failure.
+    """
+    _install(session, ["pp-train", TEST_HELPERS], *TEST_TOOLS, *MEGATRON_ORACLE)
+    with _unless_passed(session, _package_inputs("pp-train")):
+        tests = [str(PACKAGES / package / "tests" / name) for package, name, _ in MEGATRON_ORACLES]
+        variables = {variable: "1" for _, _, variable in MEGATRON_ORACLES}
+        _pytest(session, *tests, env={**TEST_ENV, **variables})
 
 
 @nox.session
 def hf_oracle(session: nox.Session) -> None:
-    """pp-train's Hugging Face export and import against the transformers library's GPT-2."""
+    """pp-train's Hugging Face export and import against the transformers library's GPT-2.
+
+    Alone: the default run's tests(pp-train) runs them too.
+    """
     _install(session, ["pp-train", TEST_HELPERS], *TEST_TOOLS, *TEST_EXTRAS["pp-train"],
              TRANSFORMERS)  # fmt: skip
     with _unless_passed(session, _package_inputs("pp-train")):
@@ -353,26 +367,40 @@ def hf_oracle(session: nox.Session) -> None:
         _pytest(session, test, "--durations=10", env={**TEST_ENV, "PP_TRAIN_HF_ORACLE": "1"})
 
 
+IMPORT_LINTER = "import-linter>=2.1"
+
+
+def _lint_imports(session: nox.Session) -> None:
+    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
+
+
 @nox.session
 def layers(session: nox.Session) -> None:
-    """Import-linter's layer contract, and declared pp-* dependencies == imported ones."""
-    _install(session, ALL_PACKAGES, "import-linter>=2.1", *TEST_TOOLS)
+    """Import-linter's layer contract, and declared pp-* dependencies == imported ones.
+
+    The default run's `integration` session runs both too.
+    """
+    _install(session, ALL_PACKAGES, IMPORT_LINTER, *TEST_TOOLS)
     with _unless_passed(session, WHOLE_REPOSITORY):
-        session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
+        _lint_imports(session)
         session.run("pytest", str(ROOT / "integration_tests" / "test_dependencies.py"))
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """Tests across packages, with the whole stack installed."""
+    """Import-linter's contracts, then the tests across packages, with the whole stack installed.
+
+    (The contracts run here rather than in an environment of their own: `layers` alone.)
+    """
     extras = (x for e in TEST_EXTRAS.values() for x in e)
     # Pillow draws the schedule-trace picture of docs/pp-schedules.md (docs/examples); nox lets
     # a test import this file to check its install settings.
-    _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow", "nox")
+    _install(session, ALL_PACKAGES, *TEST_TOOLS, *extras, "pillow", "nox", IMPORT_LINTER)
     # The >>> examples in docs/*.md and the package READMEs run as doctests, so the docs
     # cannot drift from the code.
     readmes = sorted(str(path) for path in PACKAGES.glob("*/README.md"))
     with _unless_passed(session, WHOLE_REPOSITORY):
+        _lint_imports(session)
         _pytest(
             session,
             str(ROOT / "integration_tests"),

@@ -2,7 +2,7 @@
 initialize_model_parallel creates (torch.distributed faked, so it runs on CPU in one process),
 against pp-state's RankGenerator and layouts, for every factorisation of 8, 16, 32 and 64 ranks.
 
-Skipped where megatron-core is not installed. The nox session ``megatron_oracle`` installs it
+Skipped where megatron-core is not installed. The nox session ``megatron_oracles`` installs it
 and sets PP_STATE_MEGATRON_ORACLE=1, which makes a missing megatron-core a failure, not a skip.
 """
 

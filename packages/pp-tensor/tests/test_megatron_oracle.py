@@ -6,7 +6,7 @@ Megatron's own code on the same weights and inputs (its layers run on the CPU wi
 ``use_cpu_initialization``; its mappings need CUDA beyond one rank, which the tp 2 and 4
 tests of test_megatron_facade.py cover against the unsplit computation instead).
 
-Skipped where megatron-core is not installed. The nox session ``megatron_oracle`` installs it
+Skipped where megatron-core is not installed. The nox session ``megatron_oracles`` installs it
 and sets PP_TENSOR_MEGATRON_ORACLE=1, which makes a missing megatron-core a failure.
 """
 

@@ -7,8 +7,8 @@ own loader at tensor and pipeline size 1, the first ``vocab_size`` columns of it
 vocabulary) within 1e-5 relative. A Hugging Face model imported by ``import-hf`` and exported
 again is bitwise the same model, and the transformers library generates from it.
 
-Skipped where transformers is missing, except under ``PP_TRAIN_HF_ORACLE=1`` (the ``hf_oracle``
-nox session installs it, pinned), where a missing oracle is a failure.
+Skipped where transformers is missing, except under ``PP_TRAIN_HF_ORACLE=1`` (the nox sessions
+``tests(pp-train)`` and ``hf_oracle`` install it, pinned), where a missing oracle is a failure.
 """
 
 from __future__ import annotations

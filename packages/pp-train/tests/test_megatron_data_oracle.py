@@ -1,7 +1,7 @@
 """pp_train.data against megatron-core 0.16.1 itself: the files and the samples, token for token.
 
 Skipped where megatron-core is missing, except under ``PP_TRAIN_MEGATRON_ORACLE=1`` (the
-``megatron_data_oracle`` nox session), where a missing oracle is a failure.
+``megatron_oracles`` nox session), where a missing oracle is a failure.
 """
 
 from __future__ import annotations

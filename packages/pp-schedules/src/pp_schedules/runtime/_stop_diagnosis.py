@@ -271,6 +271,27 @@ def _elsewhere(cause: str, positions: Sequence[RankPosition], waits: Sequence[Wa
     return cause if busy is None else f"{cause}; in this pipeline {busy}"
 
 
+def _involved(context: Context, waits: Sequence[Wait]) -> list[int]:
+    """The ranks a report places: the pipeline's, then those waited for, publishing or lost.
+
+    A rank the liveness records show lost counts wherever it is: while one is gone, the live
+    head of this pipeline's waits is not the cause.
+    """
+    heads, ranks = context.heads, context.pipeline
+    lost = {
+        int(error["peer"])
+        for head in heads.values()
+        if (error := head.get("error") or {}).get("lost") and error.get("peer") is not None
+    }
+    others = sorted({w.peer for w in waits} | set(heads) | lost) if heads else []
+    others += sorted(
+        rank
+        for rank, live in context.liveness.items()
+        if getattr(live, "state", None) in _LOST and rank not in others and rank not in ranks
+    )
+    return list(ranks) + [r for r in others if r not in ranks]
+
+
 def build_stop_report(
     steps: Sequence[Sequence[Step]],
     heads: Mapping[int, Head],
@@ -310,21 +331,7 @@ def build_stop_report(
     waits = [
         w for rank, head in sorted(heads.items()) for w in published_waits(rank, head, context)
     ]
-    lost = {
-        int(error["peer"])
-        for head in heads.values()
-        if (error := head.get("error") or {}).get("lost") and error.get("peer") is not None
-    }
-    others = sorted({w.peer for w in waits} | set(heads) | lost) if heads else []
-    # A rank the liveness records show lost counts wherever it is: while one is gone, the
-    # live head of this pipeline's waits is not the cause.
-    others += sorted(
-        rank
-        for rank, live in context.liveness.items()
-        if getattr(live, "state", None) in _LOST and rank not in others and rank not in ranks
-    )
-    involved = list(ranks) + [r for r in others if r not in ranks]
-    positions = [rank_position(rank, context, waits) for rank in involved]
+    positions = [rank_position(rank, context, waits) for rank in _involved(context, waits)]
     return StopReport(
         cause=_cause(positions, context, waits),
         positions=positions,
