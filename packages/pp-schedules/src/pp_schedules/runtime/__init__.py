@@ -43,7 +43,6 @@ from pp_schedules.runtime._flight_recorder import (
 from pp_schedules.runtime._memory_probe import MemoryProbe, MemorySample, storage_bytes
 from pp_schedules.runtime._overlap import FB_OVERLAPS, communicating
 from pp_schedules.runtime._pipeline_model import PipelineModel, Tie, split_module_names
-from pp_schedules.runtime._plan_walk import RunStats
 from pp_schedules.runtime._profiling import (
     check_trace_path,
     gather_memory,
@@ -72,6 +71,7 @@ from pp_schedules.runtime._timeline import (
     memory_counters,
     summary,
 )
+from pp_schedules.runtime._walk_inputs import RunStats
 from pp_schedules.runtime._watch import (
     PipelineWatch,
     SigtermOutcome,

@@ -50,14 +50,7 @@ from pp_schedules.runtime._autograd import (
 from pp_schedules.runtime._flight_recorder import DEFAULT_RECORDER_SIZE, FlightRecorder
 from pp_schedules.runtime._memory_probe import MemoryProbe, MemorySample
 from pp_schedules.runtime._overlap import check_fb_overlap
-from pp_schedules.runtime._plan_walk import (
-    CallArguments,
-    PlanWalk,
-    PreparedPlan,
-    RunStats,
-    check_chunk_placement,
-    chunk_contract,
-)
+from pp_schedules.runtime._plan_walk import PlanWalk
 from pp_schedules.runtime._schedule_config import ForwardStepFunc, ScheduleConfig
 from pp_schedules.runtime._stop_channel import (
     DEFAULT_REPORT_WAIT_S,
@@ -67,6 +60,13 @@ from pp_schedules.runtime._stop_channel import (
 )
 from pp_schedules.runtime._stop_report import StopReport
 from pp_schedules.runtime._timeline import MeasuredSpan
+from pp_schedules.runtime._walk_inputs import (
+    CallArguments,
+    PreparedPlan,
+    RunStats,
+    check_chunk_placement,
+    chunk_contract,
+)
 from pp_state.coordinates import RankCoordinates
 from pp_state.default import get_default_state, has_default_state
 from pp_state.placement import Placement
