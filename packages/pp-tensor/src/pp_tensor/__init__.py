@@ -15,6 +15,10 @@
   differs over tensor-parallel ranks where Megatron's does (data-, tensor- and
   expert-parallel states); `checkpoint` and `CheckpointWithoutOutput`
   (`pp_tensor.recompute`): recomputation that replays them.
+- `context_parallel_attention` (`pp_tensor.context_parallel`): causal attention over a
+  sequence split across a context-parallel group (a ring of passes, or an all-gather), with
+  Megatron's load-balanced split (`split_for_context_parallel`, its inverse
+  `join_context_parallel_parts`, `context_parallel_positions`) and document masks.
 - `pp_tensor.megatron`: Megatron's ``megatron.core.tensor_parallel``, names and signatures,
   over all of the above (groups left as None are read from pp-state's default state).
 - `pp_tensor.utils`: sizes, vocabulary ranges and padding, shards, and the parameter
@@ -28,6 +32,13 @@ nothing reads global state except `model_parallel_cuda_manual_seed` without a ra
 
 from importlib.metadata import version as _version
 
+from pp_tensor.context_parallel import (
+    CP_COMM_TYPES,
+    context_parallel_attention,
+    context_parallel_positions,
+    join_context_parallel_parts,
+    split_for_context_parallel,
+)
 from pp_tensor.cross_entropy import vocab_parallel_cross_entropy
 from pp_tensor.data import broadcast_data
 from pp_tensor.layers import (
@@ -92,6 +103,7 @@ from pp_tensor.utils import (
 __version__ = _version("pp-tensor")
 
 __all__ = [
+    "CP_COMM_TYPES",
     "DATA_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "MODEL_PARALLEL_RNG",
@@ -112,6 +124,8 @@ __all__ = [
     "all_to_all_sp2hp",
     "broadcast_data",
     "checkpoint",
+    "context_parallel_attention",
+    "context_parallel_positions",
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "divide",
@@ -122,6 +136,7 @@ __all__ = [
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
     "get_rng_tracker",
+    "join_context_parallel_parts",
     "join_shards",
     "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
@@ -139,6 +154,7 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     "shard_of",
+    "split_for_context_parallel",
     "split_tensor_along_last_dim",
     "split_tensor_into_1d_equal_chunks",
     "strided_shard_of",
