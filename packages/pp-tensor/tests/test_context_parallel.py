@@ -136,6 +136,7 @@ def test_cp_1_is_plain_causal_attention_any_length(comm_type: str) -> None:
         _compare(seq, HEADS, torch.float32, comm_type, None)
         _compare(seq, 2, torch.float32, comm_type, _documents(((3, seq - 3), (seq - 1, 1))))
     _compare(16, 1, torch.bfloat16, comm_type, None)
+    _compare(16, 2, torch.float16, comm_type, None)
 
 
 # --- The load-balanced split -------------------------------------------------------------
@@ -222,6 +223,9 @@ def test_attention_refusals_name_the_numbers_and_choices() -> None:
         context_parallel_attention(*_qkv(kv_heads=3), group=None)
     with pytest.raises(TypeError, match=r"integers, got torch\.float32"):
         context_parallel_attention(q, k, v, group=None, document_ids=torch.zeros(8))
+    ids = torch.zeros(8, dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"integers, got torch\.bool"):
+        context_parallel_attention(q, k, v, group=None, document_ids=ids)
     with pytest.raises(
         ValueError, match=re.escape("shape (2, 6) must cover the whole sequence: (8,) or (2, 8)")
     ):

@@ -256,7 +256,8 @@ def _check_documents(
         return None
     if not isinstance(document_ids, torch.Tensor):
         raise TypeError(f"document_ids must be a torch.Tensor, got {type(document_ids).__name__}")
-    if document_ids.dtype.is_floating_point or document_ids.dtype in (torch.bool, torch.complex64):
+    kind = document_ids.dtype
+    if kind.is_floating_point or kind.is_complex or kind == torch.bool:
         raise TypeError(f"document_ids must hold integers, got {document_ids.dtype}")
     if tuple(document_ids.shape) not in ((seq_len,), (batch, seq_len)):
         raise ValueError(
