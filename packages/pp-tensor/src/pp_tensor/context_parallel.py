@@ -398,11 +398,12 @@ class _RingPass:
             self._received = tensor
             return
         assert setup.group is not None
-        self._received = torch.empty_like(tensor)
+        self._sent = tensor.contiguous()  # referenced until the send is waited for
+        self._received = torch.empty_like(self._sent)
         after = dist.get_global_rank(setup.group, (setup.rank + 1) % setup.size)
         before = dist.get_global_rank(setup.group, (setup.rank - 1) % setup.size)
         ops = [
-            dist.P2POp(dist.isend, tensor.contiguous(), after, setup.group),
+            dist.P2POp(dist.isend, self._sent, after, setup.group),
             dist.P2POp(dist.irecv, self._received, before, setup.group),
         ]
         with collective(operation, group=setup.group):
