@@ -459,6 +459,7 @@ BENCHMARKS = [
     ("pp-optim", "grad_allreduce.py", [], 2),
     ("pp-optim", "distopt_bench.py", [], 2),
     ("pp-optim", "distopt_bench.py", [], 4),
+    ("pp-tensor", "cp_attention.py", [], 2),
     ("pp-train", "memory_bench.py", [], 4),
     ("pp-train", "tp_bench.py", [], 4),
 ]

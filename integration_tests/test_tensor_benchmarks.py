@@ -1,4 +1,7 @@
-"""pp-train's tensor-parallel benchmark still runs and prints its records (no timing judged)."""
+"""Tensor benchmarks still run and print their records (no timing judged).
+
+pp-train's tensor-parallel layouts and pp-tensor's context-parallel attention.
+"""
 
 from __future__ import annotations
 
@@ -51,3 +54,19 @@ def test_ours_and_torchs_tensor_parallelism_side_by_side(
     header, *rows = module.table(records).splitlines()
     assert header.split()[-1] == "met"
     assert [row.split()[-1] for row in rows] == ["yes" if r["passed"] else "NO" for r in records]
+
+
+CP_SCRIPT = ROOT / "packages" / "pp-tensor" / "benchmarks" / "cp_attention.py"
+
+
+def test_context_parallel_ring_and_all_gather_side_by_side(torchrun: Torchrun) -> None:
+    """Both ways of passing keys and values, checked equal and timed, at 256 and 512 tokens."""
+    done = torchrun(CP_SCRIPT, 2, "--quick", "--json", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines() if line[:1] == "{"]
+    assert [r["seq"] for r in records] == [256, 512]
+    for record in records:
+        assert record["benchmark"] == "cp_attention"
+        for key in ("ring_ms", "all_gather_ms", "ratio", "sdpa_ms", "load_start", "load_end"):
+            assert isinstance(record[key], float), (key, record)
+            assert record[key] > 0, (key, record)
