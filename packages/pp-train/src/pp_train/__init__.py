@@ -30,6 +30,7 @@ from pp_train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from pp_train.context_parallel import get_batch_on_this_cp_rank
 from pp_train.data import (
     ByteTokenizer,
     DataConfig,
@@ -133,6 +134,7 @@ __all__ = [
     "finalize_model_grads",
     "finetune",
     "format_log_line",
+    "get_batch_on_this_cp_rank",
     "get_model",
     "get_num_layers_to_build",
     "get_rng_state",

@@ -24,6 +24,7 @@ from typing import Literal, get_type_hints
 
 from pp_optim import DDPConfig, LRScheduleArgs, OptimizerConfig
 from pp_state.numbers import divisors
+from pp_tensor import CP_COMM_TYPES
 from pp_train.data.config import DataConfig
 from pp_train.flags import add_config_flags, config_from_args
 from pp_train.recompute import RecomputeConfig
@@ -46,6 +47,7 @@ PipelineScheduleName = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "auto"
 ]
 FbOverlap = Literal["sequential", "chunk", "threads"]
+CpCommType = Literal["p2p", "all_gather"]
 
 
 def _flag(name: str) -> str:
@@ -139,6 +141,17 @@ class ParallelArgs:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages; the rest of the world is data parallel."""
 
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over (context parallelism): the sequence is cut into 2 x
+    this many chunks and each rank holds two (Megatron's load balancing); attention passes
+    keys and values between them (--cp-comm-type). --seq-length must divide by 2 x this size.
+    The world is tensor x context x pipeline x data parallel; gradients are reduced over data
+    x context parallel ranks."""
+
+    cp_comm_type: CpCommType = "p2p"
+    """How context-parallel attention exchanges keys and values: p2p (a ring, each block passed
+    on while the one held is computed) or all_gather (every rank's at once)."""
+
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per model chunk; fewer than layers / pipeline size gives each rank several chunks
     (interleaved 1F1B by default)."""
@@ -205,9 +218,15 @@ class ParallelArgs:
             (
                 "tensor_model_parallel_size",
                 "pipeline_model_parallel_size",
+                "context_parallel_size",
                 "num_layers_per_virtual_pipeline_stage",
             ),
         )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"--cp-comm-type {self.cp_comm_type!r} is unknown; use one of "
+                f"{', '.join(CP_COMM_TYPES)}"
+            )
         _check_positive_real(self, ("distributed_timeout_minutes", "memory_limit_gb"))
         _check_margin(self.memory_limit_margin, self.memory_limit_gb)
         _check_at_least(

@@ -101,7 +101,7 @@ def _finetune_iteration(
         forward_backward_func,
         num_microbatches=1,
     )
-    global_batch_size = run.config.training.micro_batch_size * run.state.group_size("dp_cp")
+    global_batch_size = run.config.training.micro_batch_size * run.state.group_size("dp")
     progress.iteration += 1
     progress.consumed_train_samples += global_batch_size
     log_step(logger, run.optimizer, progress, step, global_batch_size=global_batch_size)

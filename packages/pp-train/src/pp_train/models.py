@@ -31,6 +31,7 @@ __all__ = [
     "EncoderDecoderModelProvider",
     "ModelProvider",
     "ModelType",
+    "check_context_parallel_chunk",
     "checked_placement",
     "get_model",
     "setup_model_and_optimizer",
@@ -136,13 +137,16 @@ def get_model(
     Raises:
         ValueError: fp16 and bf16 together, a placement for another pipeline, a tied
             embedding whose two ends the placement puts where they cannot be kept in sync,
-            or an encoder-decoder model with virtual stages or a pipeline without split rank.
+            an encoder-decoder model with virtual stages or a pipeline without split rank,
+            or, at context-parallel size above 1, a chunk that does not say it splits its
+            attention over that size (`check_context_parallel_chunk`).
     """
     where = checked_placement(state, placement)
     dtype = _half_dtype(fp16, bf16)
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(where.vp_size):
         chunk, pre, post = _provide(model_provider, state, where, vp_stage, model_type)
+        check_context_parallel_chunk(chunk, state.context_parallel_size)
         if device is not None:
             chunk = chunk.to(device)
         if dtype is not None:
@@ -156,6 +160,38 @@ def get_model(
         chunks.append(chunk)
     sync_shared_embeddings(chunks, state, where)
     return chunks
+
+
+def check_context_parallel_chunk(chunk: torch.nn.Module, cp_size: int) -> None:
+    """At context-parallel size above 1, `chunk` must say its attention spans the group.
+
+    A chunk's attention sees only this rank's part of the sequence unless it exchanges keys
+    and values over the context-parallel group (`pp_tensor.context_parallel_attention`); the
+    losses of a model that does not would be wrong without any error. So a chunk declares it:
+    an attribute ``context_parallel_size`` equal to the run's (the bundled GPT's chunks have
+    it; a model of one's own sets it once its attention is context-parallel).
+
+    Raises:
+        ValueError: The chunk has no such attribute, or another size; the message names the
+            sizes and the fix.
+    """
+    if cp_size == 1:
+        return
+    declared = getattr(chunk, "context_parallel_size", None)
+    if declared == cp_size:
+        return
+    said = (
+        "does not say that its attention is context-parallel (no context_parallel_size)"
+        if declared is None
+        else f"says context_parallel_size {declared}"
+    )
+    raise ValueError(
+        f"the model chunk {type(chunk).__name__} {said}, but the run splits each sequence over "
+        f"context-parallel size {cp_size}: its attention would see only this rank's part of "
+        "the sequence. Build its attention with pp_tensor.context_parallel_attention over the "
+        f"context-parallel group and set chunk.context_parallel_size = {cp_size}, or use "
+        "context-parallel size 1"
+    )
 
 
 def _marked(chunk: torch.nn.Module) -> torch.nn.Module:

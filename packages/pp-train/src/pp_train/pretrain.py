@@ -152,13 +152,16 @@ def _run_layout(
             f"this run has {world} on {transport} with pipeline size {pp}; pass check_world's "
             "layout for this run, or none"
         )
-    tp = config.parallel.tensor_model_parallel_size
-    if layout.tensor_model_parallel_size != tp:
-        raise ValueError(
-            f"the layout was checked for tensor-parallel size "
-            f"{layout.tensor_model_parallel_size}, but this run has {tp}; pass check_world's "
-            "layout for this run, or none"
-        )
+    parallel = config.parallel
+    for kind, checked_size, size in (
+        ("tensor", layout.tensor_model_parallel_size, parallel.tensor_model_parallel_size),
+        ("context", layout.context_parallel_size, parallel.context_parallel_size),
+    ):
+        if checked_size != size:
+            raise ValueError(
+                f"the layout was checked for {kind}-parallel size {checked_size}, but this run "
+                f"has {size}; pass check_world's layout for this run, or none"
+            )
     return layout
 
 
@@ -168,6 +171,7 @@ def _parallel_state(config: PretrainConfig, layout: RunPlan) -> ParallelState:
         ParallelConfig(
             tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+            context_parallel_size=config.parallel.context_parallel_size,
             virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
             timeout=datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes),
         )

@@ -186,7 +186,7 @@ class PretrainRun:
             sequence_parallel=config.parallel.sequence_parallel_in_use,
             fb_overlap=config.parallel.fb_overlap,
         )  # fmt: skip
-        calculator = microbatch_calculator(config, state.group_size("dp_cp"))
+        calculator = microbatch_calculator(config, state.group_size("dp"))
         logger, writer = self._logger()
         for message in self._startup(train_ds):
             self.say(message)
@@ -326,8 +326,8 @@ class PretrainRun:
                 dataset,
                 consumed_samples=consumed,
                 micro_batch_size=self.config.training.micro_batch_size,
-                data_parallel_rank=state.group_rank("dp_cp"),
-                data_parallel_size=state.group_size("dp_cp"),
+                data_parallel_rank=state.group_rank("dp"),
+                data_parallel_size=state.group_size("dp"),
             )
             for _ in range(vp)
         ]

@@ -195,9 +195,9 @@ def _replaying(function: Callable[..., Any], tracker: RNGStates) -> Callable[...
     return run
 
 
-def _run_plain(layers: Layers, hidden: torch.Tensor) -> torch.Tensor:
+def _run_plain(layers: Layers, hidden: torch.Tensor, **layer_kwargs: Any) -> torch.Tensor:
     for layer in layers:
-        hidden = layer(hidden)
+        hidden = layer(hidden, **layer_kwargs)
     return hidden
 
 
@@ -216,6 +216,7 @@ def run_layers(
     config: RecomputeConfig | None,
     *,
     rng_tracker: RNGStates | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs `layers` on `hidden` in order, checkpointing them as `config` says.
 
@@ -232,6 +233,8 @@ def run_layers(
         config: What to recompute; None: nothing.
         rng_tracker: The model-parallel RNG tracker the layers' dropout may draw under;
             recomputation replays its states. None: only the default generators are used.
+        document_ids: Packed documents' ids, handed to every layer as ``document_ids=``
+            (and kept for its recomputation); None: layers get `hidden` alone.
 
     Returns:
         The last layer's output.
@@ -240,8 +243,9 @@ def run_layers(
         ValueError: ``config.num_layers`` exceeds the layers given (see
             `RecomputeConfig.for_chunk` for a run whose chunks differ).
     """
+    extra = {} if document_ids is None else {"document_ids": document_ids}
     if config is None or config.granularity != "full" or not layers:
-        return _run_plain(layers, hidden)
+        return _run_plain(layers, hidden, **extra)
     assert config.num_layers is not None
     if config.num_layers > len(layers):
         raise ValueError(
@@ -251,9 +255,9 @@ def run_layers(
     for indices, recomputed in _groups(config, len(layers)):
         group = [layers[i] for i in indices]
         if recomputed:
-            hidden = _checkpointed(_run_plain, group, hidden, rng_tracker=rng_tracker)
+            hidden = _checkpointed(_run_plain, group, hidden, rng_tracker=rng_tracker, **extra)
         else:
-            hidden = _run_plain(group, hidden)
+            hidden = _run_plain(group, hidden, **extra)
     return hidden
 
 

@@ -102,9 +102,11 @@ class RunPlan(ScheduledLayers):
     world_size: int
     """Processes in the job."""
     data_parallel_size: int
-    """Replicas: world / (tensor x pipeline)."""
+    """Replicas: world / (tensor x context x pipeline)."""
     tensor_model_parallel_size: int
     """Ranks each layer is split over."""
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over."""
     resolved: ResolvedSchedule
     """The schedule, its placement and prefetch, and the validated plan of every microbatch
     count (and, with evaluation, forward only): what the executor runs."""
@@ -239,7 +241,8 @@ def decide_run(
         base = with_memory_model(base, config, measured.figures)
     return RunPlan(
         world_size=base.world_size, data_parallel_size=base.data_parallel_size,
-        tensor_model_parallel_size=base.tensor_model_parallel_size, resolved=base.resolved,
+        tensor_model_parallel_size=base.tensor_model_parallel_size,
+        context_parallel_size=base.context_parallel_size, resolved=base.resolved,
         layer_split=base.layer_split, recompute=base.recompute, memory=base.memory,
         choice=choice, chosen_by=chosen_by, limit=limit,
         plan_file=config.parallel.pipeline_schedule_file,

@@ -130,10 +130,11 @@ def build_forward_backward_func(
         grad_scale_func=optimizer.scale_loss, no_sync_func=_no_sync_func(model), timers=timers,
         fb_overlap=fb_overlap,
     )  # fmt: skip
-    if sequence_parallel and state.tensor_model_parallel_size > 1:
-        return _SequenceSplitExecutor(
-            state.tensor_model_parallel_size, communicator, resolved, config=config
-        )
+    splits = {"context-parallel": state.context_parallel_size}
+    if sequence_parallel:
+        splits["tensor-parallel"] = state.tensor_model_parallel_size
+    if math.prod(splits.values()) > 1:
+        return _SequenceSplitExecutor(splits, communicator, resolved, config=config)
     return get_forward_backward_func(communicator, resolved, config=config)
 
 
@@ -155,19 +156,21 @@ class _SequenceSplitExecutor(PipelineExecutor):
     """The executor for chunks whose activations between stages are split along the sequence.
 
     Callers pass the sample's sequence lengths, as to any forward-backward function; each
-    stage sends and receives its tensor-parallel rank's part of them.
+    stage sends and receives its rank's part of them: ``1 / cp`` under context parallelism,
+    and ``1 / tp`` of that under sequence parallelism (Megatron's ``get_tensor_shapes``).
     """
 
     def __init__(
         self,
-        split: int,
+        splits: dict[str, int],
         communicator: P2PCommunicator | None,
         resolved: ResolvedSchedule,
         *,
         config: ScheduleConfig,
     ) -> None:
         super().__init__(communicator, resolved, config=config)
-        self.sequence_split = split
+        self.splits = splits
+        self.sequence_split = math.prod(splits.values())
 
     def __call__(
         self, *, seq_length: int | None = None, decoder_seq_length: int | None = None, **kwargs: Any
@@ -175,7 +178,7 @@ class _SequenceSplitExecutor(PipelineExecutor):
         """`PipelineExecutor.__call__`, with the lengths of the parts that travel.
 
         Raises:
-            ValueError: A sequence length does not divide by the tensor-parallel size.
+            ValueError: A sequence length does not divide by the sizes it is split over.
         """
         decoder = None if decoder_seq_length is None else self._part(decoder_seq_length)
         length = None if seq_length is None else self._part(seq_length)
@@ -183,9 +186,12 @@ class _SequenceSplitExecutor(PipelineExecutor):
 
     def _part(self, length: int) -> int:
         if length % self.sequence_split:
+            sizes = " x ".join(
+                f"{kind} size {size}" for kind, size in self.splits.items() if size > 1
+            )
             raise ValueError(
-                f"sequence length {length} is not divisible by tensor-parallel size "
-                f"{self.sequence_split}, which sequence parallelism splits it over"
+                f"sequence length {length} is not divisible by {sizes} = "
+                f"{self.sequence_split}, which the activations between stages are split over"
             )
         return length // self.sequence_split
 
@@ -372,7 +378,7 @@ def train_step(
     step = _optimizer_step(optimizer, timers, barrier_with_l1_time, losses, iteration)
     update_successful, grad_norm, num_zeros_in_grad = step
     if update_successful:
-        scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp_cp"))
+        scheduler.step(increment=num_microbatches * micro_batch_size * state.group_size("dp"))
     skipped_iter = 0 if update_successful else 1
     empty_unused_memory(empty_unused_memory_level, 2, model)
     holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)

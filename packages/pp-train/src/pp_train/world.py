@@ -112,7 +112,9 @@ class RunLayout(ScheduledLayers):
     memory: MemoryModel | None = None
     """The run's byte model, once its parts were measured (the memory report's prediction)."""
     tensor_model_parallel_size: int = 1
-    """Ranks each layer is split over: world = tensor x pipeline x data parallel."""
+    """Ranks each layer is split over: world = tensor x context x pipeline x data parallel."""
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over (context parallelism)."""
 
     @property
     def schedule_choice(self) -> Choice | None:
@@ -147,6 +149,7 @@ def check_world(
             message names the flags and what would work.
     """
     _check_tensor_parallel(config)
+    _check_context_parallel(config)
     dp = _check_world_size(config, world_size)
     _check_batches(config, dp)
     counts = _microbatch_counts(config, dp)
@@ -179,6 +182,7 @@ def check_world(
     return RunLayout(
         world_size, dp, resolved, split, recompute=config.model.recompute,
         tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
+        context_parallel_size=config.parallel.context_parallel_size,
     )  # fmt: skip
 
 
@@ -223,21 +227,61 @@ def check_creatable_folder(flag: str, path: str) -> None:
 
 
 def _check_world_size(config: PretrainConfig, world: int) -> int:
-    """The data-parallel size: the processes over the tensor x pipeline size."""
+    """The data-parallel size: the processes over the tensor x context x pipeline size."""
     parallel = config.parallel
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if tp == 1 and world % pp:
+    cp = parallel.context_parallel_size
+    if tp == 1 and cp == 1 and world % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the {world} processes; "
             f"use one of {divisors(world)}"
         )
-    if world % (tp * pp):
+    if world % (tp * cp * pp):
+        sizes = [f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}"]
+        if cp > 1:
+            sizes.insert(1, f"--context-parallel-size {cp}")
         raise ValueError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
-            f"{tp * pp} does not divide the {world} processes; choose sizes whose product is "
-            f"one of {divisors(world)}"
+            f"{' x '.join(sizes)} = {tp * cp * pp} does not divide the {world} processes; "
+            f"choose sizes whose product is one of {divisors(world)}"
         )
-    return world // (tp * pp)
+    return world // (tp * cp * pp)
+
+
+def _check_context_parallel(config: PretrainConfig) -> None:
+    """The sequence splits into ``2 x cp`` chunks (and each rank's part over tp with sp).
+
+    Raises:
+        ValueError: The sequence does not split, or an encoder-decoder model (whose encoder
+            sequence context parallelism does not split); the message names the flags, the
+            numbers and lengths that would work.
+    """
+    parallel, model = config.parallel, config.model
+    cp = parallel.context_parallel_size
+    if cp == 1:
+        return
+    if model.decoder_seq_length is not None:
+        raise ValueError(
+            f"--context-parallel-size {cp} with --decoder-seq-length "
+            f"{model.decoder_seq_length}: context parallelism splits a decoder-only model's "
+            "sequence; use --context-parallel-size 1 for an encoder-decoder model"
+        )
+    tp = parallel.tensor_model_parallel_size if parallel.sequence_parallel_in_use else 1
+    # 2 x cp equal chunks, and each rank's part (seq / cp) over tp under sequence parallelism.
+    unit = math.lcm(2 * cp, cp * tp)
+    if model.seq_length % unit:
+        why = f"2 x --context-parallel-size {cp} = {2 * cp}"
+        if unit != 2 * cp:
+            why = (
+                f"{unit} (--context-parallel-size {cp} x 2 chunks, and each rank's part over "
+                f"--tensor-model-parallel-size {tp} under sequence parallelism)"
+            )
+        below = model.seq_length // unit * unit
+        choices = " or ".join(str(n) for n in (below, below + unit) if n > 0)
+        raise ValueError(
+            f"--seq-length {model.seq_length} is not divisible by {why}: each "
+            f"context-parallel rank holds 2 of {2 * cp} equal chunks of the sequence; use a "
+            f"multiple of {unit}, such as {choices}"
+        )
 
 
 def _check_tensor_parallel(config: PretrainConfig) -> None:

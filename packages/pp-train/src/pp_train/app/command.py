@@ -41,6 +41,7 @@ from pp_train.arguments import (
     pretrain_config_from_args,
 )
 from pp_train.checkpoint import CheckpointError
+from pp_train.context_parallel import get_batch_on_this_cp_rank
 from pp_train.data import ByteTokenizer, build_tokenizer, build_train_valid_test_datasets
 from pp_train.memory_plan import MemoryPlanError, ModelFigures
 from pp_train.pretrain import default_transport, pretrain, print_once
@@ -176,6 +177,7 @@ def validate_args(
             parallel.tensor_model_parallel_size,
             sequence_parallel=parallel.sequence_parallel_in_use,
         )
+        _check_attention_dropout(args.config)
     except ValueError as error:
         parser.error(str(error))
     args.virtual_pipeline_model_parallel_size = args.layout.virtual_pipeline_model_parallel_size
@@ -186,13 +188,31 @@ def validate_args(
     return args
 
 
+def _check_attention_dropout(config: PretrainConfig) -> None:
+    """The GPT's context-parallel attention applies no dropout: refused before any group."""
+    cp, dropout = config.parallel.context_parallel_size, config.model.attention_dropout
+    if cp > 1 and dropout:
+        raise ValueError(
+            f"--context-parallel-size {cp} with --attention-dropout {dropout}: context-parallel "
+            "attention applies no dropout to the attention probabilities; add "
+            "--attention-dropout 0"
+        )
+
+
 def gpt_forward_step(
     data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
-    """Megatron's GPT ``forward_step``: the next microbatch through the chunk; mean token loss."""
-    batch = next(data_iterator)
-    device = next(unwrap_model(model).parameters()).device
-    output = model(batch["tokens"].to(device), labels=batch["labels"].to(device))
+    """Megatron's GPT ``forward_step``: the next microbatch through the chunk; mean token loss.
+
+    Under context parallelism the chunk gets this rank's part of the sequence
+    (`get_batch_on_this_cp_rank`).
+    """
+    chunk = unwrap_model(model)
+    device = next(chunk.parameters()).device
+    cp_group = getattr(getattr(chunk, "parallel", None), "cp_group", None)
+    batch = get_batch_on_this_cp_rank(next(data_iterator), group=cp_group)
+    extra = {key: batch[key].to(device) for key in ("position_ids", "document_ids") if key in batch}
+    output = model(batch["tokens"].to(device), labels=batch["labels"].to(device), **extra)
 
     def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = output_tensor.float().mean()
@@ -246,7 +266,7 @@ def _gpt_provider(
     ``--untie-embeddings-and-output-weights``).
     """
     sequence_parallel = parallel.sequence_parallel_in_use
-    tp = parallel.tensor_model_parallel_size
+    tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
 
     def model_provider(
         *,
@@ -265,6 +285,7 @@ def _gpt_provider(
             seed=seed, share_embeddings_and_output_weights=tied,
             tp_group=state.group("tp") if tp > 1 else None,
             sequence_parallel=sequence_parallel, rng_tracker=get_rng_tracker(),
+            cp_group=state.group("cp") if cp > 1 else None, cp_comm_type=parallel.cp_comm_type,
         )  # fmt: skip
 
     return model_provider

@@ -32,7 +32,13 @@ import torch.distributed as dist
 
 from pp_state import PipelineLayerLayout, Placement
 from pp_state.numbers import divisors, is_int
-from pp_tensor import InitMethod, RNGStatesTracker, tp_size
+from pp_tensor import (
+    CP_COMM_TYPES,
+    InitMethod,
+    RNGStatesTracker,
+    context_parallel_positions,
+    tp_size,
+)
 from pp_train.app.gpt_config import (
     GPTConfig,
     check_positive_int,
@@ -196,6 +202,8 @@ class GPTChunk(torch.nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
         rng_tracker: RNGStatesTracker | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_comm_type: str = "p2p",
     ) -> None:
         """Builds and initialises the chunk.
 
@@ -218,23 +226,31 @@ class GPTChunk(torch.nn.Module):
             rng_tracker: A seeded model-parallel RNG tracker: dropout then follows Megatron's
                 rule (`pp_train.app.transformer.TensorParallelism`). None: every dropout
                 draws from torch's default generator.
+            cp_group: The context-parallel group: each rank holds two chunks of every
+                sequence and attention passes keys and values between the ranks
+                (`pp_tensor.context_parallel_attention`). None: context-parallel size 1.
+            cp_comm_type: "p2p" (a ring) or "all_gather" (`pp_tensor.CP_COMM_TYPES`).
 
         Raises:
             TypeError: `config` is not a `GPTConfig`, `layers` not a range, or `seed` not an
                 int.
             ValueError: `layers` is not a run of consecutive indices inside
-                ``0 .. num_layers - 1``, or the model does not split over the tensor-parallel
-                size (`check_tensor_parallel`).
+                ``0 .. num_layers - 1``, the model does not split over the tensor-parallel
+                size (`check_tensor_parallel`), or context parallelism is asked for with
+                attention dropout or an unknown `cp_comm_type`.
         """
         super().__init__()
         _check_chunk_arguments(config, layers, seed)
         check_tensor_parallel(config, tp_size(tp_group))
+        _check_context_parallel(config, cp_group, cp_comm_type)
         self.config = config
         self.layer_numbers = layers
         self.pre_process = pre_process
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        self.parallel = TensorParallelism(tp_group, sequence_parallel, rng_tracker)
+        self.parallel = TensorParallelism(
+            tp_group, sequence_parallel, rng_tracker, cp_group=cp_group, cp_comm_type=cp_comm_type
+        )
         self.input_tensor: torch.Tensor | None = None
         self._build(seed)
         self._mark_tied_output_weight()
@@ -260,6 +276,14 @@ class GPTChunk(torch.nn.Module):
             # the broadcast Megatron needs.
             name = _WORD_EMBEDDING_NAME if tied else "output_layer.weight"
             self.output_layer = OutputLayer(config, parallel, _init_method(config, seed, name))
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks each sequence is split over; attention exchanges keys and values over them.
+
+        `pp_train.models.check_context_parallel_chunk` reads it.
+        """
+        return self.parallel.cp_size
 
     def global_name(self, local_name: str) -> str:
         """The global name of a parameter: its layer index made global.
@@ -359,7 +383,9 @@ class GPTChunk(torch.nn.Module):
         assert self.embedding is not None
         return self.embedding.word_embeddings.weight
 
-    def _chunk_input(self, tokens: torch.Tensor | None) -> torch.Tensor:
+    def _chunk_input(
+        self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.embedding is None:
             if self.input_tensor is None:
                 raise RuntimeError(
@@ -370,9 +396,12 @@ class GPTChunk(torch.nn.Module):
         if tokens is None or tokens.dim() != 2:
             shape = None if tokens is None else tuple(tokens.shape)
             raise ValueError(f"the first stage needs tokens shaped [batch, seq], got {shape}")
-        if tokens.shape[1] > self.config.seq_length:
+        cp = self.parallel.cp_size
+        whole = tokens.shape[1] * cp
+        if whole > self.config.seq_length:
+            held = f" ({tokens.shape[1]} on each of {cp} context-parallel ranks)" if cp > 1 else ""
             raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds the model's seq_length "
+                f"sequence length {whole}{held} exceeds the model's seq_length "
                 f"{self.config.seq_length}; use sequences of 1 .. {self.config.seq_length}"
             )
         size = self.parallel.size
@@ -381,17 +410,34 @@ class GPTChunk(torch.nn.Module):
                 f"sequence length {tokens.shape[1]} does not divide over tensor-parallel size "
                 f"{size} under sequence parallelism; use a multiple of {size}"
             )
-        embedded: torch.Tensor = self.embedding(tokens)
+        if position_ids is None and cp > 1:
+            cp_rank = dist.get_rank(self.parallel.cp_group)
+            position_ids = context_parallel_positions(whole, cp, cp_rank, device=tokens.device)
+        embedded: torch.Tensor = self.embedding(tokens, position_ids)
         return embedded
 
     def forward(
-        self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the chunk.
+
+        Under context parallelism every sequence argument is this rank's part of the sequence
+        (`pp_train.get_batch_on_this_cp_rank`), but `document_ids` the whole sequence's.
 
         Args:
             tokens: int64 ``[batch, seq]`` token ids; used by the first stage only.
             labels: int64 ``[batch, seq]`` targets; used by the last stage only.
+            position_ids: int64 ``[batch, seq]`` positions for the position embedding; used by
+                the first stage only. None: ``0 .. seq - 1``, or under context parallelism
+                the global positions of this rank's tokens.
+            document_ids: The document of each token of the whole sequence (packed
+                documents, ``[batch, seq]`` or ``[seq]``): attention stays inside a document.
+                None: one document.
 
         Returns:
             On the last stage, the per-token cross-entropy loss as fp32 ``[batch, seq]`` when
@@ -408,9 +454,10 @@ class GPTChunk(torch.nn.Module):
         """
         hidden = run_layers(
             self.layers,
-            self._chunk_input(tokens),
+            self._chunk_input(tokens, position_ids),
             self.recompute,
             rng_tracker=self.parallel.rng_tracker,
+            document_ids=document_ids,
         )
         if self.final_layernorm is None:
             return hidden
@@ -446,6 +493,23 @@ def _chunk_recompute(
     if recompute.granularity == "selective" and len(layers):
         checkpoint_core_attention(layers)
     return recompute.for_chunk(len(layers))
+
+
+def _check_context_parallel(
+    config: GPTConfig, cp_group: dist.ProcessGroup | None, cp_comm_type: str
+) -> None:
+    """Context parallelism's attention has no dropout; the exchange is a known kind."""
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(
+            f"unknown cp_comm_type {cp_comm_type!r}; use one of {', '.join(CP_COMM_TYPES)}"
+        )
+    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if cp > 1 and config.attention_dropout:
+        raise ValueError(
+            f"attention dropout {config.attention_dropout} with context-parallel size {cp}: "
+            "context-parallel attention applies no dropout to the attention probabilities; "
+            "use attention_dropout 0 (--attention-dropout 0)"
+        )
 
 
 def _check_chunk_arguments(config: GPTConfig, layers: range, seed: int) -> None:

@@ -14,6 +14,12 @@ keeps is the q, k and v of whole heads.
 Under sequence parallelism the activations between layers are this rank's part of the
 sequence, ``[seq / tp, batch, hidden]``: layer norms and dropout work on it, column-parallel
 layers all-gather the sequence and row-parallel layers reduce-scatter it.
+
+Under context parallelism every activation holds this rank's two chunks of the sequence
+(``seq / cp`` tokens, `pp_tensor.split_for_context_parallel`'s load-balanced split) and the
+core attention is `pp_tensor.context_parallel_attention` over the context-parallel group: the
+only layer that sees other ranks' tokens. Packed documents (``document_ids``, the document of
+each token of the whole sequence) restrict attention to each token's own document.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pp_tensor import (
     RNGStatesTracker,
     RowParallelLinear,
     VocabParallelEmbedding,
+    context_parallel_attention,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -52,6 +59,7 @@ __all__ = [
     "TensorParallelism",
     "TransformerLayer",
     "WeightInit",
+    "document_attention_mask",
     "dropout",
     "gathered_logits",
     "layer_norm",
@@ -84,6 +92,12 @@ class TensorParallelism:
     """The model-parallel RNG tracker; None: every dropout draws from torch's default
     generator."""
 
+    cp_group: dist.ProcessGroup | None = None
+    """The context-parallel group the sequence is split over; None: no context parallelism."""
+
+    cp_comm_type: str = "p2p"
+    """How context-parallel attention exchanges keys and values ("p2p" or "all_gather")."""
+
     def __post_init__(self) -> None:
         """Turns sequence parallelism off at size 1, where there is nothing to split."""
         if self.size == 1:
@@ -97,6 +111,11 @@ class TensorParallelism:
     def size(self) -> int:
         """The tensor-parallel size."""
         return tp_size(self.group)
+
+    @property
+    def cp_size(self) -> int:
+        """The context-parallel size (1 without a group)."""
+        return 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
 
     def attention_rng(self) -> AbstractContextManager[Any]:
         """Where attention dropout draws: the tracker's state when there is one.
@@ -159,14 +178,51 @@ class CoreAttention(torch.nn.Module):
         """The tracker the attention dropout draws under (None: the default generator)."""
         return self.parallel.rng_tracker
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Attention of ``[batch, heads, seq, head_size]`` queries, keys and values."""
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``[batch, heads, seq, head_size]`` queries, keys and values.
+
+        Under context parallelism the sequence is this rank's part and the keys and values
+        of the others travel (`pp_tensor.context_parallel_attention`; no attention dropout,
+        which `GPTChunk` checks). `document_ids` (``[batch, whole seq]`` or ``[whole seq]``)
+        keeps each token's attention inside its document.
+        """
+        parallel = self.parallel
+        if parallel.cp_size > 1:
+            return context_parallel_attention(
+                query, key, value, group=parallel.cp_group, comm_type=parallel.cp_comm_type,
+                document_ids=document_ids,
+            )  # fmt: skip
         p = self.dropout if self.training else 0.0
-        with self.parallel.attention_rng() if p else nullcontext():
+        mask = None if document_ids is None else document_attention_mask(document_ids)
+        with parallel.attention_rng() if p else nullcontext():
             out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, dropout_p=p, is_causal=True
+                query, key, value, attn_mask=mask, dropout_p=p, is_causal=mask is None
             )
         return out
+
+
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Which keys each query may see: causal, and inside its own document.
+
+    Args:
+        document_ids: The document of each token, ``[seq]`` or ``[batch, seq]`` integers.
+
+    Returns:
+        A boolean ``[batch or 1, 1, seq, seq]`` mask, True where a query attends to a key
+        (scaled_dot_product_attention's convention; Megatron's ``attention_mask`` is its
+        negation).
+    """
+    documents = document_ids.reshape(-1, document_ids.shape[-1])
+    length = documents.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    same = documents.unsqueeze(-1) == documents.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
 
 
 class SelfAttention(torch.nn.Module):
@@ -187,8 +243,11 @@ class SelfAttention(torch.nn.Module):
             input_is_parallel=True, sequence_parallel=sequence,
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attention of `x` (``[seq, batch, hidden]``, or this rank's part of the sequence)."""
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of `x` (``[seq, batch, hidden]``, or this rank's part of the sequence).
+
+        `document_ids`: the document of each token of the whole sequence (packed documents).
+        """
         qkv: torch.Tensor = self.qkv(x)[0]  # the whole sequence, this rank's heads
         seq, batch, _ = qkv.shape
         # Per-head rows: head h's query, key and value are adjacent blocks of head_size.
@@ -196,7 +255,10 @@ class SelfAttention(torch.nn.Module):
         # Contiguous copies: a view would keep the whole qkv output alive for backward (the
         # math attention saves the value as given), three times what the value needs.
         query, key, value = (part.contiguous() for part in heads.unbind(0))
-        context: torch.Tensor = self.core_attention(query, key, value)
+        if document_ids is None:
+            context: torch.Tensor = self.core_attention(query, key, value)
+        else:
+            context = self.core_attention(query, key, value, document_ids)
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
         out: torch.Tensor = self.proj(context)[0]
         return out
@@ -243,10 +305,11 @@ class TransformerLayer(torch.nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.parallel = parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output, shaped like `x`."""
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output, shaped like `x` (`document_ids`: see `SelfAttention`)."""
         p, training, rng = self.hidden_dropout, self.training, self.parallel.hidden_rng
-        x = x + dropout(self.self_attention(self.input_layernorm(x)), p, training, rng)
+        attended = self.self_attention(self.input_layernorm(x), document_ids)
+        x = x + dropout(attended, p, training, rng)
         mlp_out = self.mlp(self.post_attention_layernorm(x))
         out: torch.Tensor = x + dropout(mlp_out, p, training, rng)
         return out
@@ -269,12 +332,19 @@ class Embedding(torch.nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.parallel = parallel
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The ``[seq, batch, hidden]`` embeddings of ``[batch, seq]`` tokens.
 
-        Under sequence parallelism, this rank's part of the sequence.
+        `position_ids` (``[batch, seq]`` or ``[seq]``): each token's position; ``0 .. seq -
+        1`` when None. Under sequence parallelism, this rank's part of the sequence.
         """
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = (
+            torch.arange(tokens.shape[1], device=tokens.device)
+            if position_ids is None
+            else position_ids.to(tokens.device)
+        )
         embedded: torch.Tensor = self.word_embeddings(tokens) + self.position_embeddings(positions)
         # Megatron's activations are sequence-first; its embedding dropout is the hidden one.
         embedded = embedded.transpose(0, 1).contiguous()
