@@ -18,7 +18,10 @@
 - `context_parallel_attention` (`pp_tensor.context_parallel`): causal attention over a
   sequence split across a context-parallel group (a ring of passes, or an all-gather), with
   Megatron's load-balanced split (`split_for_context_parallel`, its inverse
-  `join_context_parallel_parts`, `context_parallel_positions`) and document masks.
+  `join_context_parallel_parts`, `context_parallel_positions`) and document masks;
+  `transformers_attention` / `register_transformers_attention`
+  (`pp_tensor.transformers_attention`): the same as a Hugging Face transformers attention
+  function (transformers imported only when registering).
 - `pp_tensor.megatron`: Megatron's ``megatron.core.tensor_parallel``, names and signatures,
   over all of the above (groups left as None are read from pp-state's default state).
 - `pp_tensor.utils`: sizes, vocabulary ranges and padding, shards, and the parameter
@@ -81,6 +84,11 @@ from pp_tensor.random import (
     model_parallel_seeds,
 )
 from pp_tensor.recompute import CheckpointWithoutOutput, CheckpointWithoutOutputManager, checkpoint
+from pp_tensor.transformers_attention import (
+    TRANSFORMERS_ATTENTION_NAME,
+    register_transformers_attention,
+    transformers_attention,
+)
 from pp_tensor.utils import (
     VocabUtility,
     copy_tensor_model_parallel_attributes,
@@ -107,6 +115,7 @@ __all__ = [
     "DATA_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
     "MODEL_PARALLEL_RNG",
+    "TRANSFORMERS_ATTENTION_NAME",
     "CheckpointWithoutOutput",
     "CheckpointWithoutOutputManager",
     "ColumnParallelLinear",
@@ -149,6 +158,7 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_last_dim_to_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "register_transformers_attention",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
@@ -160,5 +170,6 @@ __all__ = [
     "strided_shard_of",
     "tp_rank",
     "tp_size",
+    "transformers_attention",
     "vocab_parallel_cross_entropy",
 ]
