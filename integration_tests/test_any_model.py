@@ -124,6 +124,20 @@ def test_hugging_face_llama_with_the_distributed_optimizer(torchrun: Torchrun) -
     _assert_equal(results, reference_losses(module, module.llama(True), _hf_logits, 2), schedules=3)
 
 
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_hugging_face_llama_at_context_parallel_2_trains_as_one_process(
+    torchrun: Torchrun, comm: str
+) -> None:
+    """cp 2 x pp 2: every sequence split over two ranks, each decoder layer's attention pp-tensor's
+    context-parallel one registered with transformers; its own whole forward is the reference."""
+    _needs_transformers()
+    module = _example("hf_llama_cp")
+    flags = ["1f1b", "zbv", "dualpipev", *(["--all-gather"] if comm == "all_gather" else [])]
+    results = _run(torchrun, "hf_llama_cp", 4, *flags)
+    expected = reference_losses(module, module.llama(tied=False), _hf_logits, 1)
+    _assert_equal(results, expected, schedules=3)
+
+
 @pytest.mark.parametrize("ranks", [2, 4], ids=["pp2", "dp2-pp2"])
 def test_hugging_face_gpt2_trains_as_one_process(torchrun: Torchrun, ranks: int) -> None:
     """GPT-2 from a list of parts, its tie declared by index; its own forward is the reference."""

@@ -1,15 +1,16 @@
 """A pipeline-parallel trainer for any model, from pp-state, pp-comm, pp-schedules and pp-optim.
 
-The model files beside it (hf_llama.py, hf_gpt2.py, sequential.py) say how their model splits
-into stages and runs one microbatch (`build`, `forward_step`, `batches`); this file does the
-rest, in the order that works: process groups -> schedule resolved -> model split for its
-placement, contracts inferred -> chunks wrapped in pp-optim's DDP -> optimizer -> executor.
-Arguments: schedule names (all by default; dualpipev-threads overlaps dualpipev's F&B steps in
-two threads), --steps N (5 by default) and --distributed-optimizer; the pipeline is 2 stages,
-the rest of the world data parallelism. One process group serves every schedule; rank 0 prints
-{schedule: [loss of each step]}. Started by torchrun or as plain processes (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set), a rank that dies is named by the survivors (`watch_pipeline`),
-who leave within a minute.
+The model files beside it (hf_llama.py, hf_gpt2.py, sequential.py; hf_llama_cp.py, whose `CP`
+splits each sequence over context-parallel ranks) say how their model splits into stages and
+runs one microbatch (`build`, `forward_step`, `batches`); this file does the rest, in the order
+that works: process groups -> schedule resolved -> model split for its placement, contracts
+inferred -> chunks wrapped in pp-optim's DDP -> optimizer -> executor. Arguments: schedule
+names (all by default; dualpipev-threads overlaps dualpipev's F&B steps in two threads),
+--steps N (5 by default) and --distributed-optimizer; the pipeline is 2 stages, the rest of the
+world context (the model file's `CP`, 1 by default) and data parallelism. One process group
+serves every schedule; rank 0 prints {schedule: [loss of each step]}. Started by torchrun or as
+plain processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), a rank that dies is named by
+the survivors (`watch_pipeline`), who leave within a minute.
 """
 
 import datetime
@@ -59,7 +60,7 @@ def train(model: Any, schedule: str, state: ParallelState, comm: P2PCommunicator
     resolved = resolve_schedule(schedule.removesuffix("-threads"), pp_size=2, microbatch_counts=[m])
     pipe = model.build(resolved, state)  # this rank's chunks for resolved.placement
     ddp = DDPConfig(use_distributed_optimizer="--distributed-optimizer" in sys.argv)
-    chunks = [DistributedDataParallel(c, ddp, data_parallel_group=state.group("dp"))
+    chunks = [DistributedDataParallel(c, ddp, data_parallel_group=state.group("dp_cp"))
               for c in pipe.chunks]  # fmt: skip
     optimizer = get_megatron_optimizer(OPTIMIZER, chunks, parallel_state=state)
     # dualpipev-threads: dualpipev with its F&B steps overlapped in two threads
@@ -80,13 +81,13 @@ def train(model: Any, schedule: str, state: ParallelState, comm: P2PCommunicator
                 chunk.finish_grad_sync()
             optimizer.step()
             # The ranks holding the last stage have the losses (pipeline rank 0 under ZB-V):
-            # sum over data parallelism, then along the pipeline, so that rank 0 has the mean.
+            # sum over data (x context) parallelism, then along the pipeline: rank 0, the mean.
             # On the state's groups, which state.destroy() frees: not on the default group.
             loss = torch.stack([r["loss"] for r in reported] or [torch.zeros(())]).mean()
-            for kind in ("dp", "pp"):  # a lost peer there: a CollectiveError naming it
+            for kind in ("dp_cp", "pp"):  # a lost peer there: a CollectiveError naming it
                 with collective(f"loss all-reduce over {kind}", group=state.group(kind)):
                     dist.all_reduce(loss, group=state.group(kind))
-            losses.append(float(loss) / dp)
+            losses.append(float(loss) / state.group_size("dp_cp"))
     return losses
 
 
@@ -94,7 +95,8 @@ def main(model: Any) -> None:
     """Train every schedule asked for on the command line; rank 0 prints the losses."""
     steps()  # a bad --steps is refused before any process group starts
     dist.init_process_group("gloo")
-    state = ParallelState.create(ParallelConfig(pipeline_model_parallel_size=2, timeout=TIMEOUT))
+    state = ParallelState.create(ParallelConfig(pipeline_model_parallel_size=2, timeout=TIMEOUT,
+        context_parallel_size=getattr(model, "CP", 1)))  # fmt: skip
     comm = P2PCommunicator.from_parallel_state(state, config=CommConfig(timeout=TIMEOUT))
     schedules = [a for a in sys.argv[1:] if a in SCHEDULES] or SCHEDULES
     losses = {s: train(model, s, state, comm) for s in schedules}
