@@ -45,6 +45,10 @@ CP_COMM_TYPES = ("p2p", "all_gather")
 """The ways keys and values are exchanged (Megatron's ``--cp-comm-type``)."""
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_QUERY_TILE = 256
+"""Query rows whose scores against a key block are computed at once: the fp32 scores, the
+probabilities and their gradients of one block exist for this many rows at a time, so the
+working memory of attention grows with the key block's length, not with its square."""
 _RING = "context-parallel ring pass of keys and values"
 _RING_GRADS = "context-parallel ring pass of key and value gradients"
 _GATHER = "context-parallel all-gather of keys and values"
@@ -336,14 +340,30 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
+def _row_tiles(length: int) -> list[slice]:
+    """Query rows in tiles of `_QUERY_TILE`: a block's scores exist one tile at a time."""
+    return [
+        slice(start, min(start + _QUERY_TILE, length)) for start in range(0, length, _QUERY_TILE)
+    ]
+
+
+def _mask_rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if mask is None else mask[..., rows, :]
+
+
 def _block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of `q` over this block of keys alone, and its log-sum-exp per row."""
-    scores = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
-    return torch.matmul(probs, v.unsqueeze(2)), lse
+    outs, lses = [], []
+    for rows in _row_tiles(q.shape[-2]):
+        scores = _scores(q[..., rows, :], k, scale, _mask_rows(mask, rows))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
+        del scores
+        outs.append(torch.matmul(probs, v.unsqueeze(2)))
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def _merge(
@@ -372,13 +392,23 @@ def _block_backward(
     ``delta = sum(grad_out * out)`` per row, so the block's probabilities are final ones.
     """
     grad_out, lse, delta = grads
-    probs = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out).sum(2)
-    grad_probs = torch.matmul(grad_out, v.unsqueeze(2).transpose(-1, -2))
-    grad_scores = probs * (grad_probs - delta.unsqueeze(-1)) * scale
-    grad_q = torch.matmul(grad_scores, k.unsqueeze(2))
-    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q).sum(2)
-    return grad_q, grad_k, grad_v
+    grad_q, grad_k, grad_v = (
+        [],
+        torch.zeros_like(k, dtype=q.dtype),
+        torch.zeros_like(v, dtype=q.dtype),
+    )
+    for rows in _row_tiles(q.shape[-2]):
+        q_rows, grad_rows = q[..., rows, :], grad_out[..., rows, :]
+        scores = _scores(q_rows, k, scale, _mask_rows(mask, rows))
+        probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))
+        del scores
+        grad_v += torch.matmul(probs.transpose(-1, -2), grad_rows).sum(2)
+        grad_probs = torch.matmul(grad_rows, v.unsqueeze(2).transpose(-1, -2))
+        grad_scores = probs * (grad_probs - delta[..., rows].unsqueeze(-1)) * scale
+        del probs, grad_probs
+        grad_q.append(torch.matmul(grad_scores, k.unsqueeze(2)))
+        grad_k += torch.matmul(grad_scores.transpose(-1, -2), q_rows).sum(2)
+    return torch.cat(grad_q, dim=-2), grad_k, grad_v
 
 
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
