@@ -426,10 +426,8 @@ class PipelineExecutor:
         """Run forward (and backward) of `num_microbatches` microbatches over the pipeline.
 
         Walks this rank's steps of the validated plan in order: each compute step is one
-        forward or backward, each exchange one pp-comm call; nothing else communicates.
-        Then, unless `forward_only`, ``config.finalize_model_grads_func`` (if set) is called
-        with the chunks and the token count (see `ScheduleConfig`); `total_num_tokens` keeps
-        the count.
+        forward or backward, each exchange one pp-comm call; nothing else communicates. Then
+        ``config.finalize_model_grads_func``, unless `forward_only` (see `_finalize`).
 
         Returns:
             On the rank holding the last stage, what each microbatch's ``loss_func`` reported
