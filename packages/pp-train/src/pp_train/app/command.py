@@ -186,17 +186,36 @@ def validate_args(
     return args
 
 
+LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
 def gpt_forward_step(
     data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
-    """Megatron's GPT ``forward_step``: the next microbatch through the chunk; mean token loss."""
+) -> tuple[torch.Tensor, LossFunc]:
+    """Megatron's GPT ``forward_step``: the next microbatch through the chunk, its token losses.
+
+    The loss function returns modern Megatron's ``(loss_sum, num_tokens, {"lm loss":
+    [loss_sum, num_tokens]})``: the per-token losses summed under the batch's ``loss_mask``
+    (float, 0 at tokens without a loss; every token when the batch has none) and the tokens
+    counted. The executor divides the sum by the count (a microbatch's mean), or with
+    ``--calculate-per-token-loss`` leaves it a sum for the whole batch's count.
+    """
     batch = next(data_iterator)
     device = next(unwrap_model(model).parameters()).device
     output = model(batch["tokens"].to(device), labels=batch["labels"].to(device))
+    loss_mask = batch.get("loss_mask")
 
-    def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
+    def loss_func(
+        output_tensor: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        losses = output_tensor.float()
+        if loss_mask is None:
+            mask = torch.ones_like(losses)
+        else:
+            mask = loss_mask.to(device=losses.device, dtype=torch.float32).view_as(losses)
+        loss_sum = (losses * mask).sum()
+        num_tokens = mask.sum()
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
 
     return output, loss_func
 
