@@ -186,12 +186,12 @@ def validate_args(
     return args
 
 
-LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+_GPTLossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def gpt_forward_step(
     data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
-) -> tuple[torch.Tensor, LossFunc]:
+) -> tuple[torch.Tensor, _GPTLossFunc]:
     """Megatron's GPT ``forward_step``: the next microbatch through the chunk, its token losses.
 
     The loss function returns modern Megatron's ``(loss_sum, num_tokens, {"lm loss":
