@@ -77,6 +77,15 @@ class DDPConfig:
     average_gradients: bool = True
     """Divide by the data-parallel size (the mean over the global batch); False sums."""
 
+    calculate_per_token_loss: bool = False
+    """Per-token loss (Megatron's flag): each loss is a sum over its tokens, normalised by
+    the token count of the whole global batch rather than averaged per microbatch, so the
+    loss does not depend on how the batch is cut (packed documents, loss masks). The
+    reduction then sums the gradients over data (x context) parallelism whatever
+    `average_gradients` says, with or without the distributed optimizer, and the trainer
+    divides them by the batch's token count (`DistributedDataParallel.scale_gradients`);
+    pp-train also hands the token counts to its finalisation and logs the mean per token."""
+
     use_distributed_optimizer: bool = dataclasses.field(
         default=False, metadata={"flag": "--use-distributed-optimizer"}
     )
@@ -400,11 +409,20 @@ class DistributedDataParallel(torch.nn.Module):
         bucket.started = True
         if self.data_parallel_group is None:
             return
-        if self.config.average_gradients and self.data_parallel_size > 1:
+        if self.averages and self.data_parallel_size > 1:
             bucket.data.mul_(1.0 / self.data_parallel_size)
         # A synchronous reduction is waited for here; an overlapped one where it is waited for.
         with self._recorded(bucket) if not async_op else contextlib.nullcontext():
             self._reduce(bucket, async_op=async_op)
+
+    @property
+    def averages(self) -> bool:
+        """Whether the reduction averages over the data-parallel ranks (else it sums).
+
+        It sums when `DDPConfig.average_gradients` is off or under
+        `DDPConfig.calculate_per_token_loss`.
+        """
+        return self.config.average_gradients and not self.config.calculate_per_token_loss
 
     @property
     def _reduce_scatters(self) -> bool:

@@ -185,6 +185,7 @@ class PretrainRun:
             timers=timers, resolved=layout.resolved,
             sequence_parallel=config.parallel.sequence_parallel_in_use,
             fb_overlap=config.parallel.fb_overlap,
+            calculate_per_token_loss=config.ddp.calculate_per_token_loss,
         )  # fmt: skip
         calculator = microbatch_calculator(config, state.group_size("dp"))
         logger, writer = self._logger()

@@ -91,6 +91,7 @@ def build_forward_backward_func(
     resolved: ResolvedSchedule | None = None,
     sequence_parallel: bool = False,
     fb_overlap: str | None = None,
+    calculate_per_token_loss: bool = False,
 ) -> PipelineExecutor:
     """The schedule for `state`'s pipeline, wired to the optimizer's loss scale and DDP's no_sync.
 
@@ -114,6 +115,8 @@ def build_forward_backward_func(
         sequence_parallel: The chunks' activations between stages are split along the
             sequence over `state`'s tensor-parallel group (``--sequence-parallel``).
         fb_overlap: How F&B steps run (``--fb-overlap``; `pp_schedules.ScheduleConfig`).
+        calculate_per_token_loss: Losses are token sums with their counts (per-token loss);
+            `train_step` hands the executor's ``total_num_tokens`` to `finalize_model_grads`.
 
     Raises:
         ValueError: A resolved schedule that does not fit the pipeline or the chunks.
@@ -128,7 +131,8 @@ def build_forward_backward_func(
         pipeline_model_parallel_split_rank=state.pipeline_model_parallel_split_rank
         if pipelined else None,
         grad_scale_func=optimizer.scale_loss, no_sync_func=_no_sync_func(model), timers=timers,
-        fb_overlap=fb_overlap,
+        fb_overlap=fb_overlap, calculate_per_token_loss=calculate_per_token_loss,
+        context_parallel_size=state.context_parallel_size,
     )  # fmt: skip
     splits = {"context-parallel": state.context_parallel_size}
     if sequence_parallel:
@@ -252,6 +256,7 @@ def finalize_model_grads(
     state: ParallelState,
     *,
     placement: Placement | None = None,
+    num_tokens: torch.Tensor | None = None,
 ) -> None:
     """After backward: data-parallel reduction, replicated weights over tp, tied embeddings.
 
@@ -263,12 +268,17 @@ def finalize_model_grads(
     tensor-parallel group; the word embedding's copies on the first and last stage are
     summed (over the embedding group, or in place when one rank holds both, see
     `tied_embedding_sync`); with a split rank the position embedding over its group
-    (Megatron's encoder-decoder models).
+    (Megatron's encoder-decoder models). With per-token loss (`num_tokens` given) the token
+    count is broadcast from the rank holding the last stage over the pipeline, summed over
+    data x context parallelism, and every gradient is divided by it (at least 1).
 
     Args:
         model: This rank's chunks.
         state: The parallel state.
         placement: Which stage each chunk holds (the schedule's); looped when None.
+        num_tokens: Per-token loss only, on every rank: the step's token count on the rank
+            holding the last stage (the executor's ``total_num_tokens``), any scalar tensor
+            elsewhere (it is overwritten by the broadcast); None for the mean losses.
     """
     for chunk in model:
         finish = getattr(chunk, "finish_grad_sync", None)
@@ -279,6 +289,42 @@ def finalize_model_grads(
     position = split_position_embedding(model, state)
     if position is not None:
         all_reduce_grads([position], group=state.group("position_embedding"))
+    if num_tokens is not None:
+        count = _global_token_count(num_tokens, state, checked_placement(state, placement))
+        _scale_gradients(model, 1.0 / max(count, 1.0))
+
+
+def _global_token_count(
+    num_tokens: torch.Tensor, state: ParallelState, placement: Placement
+) -> float:
+    """The last stage's token count, summed over data x context parallel ranks (every rank)."""
+    count = num_tokens.detach().to(torch.float64).reshape(()).clone()  # the caller's stays
+    if state.pipeline_model_parallel_size > 1:
+        group = state.group("pp")
+        count = count.to(collective_device(group))
+        last = dist.get_global_rank(group, placement.holder(placement.num_stages - 1)[0])
+        with collective("token count broadcast over the pipeline", group=group):
+            dist.broadcast(count, src=last, group=group)
+    if state.group_size("dp_cp") > 1:
+        group = state.group("dp_cp")
+        count = count.to(collective_device(group))
+        with collective("token count all-reduce over data parallel", group=group):
+            dist.all_reduce(count, group=group)
+    return float(count)
+
+
+def _scale_gradients(model: Sequence[torch.nn.Module], factor: float) -> None:
+    """Multiplies every gradient of the chunks: the grad buffers, else each ``grad``."""
+    for chunk in model:
+        scale = getattr(chunk, "scale_gradients", None)
+        if callable(scale):
+            scale(factor)
+            continue
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                grad.mul_(factor)
 
 
 def _allreduce_non_tensor_model_parallel_grads(
@@ -301,27 +347,52 @@ def _allreduce_non_tensor_model_parallel_grads(
 
 
 def average_losses(losses: list[dict[str, Any]], state: ParallelState) -> dict[str, float]:
-    """Microbatch losses averaged, then over data-parallel ranks (last stage's ranks only).
+    """Each reported loss over the microbatches and data-parallel ranks (last stage's ranks).
+
+    As Megatron's ``train_step``: a value of two elements is ``[loss_sum, token_count]``: both
+    are summed over the microbatches and the data x context parallel ranks, and the loss is
+    the sum over the count (the batch's mean over its tokens); a value of one element is
+    averaged over the microbatches, then over the ranks.
 
     Args:
         losses: One dict of loss tensors per microbatch (the forward-backward function's).
         state: The parallel state; a collective over its data (x context) parallel group.
+
+    Raises:
+        ValueError: A value of another size.
     """
     if not losses:
         return {}
-    averaged = {}
-    for key in losses[0]:
-        values = torch.stack(
-            [torch.as_tensor(x[key], dtype=torch.float32).detach().reshape(()) for x in losses]
-        )
-        averaged[key] = values.mean()
-    stacked = torch.stack(list(averaged.values())).cpu()
-    if state.group_size("dp_cp") > 1:
+    parts = {key: _reduced_locally(key, [x[key] for x in losses]) for key in losses[0]}
+    stacked = torch.cat(list(parts.values())).cpu()
+    size = state.group_size("dp_cp")
+    if size > 1:
         stacked = stacked.to(collective_device(state.group("dp_cp")))
         with collective("loss averaging over data parallel", group=state.group("dp_cp")):
             dist.all_reduce(stacked, group=state.group("dp_cp"))
-        stacked = stacked.cpu() / state.group_size("dp_cp")
-    return {key: float(value) for key, value in zip(averaged, stacked.tolist(), strict=True)}
+        stacked = stacked.cpu()
+    averaged, offset = {}, 0
+    for key, part in parts.items():
+        if part.numel() == 2:  # summed, and its tokens counted, over every rank
+            averaged[key] = float(stacked[offset] / stacked[offset + 1].clamp(min=1))
+        else:
+            averaged[key] = float(stacked[offset]) / size
+        offset += part.numel()
+    return averaged
+
+
+def _reduced_locally(key: str, values: list[Any]) -> torch.Tensor:
+    """One key's values over the microbatches: ``[sum, count]`` summed, a loss averaged."""
+    flat = [torch.as_tensor(v, dtype=torch.float32).detach().reshape(-1).cpu() for v in values]
+    sizes = {v.numel() for v in flat}
+    if sizes == {2}:
+        return torch.stack(flat).sum(dim=0)
+    if sizes == {1}:
+        return torch.stack(flat).mean().reshape(1)
+    raise ValueError(
+        f"loss {key!r} was reported with {sorted(sizes)} elements; report one (the loss) or "
+        "two ([loss_sum, token_count], Megatron's per-token form) in every microbatch"
+    )
 
 
 def train_step(
@@ -355,8 +426,8 @@ def train_step(
     2 also after the optimizer step (Megatron's flag; nothing on CPU).
 
     Returns:
-        ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: the losses averaged over
-        microbatches and data-parallel ranks (on the rank holding the last stage; else empty).
+        ``(loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)``: `average_losses` of the
+        microbatches' losses on the rank holding the last stage (else empty).
 
     Raises:
         NonFiniteError: A NaN or inf gradient norm without a loss scaler; nothing applied.
@@ -373,7 +444,7 @@ def train_step(
     empty_unused_memory(empty_unused_memory_level, 1, model)
     placement = placement or schedule_placement(forward_backward_func, state)
     _phase(timers, "grads-all-reduce").start()
-    finalize_model_grads(model, state, placement=placement)
+    _finalize(model, state, placement, forward_backward_func)
     _phase(timers, "grads-all-reduce").stop()
     step = _optimizer_step(optimizer, timers, barrier_with_l1_time, losses, iteration)
     update_successful, grad_norm, num_zeros_in_grad = step
@@ -384,6 +455,21 @@ def train_step(
     holds_loss = placement.holds_last(state.pipeline_model_parallel_rank)
     loss_dict = average_losses(losses, state) if holds_loss else {}
     return loss_dict, skipped_iter, grad_norm, num_zeros_in_grad
+
+
+def _finalize(
+    model: Sequence[torch.nn.Module], state: ParallelState, placement: Placement, func: Any
+) -> None:
+    """`finalize_model_grads`, with the executor's token total under per-token loss.
+
+    A forward-backward function other than pp-schedules' executor runs mean losses; with
+    per-token loss a rank without the last stage passes 0, which the broadcast replaces.
+    """
+    num_tokens = None
+    if getattr(getattr(func, "config", None), "calculate_per_token_loss", False):
+        total = getattr(func, "total_num_tokens", None)
+        num_tokens = total if total is not None else torch.zeros((), dtype=torch.float64)
+    finalize_model_grads(model, state, placement=placement, num_tokens=num_tokens)
 
 
 def _zero_grads(model: Sequence[torch.nn.Module], optimizer: MegatronOptimizer) -> None:

@@ -50,7 +50,11 @@ from pp_schedules.runtime._profiling import (
     measured_costs,
     write_schedule_trace,
 )
-from pp_schedules.runtime._schedule_config import ForwardStepFunc, ScheduleConfig
+from pp_schedules.runtime._schedule_config import (
+    FinalizeModelGradsFunc,
+    ForwardStepFunc,
+    ScheduleConfig,
+)
 from pp_schedules.runtime._split_backward import WeightGradients, backward_input
 from pp_schedules.runtime._stage_measurement import measure_stage
 from pp_schedules.runtime._stages import Boundary, PipelineChunk, TensorSpec
@@ -88,6 +92,7 @@ __all__ = [
     "Boundary",
     "ChunkIteratorError",
     "CollectiveRecord",
+    "FinalizeModelGradsFunc",
     "FlightRecorder",
     "ForwardStepFunc",
     "MeasuredSpan",

@@ -4,10 +4,12 @@
 (``forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
 decoder_seq_length, forward_only, collect_non_loss_data``) and Megatron's meaning:
 ``set_input_tensor`` on each chunk, ``forward_step_func(data_iterator, model)`` returning
-``(output, loss_func)``, the loss divided by the number of microbatches, loss scaling through
-an injected ``grad_scale_func``, DDP gradient sync off for all but the last microbatch of each
-chunk, outputs deallocated once sent (with the custom backward that allows it), and the list
-of loss dicts returned on the last stage.
+``(output, loss_func)``, the loss normalised as Megatron does (over the number of
+microbatches, per token, or with per-token loss left a sum whose token count goes to
+``finalize_model_grads_func``), loss scaling through an injected ``grad_scale_func``, DDP
+gradient sync off for all but the last microbatch of each chunk, outputs deallocated once sent
+(with the custom backward that allows it), the list of loss dicts returned on the last stage,
+and ``finalize_model_grads_func`` called at the end of a call with a backward.
 
 It runs exactly the plan `validate` approved: for each rank it walks the lowered steps in
 order, each compute step one forward or backward and each exchange one pp-comm call posting its
@@ -151,6 +153,10 @@ class PipelineExecutor:
         self.memory_samples: list[MemorySample] = []
         """The samples of the last call, one per compute step (empty without a probe)."""
         self._plans: dict[tuple[int, bool], PreparedPlan] = {}
+        self.total_num_tokens: torch.Tensor | None = None
+        """With `ScheduleConfig.calculate_per_token_loss`, on the rank holding the last stage:
+        the tokens the last call's microbatches counted (float64, on the loss's device), what
+        its ``finalize_model_grads_func`` got; None on other ranks and without per-token loss."""
         self._init_stop_reports(recorder_size, channel, report_wait)
 
     def _init_stop_reports(
@@ -420,7 +426,8 @@ class PipelineExecutor:
         """Run forward (and backward) of `num_microbatches` microbatches over the pipeline.
 
         Walks this rank's steps of the validated plan in order: each compute step is one
-        forward or backward, each exchange one pp-comm call; nothing else communicates.
+        forward or backward, each exchange one pp-comm call; nothing else communicates. Then
+        ``config.finalize_model_grads_func``, unless `forward_only` (see `_finalize`).
 
         Returns:
             On the rank holding the last stage, what each microbatch's ``loss_func`` reported
@@ -433,7 +440,9 @@ class PipelineExecutor:
             ScheduleConfigError: The schedule refuses the microbatch count; checked before
                 the iterators are shared or not, as in Megatron (a RuntimeError too).
             ValueError: A single no_sync_func with virtual stages, `collect_non_loss_data`
-                without `forward_only`, or a plan that does not fit the call.
+                without `forward_only`, a plan that does not fit the call, or a
+                ``loss_func`` result of neither 2 nor 3 values (2 under
+                `ScheduleConfig.calculate_per_token_loss`), naming what it takes.
             PlanError: The plan is invalid; nothing was sent.
         """
         chunks, iterators = self._chunks_and_iterators(model, data_iterator)
@@ -458,7 +467,34 @@ class PipelineExecutor:
         self._walk(run)
         self.stats = run.stats
         self.timeline = run.recorder.spans if run.recorder is not None else []
+        self._finalize(chunks, run, forward_only)
         return run.store
+
+    def _finalize(self, chunks: list[torch.nn.Module], run: PlanWalk, forward_only: bool) -> None:
+        """Keep the call's token total and hand it to the finalisation hook, as Megatron.
+
+        The hook runs after every call with a backward; it gets the token count on every
+        rank under per-token loss (a copy of the total, which it may reduce in place; 0 where
+        the last stage is not held, for the broadcast from the rank that holds it), None
+        otherwise.
+        """
+        per_token = self.config.calculate_per_token_loss
+        holds_last = self.placement.holds_last(self.rank)
+        self.total_num_tokens = run.num_tokens if per_token and holds_last else None
+        finalize = self.config.finalize_model_grads_func
+        if forward_only or finalize is None:
+            return
+        count = None
+        if per_token and holds_last:  # a copy: the hook reduces it in place
+            count = run.num_tokens.clone()
+        elif per_token:
+            count = torch.zeros((), dtype=torch.float64, device=self._device)
+        finalize(chunks, count)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the communicator's tensors live (the CPU for a single stage)."""
+        return self.communicator.device if self.communicator is not None else torch.device("cpu")
 
     def _check_shapes_known(
         self, chunks: list[torch.nn.Module], seq_length: int | None, micro_batch_size: int | None

@@ -87,6 +87,8 @@ class PlanWalk:
         # receives complete together) still has a receive in `arrived`.
         self.overdue: set[int] = set()
         self.store: list[Any] = []
+        self.num_tokens = torch.zeros((), dtype=torch.float64)
+        """With per-token loss, the tokens the call's microbatches counted (last stage)."""
         self.fb_mode = prepared.fb_mode
         """How F&B steps run ("sequential", "chunk" or "threads"; see `run_fb_step`)."""
         # A chunk's own overlap function backwards through torch's autograd, which needs
@@ -398,17 +400,39 @@ class PlanWalk:
             )  # fmt: skip
 
     def _loss(self, output: Any, loss_func: Callable[..., Any]) -> torch.Tensor:
+        """The loss to backward, normalised as Megatron's ``forward_step_calc_loss`` does.
+
+        ``(loss, num_tokens, reported)``: divided by the token count and the microbatch
+        count, or with per-token loss left a sum and its count added to the call's total;
+        ``(loss, reported)``: times the context-parallel size, over the microbatch count.
+
+        Raises:
+            ValueError: A result of another length, or of two under per-token loss.
+        """
         if self.call.collect_non_loss_data:
             self.store.append(loss_func(output, non_loss_data=True))
             return torch.zeros(())
+        config, microbatches = self.x.config, self.call.num_microbatches
         result = loss_func(output)
-        if len(result) == 3:  # Megatron's (loss, num_tokens, loss_reduced): a per-token mean
+        length = len(result) if isinstance(result, (tuple, list)) else None
+        if length == 3:  # Megatron's (loss, num_tokens, loss_reduced)
             loss, num_tokens, reduced = result
-            loss = loss / num_tokens
-        else:
+            if config.calculate_per_token_loss:
+                self._count_tokens(num_tokens)
+            else:
+                loss = loss / _at_least_one(num_tokens) / microbatches
+        elif length == 2 and not config.calculate_per_token_loss:
             loss, reduced = result
+            loss = loss * config.context_parallel_size / microbatches
+        else:
+            raise _loss_result_error(result, length, config.calculate_per_token_loss)
         self.store.append(reduced)
-        return loss / self.call.num_microbatches  # type: ignore[no-any-return]
+        return loss  # type: ignore[no-any-return]
+
+    def _count_tokens(self, num_tokens: Any) -> None:
+        """Add a microbatch's token count to the call's total, on the count's device."""
+        count = torch.as_tensor(num_tokens).detach()
+        self.num_tokens = self.num_tokens.to(count.device) + count.to(torch.float64).sum()
 
     def _output_grads(self, action: Action) -> list[torch.Tensor] | None:
         if self._last(action.chunk):
@@ -600,6 +624,27 @@ class PlanWalk:
         assert not self.outputs, "every forward got its backward"
         assert not self.arrived, "every received tensor was used"
         assert not self.to_send, "every result that leaves the rank was sent"
+
+
+def _at_least_one(count: Any) -> Any:
+    """A token count of at least 1 (a microbatch whose tokens are all masked divides by 1)."""
+    return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
+
+
+def _loss_result_error(result: Any, length: int | None, per_token: bool) -> ValueError:
+    """What a ``loss_func`` returned that the executor cannot take, and what it takes."""
+    got = f"{length} values" if length is not None else type(result).__name__
+    if per_token and length == 2:
+        return ValueError(
+            "calculate_per_token_loss needs loss_func to return 3 values, (loss_sum, "
+            "num_tokens, reported): the loss summed over the microbatch's tokens and their "
+            "count; it returned 2, (loss, reported). Return the sum and the count, or set "
+            "calculate_per_token_loss=False"
+        )
+    return ValueError(
+        f"loss_func returned {got}; it returns (loss, reported) or (loss, num_tokens, "
+        "reported), as Megatron's loss functions do"
+    )
 
 
 Handler = Callable[[PlanWalk, int, Step], None]

@@ -199,13 +199,21 @@ def _check_attention_dropout(config: PretrainConfig) -> None:
         )
 
 
+_GPTLossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
 def gpt_forward_step(
     data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
-    """Megatron's GPT ``forward_step``: the next microbatch through the chunk; mean token loss.
+) -> tuple[torch.Tensor, _GPTLossFunc]:
+    """Megatron's GPT ``forward_step``: the next microbatch through the chunk, its token losses.
 
     Under context parallelism the chunk gets this rank's part of the sequence
-    (`get_batch_on_this_cp_rank`).
+    (`get_batch_on_this_cp_rank`), position ids and document ids included. The loss function
+    returns modern Megatron's ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``:
+    the per-token losses summed under the batch's ``loss_mask`` (float, 0 at tokens without a
+    loss; every token when the batch has none) and the tokens counted. The executor divides
+    the sum by the count (a microbatch's mean), or with ``--calculate-per-token-loss`` leaves
+    it a sum for the whole batch's count.
     """
     chunk = unwrap_model(model)
     device = next(chunk.parameters()).device
@@ -213,10 +221,19 @@ def gpt_forward_step(
     batch = get_batch_on_this_cp_rank(next(data_iterator), group=cp_group)
     extra = {key: batch[key].to(device) for key in ("position_ids", "document_ids") if key in batch}
     output = model(batch["tokens"].to(device), labels=batch["labels"].to(device), **extra)
+    loss_mask = batch.get("loss_mask")
 
-    def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
+    def loss_func(
+        output_tensor: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        losses = output_tensor.float()
+        if loss_mask is None:
+            mask = torch.ones_like(losses)
+        else:
+            mask = loss_mask.to(device=losses.device, dtype=torch.float32).view_as(losses)
+        loss_sum = (losses * mask).sum()
+        num_tokens = mask.sum()
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
 
     return output, loss_func
 

@@ -81,5 +81,5 @@ def _walk(
 ) -> Iterator[Microbatch]:
     while True:
         samples = [dataset[start + i] for i in range(micro_batch_size)]
-        yield {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels")}
+        yield {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
         start += stride
