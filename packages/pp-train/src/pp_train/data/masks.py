@@ -102,11 +102,30 @@ def ltor_masks_and_position_ids(
         "eod_mask_loss": eod_mask_loss,
     }
     _check_switches(flags, eod_token)
-    seq = tokens.shape[-1]
-    positions = torch.arange(seq, dtype=torch.int64, device=tokens.device).expand(tokens.shape)
+    return _fields(
+        tokens,
+        eod_token,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+    )
+
+
+def _fields(
+    tokens: torch.Tensor,
+    eod_token: int | None,
+    *,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+) -> dict[str, torch.Tensor]:
+    """`ltor_masks_and_position_ids` on checked arguments."""
+    positions = torch.arange(tokens.shape[-1], dtype=torch.int64, device=tokens.device)
+    if tokens.dim() == 2:
+        positions = positions.repeat(tokens.shape[0], 1)
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
-    out = {"loss_mask": loss_mask, "position_ids": positions.clone()}
-    if eod_token is None or not any(flags.values()):
+    out = {"loss_mask": loss_mask, "position_ids": positions}
+    if eod_token is None or not (reset_position_ids or reset_attention_mask or eod_mask_loss):
         return out
     is_eod = tokens == eod_token
     if eod_mask_loss:
@@ -180,10 +199,16 @@ class SampleMasks:
         _check_switches({name: getattr(self, name) for name in _FLAGS}, self.eod_token)
 
     def __call__(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The fields of `tokens` (``[seq]`` or ``[batch, seq]``)."""
-        return ltor_masks_and_position_ids(
-            tokens,
-            eod_token=self.eod_token,
+        """The fields of `tokens` (``[seq]`` or ``[batch, seq]``).
+
+        Raises:
+            TypeError: `tokens` is not an integer tensor.
+            ValueError: `tokens` is not ``[seq]`` or ``[batch, seq]`` with seq >= 1.
+        """
+        # The flags were checked when this was made; a dataset calls it once per sample.
+        return _fields(
+            _check_tokens(tokens, "tokens"),
+            self.eod_token,
             reset_position_ids=self.reset_position_ids,
             reset_attention_mask=self.reset_attention_mask,
             eod_mask_loss=self.eod_mask_loss,
