@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from pp_testing import run_distributed
 from pp_train import CheckpointError
 from pp_train.app import build_parser, load_corpus, main, validate_args
 from pp_train.app.command import run
+from pp_train.data import IndexedDatasetBuilder
 from pp_train.preprocess import main as preprocess
 
 TINY = [
@@ -430,6 +432,8 @@ def test_preprocess_then_train_on_the_data(tmp_path: Path) -> None:
         (["--data-path", "no/such/prefix"], "no/such/prefix"),
         (["--split", "1,2,3,4"], "split '1,2,3,4' must be 1 to 3 non-negative numbers"),
         (["--tokenizer-type", "Word"], "tokenizer_type 'Word' is unknown"),
+        (["--eod-mask-loss"], "eod_mask_loss (--eod-mask-loss) needs indexed data (--data-path"),
+        (["--reset-attention-mask"], "reset_attention_mask (--reset-attention-mask) needs ind"),
     ],
 )
 def test_bad_data_flags_are_refused_before_any_process_group(
@@ -439,6 +443,27 @@ def test_bad_data_flags_are_refused_before_any_process_group(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert message in _refused([*PP2, *flags], monkeypatch, capsys)
+
+
+def test_help_lists_the_packed_document_flags() -> None:
+    text = " ".join(build_parser().format_help().split())
+    for flag in ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"):
+        assert f"{flag} Megatron's ``{flag}``:" in text
+
+
+def test_the_packed_document_flags_train_on_indexed_data(tmp_path: Path) -> None:
+    """The three flags on --data-path: every microbatch carries its fields through 2 stages."""
+    generator = torch.Generator().manual_seed(0)
+    with IndexedDatasetBuilder(tmp_path / "docs") as builder:
+        for _ in range(300):
+            length = int(torch.randint(1, 40, (1,), generator=generator))
+            builder.add_document([*torch.randint(97, 123, (length,)).tolist(), 256])
+        builder.finalize()
+    packing = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+    flags = [*PP2, "--data-path", str(tmp_path / "docs"), "--split", "90,10,0", *packing]
+    losses = _losses(_train([*flags, "--train-iters", "2"]))
+    assert len(losses) == 2
+    assert all(math.isfinite(loss) for loss in losses)
 
 
 def test_the_command_converts_a_checkpoint_that_then_resumes_exactly(tmp_path: Path) -> None:

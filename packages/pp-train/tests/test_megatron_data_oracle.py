@@ -6,6 +6,7 @@ Skipped where megatron-core is missing, except under ``PP_TRAIN_MEGATRON_ORACLE=
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -20,6 +21,7 @@ from pp_train.data import (
     DataConfig,
     GPTDataset,
     IndexedDataset,
+    attention_mask_from_document_ids,
     build_train_valid_test_datasets,
 )
 from pp_train.preprocess import main as preprocess
@@ -95,7 +97,9 @@ def _megatron_splits(
     seq_length: int,
     seed: int,
     counts: list[int],
+    **packing: bool,
 ) -> list[Any]:
+    flags = {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False}
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -105,9 +109,8 @@ def _megatron_splits(
         # one, megatron-core caches the GPT indices beside the data (a temporary directory).
         path_to_cache=None,
         tokenizer=_Tokenizer(),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        create_attention_mask=True,
+        **(flags | packing),
     )
     builder = BlendedMegatronDatasetBuilder(MegatronGPTDataset, counts, lambda: True, config)
     return list(builder.build())
@@ -117,16 +120,30 @@ def _megatron_window(sample: dict[str, torch.Tensor]) -> list[int]:
     return [*sample["tokens"].tolist(), int(sample["labels"][-1])]
 
 
+_FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def _assert_same_sample(sample: dict[str, torch.Tensor], expected: Any, index: int) -> None:
+    """Every field equal (dtype too); the attention mask made from ``document_ids``.
+
+    (megatron-core's blend adds the int ``dataset_id``, which pp-train's samples leave out.)
+    """
+    assert set(sample) - {"document_ids"} == set(expected) - {"attention_mask", "dataset_id"}
+    for key in _FIELDS:
+        assert sample[key].dtype == expected[key].dtype, (index, key)
+        assert torch.equal(sample[key], expected[key]), (index, key)
+    documents = sample.get("document_ids", torch.zeros_like(sample["tokens"]))
+    mask = attention_mask_from_document_ids(documents)
+    assert torch.equal(mask, expected["attention_mask"]), index
+
+
 def _assert_same_samples(ours: Any, theirs: Any) -> int:
     assert (ours is None) == (theirs is None)
     if ours is None:
         return 0
     assert len(ours) == len(theirs)
     for index in range(len(ours)):
-        sample = ours[index]
-        expected = theirs[index]
-        assert torch.equal(sample["tokens"], expected["tokens"]), index
-        assert torch.equal(sample["labels"], expected["labels"]), index
+        _assert_same_sample(ours[index], theirs[index], index)
     if isinstance(ours, GPTDataset):
         assert numpy.array_equal(ours.document_index, theirs.document_index)
         assert numpy.array_equal(ours.sample_index, theirs.sample_index)
@@ -143,14 +160,16 @@ def _compare(
     seq_length: int,
     seed: int,
     counts: tuple[int, int, int],
+    **packing: Any,
 ) -> int:
+    cache = str(tmp_path / "ours")
     ours = build_train_valid_test_datasets(
-        DataConfig(data_path=data_path, split=split, data_cache_path=str(tmp_path / "ours")),
+        DataConfig(data_path=data_path, split=split, data_cache_path=cache, **packing),
         seq_length=seq_length,
         seed=seed,
         train_valid_test_num_samples=counts,
     )
-    theirs = _megatron_splits(blend, split, seq_length, seed, list(counts))
+    theirs = _megatron_splits(blend, split, seq_length, seed, list(counts), **packing)
     return sum(_assert_same_samples(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
@@ -267,3 +286,67 @@ def test_blend_samples_equal_megatron(  # noqa: PLR0917 - pytest's parameters
         tmp_path, data_path, blend, split=split, seq_length=seq_length, seed=seed, counts=counts
     )
     assert compared >= sum(counts) if weights else compared > 0
+
+
+# --- packed documents -----------------------------------------------------------------------
+
+
+def _coverage(dataset: GPTDataset, eod: int) -> dict[str, int]:
+    """How many samples start mid-document, start with EOD, or hold 3 EODs or more."""
+    windows = [dataset.window(i) for i in range(len(dataset))]
+    starts = dataset.sample_index[numpy.asarray(dataset.shuffle_index[: len(dataset)])]
+    return {
+        "mid-document": int(numpy.count_nonzero(starts[:, 1] > 0)),
+        "EOD first": sum(int(w[0] == eod) for w in windows),
+        "3+ EODs": sum(int(numpy.count_nonzero(w[:-1] == eod) >= 3) for w in windows),
+        "no EOD": sum(int(not numpy.any(w[:-1] == eod)) for w in windows),
+    }
+
+
+@pytest.mark.parametrize(
+    ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"),
+    list(itertools.product((False, True), repeat=3)),
+)
+def test_packed_document_fields_equal_megatron(
+    corpora: dict[str, str],
+    tmp_path: Path,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+) -> None:
+    packing: dict[str, Any] = {
+        "reset_position_ids": reset_position_ids,
+        "reset_attention_mask": reset_attention_mask,
+        "eod_mask_loss": eod_mask_loss,
+    }
+    prefix, counts = corpora["A_eod"], (300, 40, 10)
+    compared = _compare(
+        tmp_path, [prefix], ([prefix], None), split="90,8,2", seq_length=48, seed=11,
+        counts=counts, **packing,
+    )  # fmt: skip
+    assert compared >= sum(counts)
+    cache = str(tmp_path / "ours")
+    config = DataConfig(data_path=[prefix], split="90,8,2", data_cache_path=cache, **packing)
+    train = build_train_valid_test_datasets(
+        config, seq_length=48, seed=11, train_valid_test_num_samples=counts
+    )[0]
+    assert isinstance(train, GPTDataset)
+    assert ("document_ids" in train[0]) == reset_attention_mask
+    seen = _coverage(train, _Tokenizer.eod)
+    # The data exercises every case: windows cut into documents, several documents per
+    # window, an EOD first, and windows inside one long document.
+    assert min(seen.values()) > 0, seen
+
+
+@pytest.mark.parametrize("reset_attention_mask", [False, True])
+def test_packed_document_fields_of_a_blend_equal_megatron(
+    corpora: dict[str, str], tmp_path: Path, reset_attention_mask: bool
+) -> None:
+    prefixes = [corpora["A_eod"], corpora["B_eod"]]
+    data_path = [f"0.3 {prefixes[0]} 0.7 {prefixes[1]}"]
+    compared = _compare(
+        tmp_path, data_path, (prefixes, [0.3, 0.7]), split="969,30,1", seq_length=40, seed=3,
+        counts=(200, 20, 4), reset_position_ids=True, reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=True,
+    )  # fmt: skip
+    assert compared >= 224

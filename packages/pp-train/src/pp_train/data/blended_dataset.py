@@ -13,7 +13,7 @@ import numpy.typing as npt
 from pp_state.numbers import check_int
 from pp_train.data.cache import cached_or_built
 from pp_train.data.config import normalize
-from pp_train.data.gpt_dataset import GPTDataset, sample_of_window
+from pp_train.data.gpt_dataset import GPTDataset
 from pp_train.data.sampler import Microbatch
 
 __all__ = ["BlendedDataset", "build_blending_indices"]
@@ -130,12 +130,17 @@ class BlendedDataset:
         return own + sum(dataset.host_bytes() for dataset in self.datasets)
 
     def __getitem__(self, index: int) -> Microbatch:
-        """Blended sample `index` as ``tokens`` and ``labels``."""
-        return sample_of_window(self.window(index))
+        """Blended sample `index`: its dataset's sample (``tokens``, ``labels``, masks)."""
+        dataset, sample = self._locate(index)
+        return dataset[sample]
 
     def window(self, index: int) -> npt.NDArray[numpy.int64]:
         """Blended sample `index`'s ``seq_length + 1`` tokens."""
+        dataset, sample = self._locate(index)
+        return dataset.window(sample)
+
+    def _locate(self, index: int) -> tuple[GPTDataset, int]:
         if not 0 <= index < self.size:
             raise IndexError(f"sample {index} is out of range for {self.size} samples")
         dataset = self.datasets[int(self.dataset_index[index])]
-        return dataset.window(int(self.dataset_sample_index[index]))
+        return dataset, int(self.dataset_sample_index[index])

@@ -22,12 +22,15 @@ from pp_train.data.blended_dataset import BlendedDataset
 from pp_train.data.config import DataConfig, normalize, parse_split
 from pp_train.data.gpt_dataset import GPTDataset
 from pp_train.data.indexed import IndexedDataset
+from pp_train.data.masks import SampleMasks
+from pp_train.data.tokenizer import build_tokenizer
 
 __all__ = [
     "SPLIT_NAMES",
     "TokenDataset",
     "build_train_valid_test_datasets",
     "check_data",
+    "sample_masks",
     "split_matrix",
     "split_sequences",
 ]
@@ -36,7 +39,8 @@ SPLIT_NAMES = ("train", "valid", "test")
 """The three splits, in `split`'s order."""
 
 TokenDataset = GPTDataset | BlendedDataset
-"""A split's dataset: ``dataset[i]`` is ``{"tokens", "labels"}``, ``dataset.window(i)`` the
+"""A split's dataset: ``dataset[i]`` is ``{"tokens", "labels", "loss_mask", "position_ids"}``
+(and ``"document_ids"`` with ``reset_attention_mask``), ``dataset.window(i)`` the
 ``seq_length + 1`` tokens, ``len(dataset)`` the number of samples."""
 
 Splits = tuple[TokenDataset | None, TokenDataset | None, TokenDataset | None]
@@ -80,6 +84,30 @@ def _check_arguments(seq_length: int, seed: int, counts: tuple[int, int, int]) -
         _check_min_int(f"{name} samples", count, 0)
 
 
+def sample_masks(config: DataConfig) -> SampleMasks:
+    """The masks `config`'s packed-document flags ask for, with its tokenizer's EOD id.
+
+    The tokenizer is built only when a flag is set (without one the EOD id is not used).
+
+    Raises:
+        ValueError: The tokenizer cannot be built or has no end-of-document id, or that id
+            lies outside its vocabulary.
+        ImportError: ``HuggingFaceTokenizer`` without the ``tokenizers`` library.
+    """
+    flags = config.packing
+    if not any(flags.values()):
+        return SampleMasks()
+    tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_model, config.vocab_size)
+    eod, vocab_size = tokenizer.eod, tokenizer.vocab_size
+    if isinstance(eod, bool) or not isinstance(eod, int) or not 0 <= eod < vocab_size:
+        named = " ".join("--" + name.replace("_", "-") for name, on in flags.items() if on)
+        raise ValueError(
+            f"{named}: the {config.tokenizer_type}'s end-of-document id {eod!r} lies outside "
+            f"its vocabulary 0 .. {vocab_size - 1}; these flags need an EOD id the data holds"
+        )
+    return SampleMasks(eod_token=eod, **flags)
+
+
 def check_data(
     config: DataConfig,
     *,
@@ -89,9 +117,9 @@ def check_data(
 ) -> list[IndexedDataset]:
     """Everything `build_train_valid_test_datasets` can check without building indices.
 
-    Opens every prefix (both files there, header, version, token type, sizes) and checks
-    that each split with a share holds tokens in every dataset. Quick: call it before any
-    process group starts.
+    Opens every prefix (both files there, header, version, token type, sizes), checks that
+    each split with a share holds tokens in every dataset, and, with a packed-document flag,
+    the tokenizer's EOD id (`sample_masks`). Quick: call it before any process group starts.
 
     Returns:
         The opened datasets, in `config.data_path`'s order.
@@ -122,6 +150,7 @@ def check_data(
                 )
     if len(opened) > 1 and blend[1] is None:
         _check_one_epoch_holds_a_sample(tokens, seq_length)
+    sample_masks(config)
     return opened
 
 
@@ -154,6 +183,7 @@ def _gpt_splits(
     *,
     seq_length: int,
     seed: int,
+    masks: SampleMasks,
 ) -> list[GPTDataset | None]:
     matrix = split_matrix(parse_split(config.split))
     return [
@@ -167,6 +197,7 @@ def _gpt_splits(
             seed=seed,
             split_name=name,
             cache_dir=_cache_dir(config, indexed),
+            masks=masks,
         )
         for name, bounds, count in zip(SPLIT_NAMES, matrix, counts, strict=True)
     ]
@@ -182,10 +213,11 @@ def build_train_valid_test_datasets(
     """The train, valid and test datasets megatron-core's builder makes for the same numbers.
 
     Their samples equal megatron-core's ``GPTDataset`` / ``BlendedDataset`` samples token for
-    token (``tokens`` and ``labels`` from each ``seq_length + 1`` window). The indices are
-    cached (see `DataConfig.data_cache_path`); every process builds or reads them itself and
-    cache files are written atomically, so concurrent builders are safe, but with many ranks
-    it is cheaper to let one rank build first.
+    token (``tokens`` and ``labels`` from each ``seq_length + 1`` window, ``loss_mask`` and
+    ``position_ids``; ``document_ids`` with ``reset_attention_mask`` hold its attention
+    mask). The indices are cached (see `DataConfig.data_cache_path`); every process builds or
+    reads them itself and cache files are written atomically, so concurrent builders are
+    safe, but with many ranks it is cheaper to let one rank build first.
 
     Args:
         config: The data.
@@ -208,8 +240,11 @@ def build_train_valid_test_datasets(
     )
     prefixes, weights = config.blend or ([], None)
     sizes = list(train_valid_test_num_samples)
+    masks = sample_masks(config)
     if len(prefixes) == 1 and weights is None:
-        single = _gpt_splits(opened[0], config, list(sizes), seq_length=seq_length, seed=seed)
+        single = _gpt_splits(
+            opened[0], config, list(sizes), seq_length=seq_length, seed=seed, masks=masks
+        )
         return single[0], single[1], single[2]
     surplus = 1 + config.mid_level_dataset_surplus
     shares = [[math.ceil(size * w) for size in sizes] for w in normalize(weights or [1.0])]
@@ -217,7 +252,7 @@ def build_train_valid_test_datasets(
     if weights is not None:
         counts = [[math.ceil(share * surplus) for share in row] for row in shares]
     mids = [
-        _gpt_splits(indexed, config, row, seq_length=seq_length, seed=seed)
+        _gpt_splits(indexed, config, row, seq_length=seq_length, seed=seed, masks=masks)
         for indexed, row in zip(opened, counts, strict=True)
     ]
     blends: list[TokenDataset | None] = []

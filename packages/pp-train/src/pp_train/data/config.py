@@ -10,7 +10,17 @@ import numpy
 
 from pp_train.data.tokenizer import TOKENIZER_TYPES
 
-__all__ = ["Blend", "DataConfig", "normalize", "parse_data_path", "parse_split"]
+__all__ = [
+    "PACKING_FLAGS",
+    "Blend",
+    "DataConfig",
+    "normalize",
+    "parse_data_path",
+    "parse_split",
+]
+
+PACKING_FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+"""`DataConfig`'s fields for packed documents, Megatron's flags of the same names."""
 
 Blend = tuple[list[str], list[float] | None]
 """Dataset prefixes and their weights (None: weigh each by its number of samples)."""
@@ -128,6 +138,18 @@ class DataConfig:
     vocab_size: int | None = None
     """Megatron's ``--vocab-size``: NullTokenizer's number of ids in the data."""
 
+    reset_position_ids: bool = False
+    """Megatron's ``--reset-position-ids``: position ids restart at 0 after each
+    end-of-document token (each sample's ``position_ids``). Needs --data-path."""
+
+    reset_attention_mask: bool = False
+    """Megatron's ``--reset-attention-mask``: no token attends to an earlier document of its
+    sample (each sample gets ``document_ids``). Needs --data-path."""
+
+    eod_mask_loss: bool = False
+    """Megatron's ``--eod-mask-loss``: no loss where the input token is end-of-document (0 in
+    each sample's ``loss_mask``). Needs --data-path."""
+
     def __post_init__(self) -> None:
         """Checks every field.
 
@@ -163,6 +185,7 @@ class DataConfig:
                 f"(tokenizer_type is {self.tokenizer_type})"
             )
         _check_optional_int("vocab_size", self.vocab_size)
+        self._check_packing()
         if null and self.vocab_size is None:
             raise ValueError(
                 "tokenizer_type NullTokenizer needs vocab_size (--vocab-size N: the number of "
@@ -173,6 +196,25 @@ class DataConfig:
                 f"vocab_size {self.vocab_size!r} goes with NullTokenizer only (tokenizer_type "
                 f"is {self.tokenizer_type})"
             )
+
+    def _check_packing(self) -> None:
+        """The three packed-document flags are bools and come with indexed data."""
+        for name in PACKING_FLAGS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+            if value and self.data_path is None:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{name} ({flag}) needs indexed data (--data-path P): it works on the "
+                    "end-of-document tokens of preprocessed documents (--append-eod), and the "
+                    "bundled byte corpus has none"
+                )
+
+    @property
+    def packing(self) -> dict[str, bool]:
+        """The packed-document flags by name (``reset_position_ids``, ...)."""
+        return {name: bool(getattr(self, name)) for name in PACKING_FLAGS}
 
     @property
     def blend(self) -> Blend | None:

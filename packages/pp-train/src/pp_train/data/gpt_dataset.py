@@ -25,6 +25,7 @@ import torch
 from pp_state.numbers import check_int
 from pp_train.data.cache import cached_or_built
 from pp_train.data.indexed import IndexedDataset
+from pp_train.data.masks import SampleMasks
 from pp_train.data.sampler import Microbatch
 
 __all__ = [
@@ -162,17 +163,28 @@ def _check_sizes(seq_length: int, num_samples: int | None) -> None:
         check_int("num_samples", num_samples, 0)
 
 
-def sample_of_window(window: npt.NDArray[numpy.int64]) -> Microbatch:
-    """A window's tokens as ``tokens`` (all but the last) and ``labels`` (all but the first)."""
+def sample_of_window(
+    window: npt.NDArray[numpy.int64], masks: SampleMasks | None = None
+) -> Microbatch:
+    """A window's tokens as ``tokens`` (all but the last) and ``labels`` (all but the first).
+
+    With `masks`, the sample also holds the fields they make of ``tokens`` (``loss_mask``,
+    ``position_ids``, and ``document_ids`` with ``reset_attention_mask``).
+    """
     tensor = torch.from_numpy(window)
-    return {"tokens": tensor[:-1], "labels": tensor[1:]}
+    sample = {"tokens": tensor[:-1], "labels": tensor[1:]}
+    if masks is not None:
+        sample.update(masks(sample["tokens"]))
+    return sample
 
 
 class GPTDataset:
     """Samples of one split of one indexed dataset, as megatron-core's ``GPTDataset``.
 
     ``dataset[i]`` is ``{"tokens": [seq_length], "labels": [seq_length]}`` (int64), the
-    ``seq_length + 1`` tokens of window ``i`` without its last and without its first token.
+    ``seq_length + 1`` tokens of window ``i`` without its last and without its first token,
+    with Megatron's ``loss_mask`` (float32) and ``position_ids`` (int64), and
+    ``document_ids`` (int64) with ``reset_attention_mask`` (see `SampleMasks`).
 
     Args:
         indexed: The indexed dataset.
@@ -183,6 +195,9 @@ class GPTDataset:
         split_name: ``train``, ``valid`` or ``test``.
         cache_dir: Where the indices are cached (None: not cached).
         identifiers: What else identifies the indices in the cache (the split, ...).
+        masks: Megatron's ``--reset-position-ids``, ``--reset-attention-mask``,
+            ``--eod-mask-loss`` and the EOD id (None: no flag; the indices do not depend on
+            them).
 
     Raises:
         TypeError: `seq_length` or `num_samples` is not an int.
@@ -201,9 +216,11 @@ class GPTDataset:
         split_name: str,
         cache_dir: Path | None = None,
         identifiers: dict[str, Any] | None = None,
+        masks: SampleMasks | None = None,
     ) -> None:
         _check_sizes(seq_length, num_samples)
         self.indexed = indexed
+        self.masks = SampleMasks() if masks is None else masks
         self.seq_length = seq_length
         self.split_name = split_name
         self.num_samples = num_samples
@@ -258,5 +275,5 @@ class GPTDataset:
         return tokens
 
     def __getitem__(self, index: int) -> Microbatch:
-        """Sample `index` as ``tokens`` and ``labels``."""
-        return sample_of_window(self.window(index))
+        """Sample `index`: ``tokens``, ``labels`` and the fields of `masks`."""
+        return sample_of_window(self.window(index), self.masks)

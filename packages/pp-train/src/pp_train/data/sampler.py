@@ -21,7 +21,11 @@ Microbatch = dict[str, torch.Tensor]
 
 
 class SampleDataset(Protocol):
-    """Samples by global index: ``{"tokens": [seq] int64, "labels": [seq] int64}``."""
+    """Samples by global index: ``{"tokens": [seq] int64, "labels": [seq] int64, ...}``.
+
+    Every sample of a dataset holds the same keys (a GPT dataset adds ``loss_mask``,
+    ``position_ids`` and maybe ``document_ids``); a microbatch stacks each of them.
+    """
 
     def __getitem__(self, index: int) -> Microbatch:
         """Sample `index` (0 or more)."""
@@ -50,7 +54,8 @@ def microbatches(
         data_parallel_size: Ranks in the data-parallel group.
 
     Returns:
-        An infinite iterator of ``{"tokens": [mbs, seq], "labels": [mbs, seq]}`` int64.
+        An infinite iterator of ``{"tokens": [mbs, seq], "labels": [mbs, seq]}`` int64, plus
+        every other key of the samples, each stacked along a new first dimension.
 
     Raises:
         TypeError: An argument is not an int.
