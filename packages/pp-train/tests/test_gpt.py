@@ -10,6 +10,7 @@ import torch
 
 from pp_state import Placement
 from pp_train.app.gpt import GPTChunk, GPTConfig, chunk_layers, init_parameter_
+from pp_train.data import ltor_masks_and_position_ids
 
 CONFIG = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
 SEED = 1234
@@ -482,3 +483,23 @@ def test_constructor_errors() -> None:
         GPTChunk(CONFIG, layers=range(2), pre_process=True, post_process=True, seed=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="config must be a GPTConfig"):
         GPTChunk({}, layers=range(2), pre_process=True, post_process=True, seed=0)  # type: ignore[arg-type]
+
+
+def test_a_packed_document_is_trained_as_if_it_were_alone() -> None:
+    """With document ids and restarting positions, a document's token losses in a packed
+    sample equal those of the document on its own: attention stays inside it."""
+    config = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=12,
+                       vocab_size=32)  # fmt: skip
+    chunk = GPTChunk(config, layers=range(2), pre_process=True, post_process=True, seed=3)
+    first, second = torch.tensor([5, 9, 4, 0]), torch.tensor([7, 3, 8, 2, 6, 1, 11])
+    packed = torch.cat([first, second]).unsqueeze(0)  # 0 is the end of the first document
+    labels = torch.randint(32, packed.shape, generator=torch.Generator().manual_seed(0))
+    masks = ltor_masks_and_position_ids(
+        packed, eod_token=0, reset_position_ids=True, reset_attention_mask=True
+    )
+    losses = chunk(packed, labels, position_ids=masks["position_ids"],
+                   document_ids=masks["document_ids"])  # fmt: skip
+    alone = chunk(second.unsqueeze(0), labels[:, 4:])
+    torch.testing.assert_close(losses[:, 4:], alone, rtol=1e-5, atol=1e-6)
+    unmasked = chunk(packed, labels)
+    assert not torch.allclose(unmasked[:, 4:], alone, atol=1e-3)  # the test can fail

@@ -32,6 +32,7 @@ from pp_train import (
     pretrain_config_from_args,
 )
 from pp_train.app import GPTChunk, GPTConfig, gpt_forward_step
+from pp_train.data import ltor_masks_and_position_ids
 from pp_train.step import average_losses
 
 GPT = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=64)
@@ -51,10 +52,39 @@ class MaskedSamples:
         return {"tokens": window[:-1], "labels": window[1:], "loss_mask": mask}
 
 
+EOD = 0
+
+
+class PackedSamples:
+    """Sample i: packed documents, ended by EOD at places that differ between samples.
+
+    Megatron's three flags on: position ids restart and attention stays inside each document,
+    and the EOD tokens carry no loss, so samples have different numbers of loss tokens.
+    """
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        window = torch.randint(1, GPT.vocab_size, (GPT.seq_length + 1,), generator=generator)
+        window[[(index * 3) % GPT.seq_length, (index * 5 + 2) % GPT.seq_length]] = EOD
+        tokens = window[:-1]
+        masks = ltor_masks_and_position_ids(
+            tokens, eod_token=EOD, reset_position_ids=True, reset_attention_mask=True,
+            eod_mask_loss=True,
+        )  # fmt: skip
+        return {"tokens": tokens, "labels": window[1:], **masks}
+
+
+SAMPLES: dict[str, Any] = {"loss-mask": MaskedSamples, "packed-documents": PackedSamples}
+
+
 def _provider(
-    *, pre_process: bool, post_process: bool, vp_stage: int, layers: range
+    *, pre_process: bool, post_process: bool, vp_stage: int, layers: range, state: Any
 ) -> torch.nn.Module:
-    return GPTChunk(GPT, layers=layers, pre_process=pre_process, post_process=post_process, seed=7)
+    cp = state.context_parallel_size
+    return GPTChunk(
+        GPT, layers=layers, pre_process=pre_process, post_process=post_process, seed=7,
+        cp_group=state.group("cp") if cp > 1 else None,
+    )  # fmt: skip
 
 
 def _forward_step(data: Iterator[Any], model: torch.nn.Module) -> tuple[Any, Callable[..., Any]]:
@@ -68,9 +98,9 @@ def _forward_step(data: Iterator[Any], model: torch.nn.Module) -> tuple[Any, Cal
     return output, recorded
 
 
-def _config(pp: int, micro: int, per_token: bool) -> PretrainConfig:
+def _config(pp: int, micro: int, per_token: bool, cp: int = 1) -> PretrainConfig:
     return PretrainConfig(
-        parallel=ParallelArgs(pipeline_model_parallel_size=pp),
+        parallel=ParallelArgs(pipeline_model_parallel_size=pp, context_parallel_size=cp),
         model=ModelArgs(
             num_layers=GPT.num_layers, hidden_size=GPT.hidden_size, seq_length=GPT.seq_length,
             num_attention_heads=GPT.num_attention_heads, hidden_dropout=0.0,
@@ -85,11 +115,11 @@ def _config(pp: int, micro: int, per_token: bool) -> PretrainConfig:
     )  # fmt: skip
 
 
-def _pretrain(config: PretrainConfig) -> tuple[list[list[float]], str]:
+def _pretrain(config: PretrainConfig, samples: str) -> tuple[list[list[float]], str]:
     REPORTED.clear()
 
-    def datasets(num_samples: tuple[int, int, int]) -> tuple[MaskedSamples, None, None]:
-        return MaskedSamples(), None, None
+    def datasets(num_samples: tuple[int, int, int]) -> tuple[Any, None, None]:
+        return SAMPLES[samples](), None, None
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -121,12 +151,13 @@ def _logged(results: list[tuple[list[list[float]], str]]) -> list[float]:
     return [float(x) for x in re.findall(r" lm loss: (\S+) \|", printed)]
 
 
-def test_per_token_loss_does_not_depend_on_how_the_batch_is_cut() -> None:
+@pytest.mark.parametrize("samples", list(SAMPLES))
+def test_per_token_loss_does_not_depend_on_how_the_batch_is_cut(samples: str) -> None:
     """Four runs of a 2-layer GPT, 3 steps each (two of them on 4 ranks): about 15 s here."""
     means = {}
     for per_token in (True, False):
-        alone = run_distributed(_pretrain, 1, _config(1, 1, per_token), timeout=180)
-        split = run_distributed(_pretrain, 4, _config(2, 2, per_token), timeout=240)
+        alone = run_distributed(_pretrain, 1, _config(1, 1, per_token), samples, timeout=180)
+        split = run_distributed(_pretrain, 4, _config(2, 2, per_token), samples, timeout=240)
         means[per_token] = (_per_step_means(alone), _per_step_means(split))
         for results in (alone, split):
             # The logged loss is the batch's mean over its tokens (printed to 7 digits).
@@ -138,6 +169,17 @@ def test_per_token_loss_does_not_depend_on_how_the_batch_is_cut() -> None:
     assert plain_split[0] == pytest.approx(plain_alone[0], rel=1e-6)
     assert plain_split[-1] != pytest.approx(plain_alone[-1], rel=1e-4)  # 2.3e-3 apart here
     assert plain_alone[0] == pytest.approx(alone[0], rel=1e-6)
+
+
+def test_packed_documents_at_context_parallel_2_train_as_one_process() -> None:
+    """cp 2 x dp 2 with per-token loss: each rank holds half of every packed sample (its
+    position ids split, the document ids whole) and trains the one process's weights."""
+    alone = run_distributed(_pretrain, 1, _config(1, 1, True), "packed-documents", timeout=180)
+    split = run_distributed(
+        _pretrain, 4, _config(1, 2, True, cp=2), "packed-documents", timeout=240
+    )
+    assert _logged(split) == pytest.approx(_logged(alone), rel=2e-6)
+    assert len(_logged(split)) == STEPS
 
 
 def test_the_flag_is_megatrons_and_sums_the_gradients() -> None:
