@@ -117,10 +117,9 @@ def get_model(
     wrapped in `Float16Module`; then in `DistributedDataParallel` over the data (x context)
     parallel group, bucketed only for the chunk holding the first stage (Megatron's choice),
     after which parameters are broadcast from data-parallel rank 0. Last, the copies of a
-    tied word embedding are made equal (see `tied_embedding_sync`).
-
-    Encoder-decoder models (``ModelType.encoder_and_decoder``): see
-    `EncoderDecoderModelProvider`; their embedding copies start as the first stage's.
+    tied word embedding are made equal (see `tied_embedding_sync`). Encoder-decoder models
+    (``ModelType.encoder_and_decoder``): see `EncoderDecoderModelProvider`; their embedding
+    copies start as the first stage's.
 
     Args:
         model_provider: Builds one chunk (`ModelProvider`, `EncoderDecoderModelProvider`).
@@ -130,16 +129,14 @@ def get_model(
         ddp_config: Grad-buffer settings of `DistributedDataParallel`.
         device: Where the chunks go.
         wrap_with_ddp: Wrap each chunk in `DistributedDataParallel`.
-        placement: Which virtual stage each (rank, chunk) holds; the schedule's (a plan's
-            placement), Megatron's looped one when None.
+        placement: Which virtual stage each (rank, chunk) holds (the schedule's); looped if None.
         model_type: Megatron's: one stack, or an encoder and a decoder.
 
     Raises:
         ValueError: fp16 and bf16 together, a placement for another pipeline, a tied
             embedding whose two ends the placement puts where they cannot be kept in sync,
             an encoder-decoder model with virtual stages or a pipeline without split rank,
-            or, at context-parallel size above 1, a chunk that does not say it splits its
-            attention over that size (`check_context_parallel_chunk`).
+            or a chunk not for the context-parallel size (`check_context_parallel_chunk`).
     """
     where = checked_placement(state, placement)
     dtype = _half_dtype(fp16, bf16)

@@ -134,9 +134,8 @@ def build_forward_backward_func(
         fb_overlap=fb_overlap, calculate_per_token_loss=calculate_per_token_loss,
         context_parallel_size=state.context_parallel_size,
     )  # fmt: skip
-    splits = {"context-parallel": state.context_parallel_size}
-    if sequence_parallel:
-        splits["tensor-parallel"] = state.tensor_model_parallel_size
+    tp = state.tensor_model_parallel_size if sequence_parallel else 1
+    splits = {"context-parallel": state.context_parallel_size, "tensor-parallel": tp}
     if math.prod(splits.values()) > 1:
         return _SequenceSplitExecutor(splits, communicator, resolved, config=config)
     return get_forward_backward_func(communicator, resolved, config=config)

@@ -134,22 +134,20 @@ def check_world(
     Args:
         config: The run's configuration.
         world_size: The number of processes.
-        layer_counts: Transformer layers of each virtual stage, in pipeline order (uneven
-            stages; the first or last may hold none). Their number over the pipeline size is
-            the virtual size. None: the even split of ``--num-layers`` (with
-            ``--num-layers-per-virtual-pipeline-stage``).
+        layer_counts: Transformer layers of each virtual stage in pipeline order (the first
+            or last may hold none); their number over the pipeline size is the virtual size.
+            None: the even split (``--num-layers-per-virtual-pipeline-stage``).
         transport: "gloo" or "nccl": whose matching rules the plans are validated under.
 
     Raises:
-        ValueError: The sizes do not fit the world, the model's widths (or, with
-            --sequence-parallel, its sequence) do not split over the tensor-parallel size,
-            the batches do not divide, the schedule cannot run them, --recompute-num-layers
-            exceeds the fullest chunk's layers, the plan file is unreadable, invalid or for
-            other sizes, the TensorBoard folder cannot be made, or the data is refused; the
-            message names the flags and what would work.
+        ValueError: The sizes do not fit the world, the model (its widths, or its sequence
+            under sequence or context parallelism) does not split, the batches do not divide,
+            the schedule cannot run them, --recompute-num-layers exceeds the fullest chunk's
+            layers, the plan file is unreadable, invalid or for other sizes, the TensorBoard
+            folder cannot be made, or the data is refused; each message names the flags and
+            what would work.
     """
     _check_tensor_parallel(config)
-    _check_context_parallel(config)
     dp = _check_world_size(config, world_size)
     _check_batches(config, dp)
     counts = _microbatch_counts(config, dp)
@@ -312,6 +310,7 @@ def _check_tensor_parallel(config: PretrainConfig) -> None:
                 f"{name} {value} is not divisible by --tensor-model-parallel-size {tp}; "
                 f"tensor-parallel sizes that split the model: {', '.join(map(str, valid))}"
             )
+    _check_context_parallel(config)
 
 
 def _check_batches(config: PretrainConfig, dp: int) -> None:

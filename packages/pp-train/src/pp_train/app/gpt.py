@@ -215,41 +215,35 @@ class GPTChunk(torch.nn.Module):
             post_process: This chunk is the last virtual stage: it holds the final layernorm
                 and the output layer and returns the loss or the logits.
             seed: The run's seed; with the parameter names it fixes every initial value.
-            share_embeddings_and_output_weights: Tie the output layer to the word embedding.
-                When another chunk holds the embedding, the output layer is a copy marked
-                ``shared`` and ``shared_embedding`` whose gradient the trainer all-reduces
-                with the embedding's over the embedding group (the embedding, when a later
-                chunk holds the copy, is marked ``shared_embedding`` too, as in Megatron).
+            share_embeddings_and_output_weights: Tie the output layer to the word embedding;
+                on another chunk than the embedding's it is a copy marked ``shared`` and
+                ``shared_embedding`` (the embedding too), whose gradient the trainer
+                all-reduces with the embedding's over the embedding group, as in Megatron.
             tp_group: The tensor-parallel group; None: tensor-parallel size 1.
             sequence_parallel: Split the activations between layers along the sequence (off
                 at tensor-parallel size 1).
             rng_tracker: A seeded model-parallel RNG tracker: dropout then follows Megatron's
                 rule (`pp_train.app.transformer.TensorParallelism`). None: every dropout
                 draws from torch's default generator.
-            cp_group: The context-parallel group: each rank holds two chunks of every
-                sequence and attention passes keys and values between the ranks
-                (`pp_tensor.context_parallel_attention`). None: context-parallel size 1.
-            cp_comm_type: "p2p" (a ring) or "all_gather" (`pp_tensor.CP_COMM_TYPES`).
+            cp_group: The context-parallel group the sequence is split over; None: size 1.
+            cp_comm_type: How attention exchanges keys and values: "p2p" or "all_gather".
 
         Raises:
             TypeError: `config` is not a `GPTConfig`, `layers` not a range, or `seed` not an
                 int.
             ValueError: `layers` is not a run of consecutive indices inside
                 ``0 .. num_layers - 1``, the model does not split over the tensor-parallel
-                size (`check_tensor_parallel`), or context parallelism is asked for with
-                attention dropout or an unknown `cp_comm_type`.
+                size (`check_tensor_parallel`), or cp with attention dropout.
         """
         super().__init__()
-        _check_chunk_arguments(config, layers, seed)
-        check_tensor_parallel(config, tp_size(tp_group))
-        _check_context_parallel(config, cp_group, cp_comm_type)
+        _check_chunk_arguments(config, layers, seed, tp_group=tp_group, cp=(cp_group, cp_comm_type))
         self.config = config
         self.layer_numbers = layers
         self.pre_process = pre_process
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.parallel = TensorParallelism(
-            tp_group, sequence_parallel, rng_tracker, cp_group=cp_group, cp_comm_type=cp_comm_type
+            tp_group, sequence_parallel, rng_tracker, cp_group, cp_comm_type
         )
         self.input_tensor: torch.Tensor | None = None
         self._build(seed)
@@ -512,7 +506,14 @@ def _check_context_parallel(
         )
 
 
-def _check_chunk_arguments(config: GPTConfig, layers: range, seed: int) -> None:
+def _check_chunk_arguments(
+    config: GPTConfig,
+    layers: range,
+    seed: int,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    cp: tuple[dist.ProcessGroup | None, str],
+) -> None:
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
     if not isinstance(layers, range):
@@ -524,3 +525,5 @@ def _check_chunk_arguments(config: GPTConfig, layers: range, seed: int) -> None:
             f"layers {layers} must be consecutive indices inside 0 .. {config.num_layers - 1} "
             f"(the model has {config.num_layers} layers)"
         )
+    check_tensor_parallel(config, tp_size(tp_group))
+    _check_context_parallel(config, *cp)
