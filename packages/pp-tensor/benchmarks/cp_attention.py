@@ -11,6 +11,10 @@ table gives the median over rounds of each, the ratio ring / all-gather, and, fo
 process's ``scaled_dot_product_attention`` over the whole sequence (rank 0 alone, forward and
 backward). Both ways must give the same output and gradients; the script checks that before
 timing. ``--quick``: sequences 256 and 512, 2 rounds. ``--json``: one JSON line per sequence.
+
+torch's own ``context_parallel`` (``torch.distributed.tensor.experimental``) is tried first on
+the same inputs; where it does not run (torch 2.13 on CPU: no sharding strategy for the CPU
+flash-attention operator), the script prints the error it raised instead of its time.
 """
 
 from __future__ import annotations
@@ -104,6 +108,21 @@ def sdpa_seconds(whole: Inputs, rounds: int) -> float:
     return statistics.median(times)
 
 
+def torch_context_parallel(whole: Inputs) -> str:
+    """Whether torch's ``context_parallel`` runs causal sdpa here: "runs", or its error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    buffers = [t.clone() for t in whole]
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
+    except (NotImplementedError, RuntimeError) as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return "runs (not timed by this script)"
+
+
 def compare(seq: int, rounds: int) -> dict[str, object]:
     """Both ways at one sequence length, checked equal, then timed A B B A."""
     whole = whole_inputs(seq)
@@ -159,11 +178,12 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     torch.set_num_threads(1)
     load_start = os.getloadavg()[0]
+    torch_status = torch_context_parallel(whole_inputs(256))
     records = [compare(seq, rounds) for seq, rounds in (QUICK if args.quick else FULL)]
     load_end = os.getloadavg()[0]
     if dist.get_rank() == 0:
         for record in records:
-            record.update(load_start=load_start, load_end=load_end)
+            record.update(load_start=load_start, load_end=load_end, torch=torch_status)
         if args.json:
             for record in records:
                 print(json.dumps(record), flush=True)
@@ -172,6 +192,7 @@ def main() -> None:
                   f"batch {BATCH}, {HEADS} heads, head dim {HEAD_DIM}, fp32, gloo")  # fmt: skip
             print(table(records))
             print(f"load average (1 min): {load_start:.2f} at start, {load_end:.2f} at end")
+            print(f"torch's context_parallel here: {torch_status}")
     dist.destroy_process_group()
 
 
