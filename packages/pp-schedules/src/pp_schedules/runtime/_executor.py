@@ -480,13 +480,16 @@ class PipelineExecutor:
         """
         per_token = self.config.calculate_per_token_loss
         holds_last = self.placement.holds_last(self.rank)
-        self.total_num_tokens = run.num_tokens if per_token and holds_last else None
+        total = run.num_tokens
+        if per_token and holds_last and total is None:  # no microbatch: nothing counted
+            total = torch.zeros((), dtype=torch.float64, device=self._device)
+        self.total_num_tokens = total if per_token and holds_last else None
         finalize = self.config.finalize_model_grads_func
         if forward_only or finalize is None:
             return
         count = None
-        if per_token and holds_last:  # a copy: the hook reduces it in place
-            count = run.num_tokens.clone()
+        if self.total_num_tokens is not None:  # a copy: the hook reduces it in place
+            count = self.total_num_tokens.clone()
         elif per_token:
             count = torch.zeros((), dtype=torch.float64, device=self._device)
         finalize(chunks, count)

@@ -87,8 +87,9 @@ class PlanWalk:
         # receives complete together) still has a receive in `arrived`.
         self.overdue: set[int] = set()
         self.store: list[Any] = []
-        self.num_tokens = torch.zeros((), dtype=torch.float64)
-        """With per-token loss, the tokens the call's microbatches counted (last stage)."""
+        self.num_tokens: torch.Tensor | None = None
+        """With per-token loss, the tokens the call's microbatches counted (last stage); None
+        until the first is counted (nothing is allocated without per-token loss)."""
         self.fb_mode = prepared.fb_mode
         """How F&B steps run ("sequential", "chunk" or "threads"; see `run_fb_step`)."""
         # A chunk's own overlap function backwards through torch's autograd, which needs
@@ -431,8 +432,8 @@ class PlanWalk:
 
     def _count_tokens(self, num_tokens: Any) -> None:
         """Add a microbatch's token count to the call's total, on the count's device."""
-        count = torch.as_tensor(num_tokens).detach()
-        self.num_tokens = self.num_tokens.to(count.device) + count.to(torch.float64).sum()
+        count = torch.as_tensor(num_tokens).detach().to(torch.float64).sum()
+        self.num_tokens = count if self.num_tokens is None else self.num_tokens + count
 
     def _output_grads(self, action: Action) -> list[torch.Tensor] | None:
         if self._last(action.chunk):
