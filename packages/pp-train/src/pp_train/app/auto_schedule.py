@@ -5,8 +5,10 @@
 ``--memory-limit-gb`` and the memory report's prediction use `model_figures`: each part of
 the model (a layer with each kind of recomputation, the embedding, the loss) alone, one
 microbatch, its parameters, its bytes saved for backward (pp-schedules' `MemoryProbe`) and
-its times. At tensor-parallel size > 1 the parts are still measured whole (the warm-up runs
-before the process groups); the parameters are then counted per rank (see `model_figures`).
+its times. At tensor-parallel size > 1 the parts are measured split over a tensor-parallel
+group of the run's (`warmup_tensor_parallel_group`: the warm-up runs before the run's parallel
+state), so every figure is one rank's, as the run holds it; under sequence parallelism with
+this rank's part of the sequence (`sequence_shards`).
 
 Before the model is built, each rank times one microbatch through a throwaway chunk of the
 run's size (its transformer layers, no embedding or head): the forward, the input half and the
