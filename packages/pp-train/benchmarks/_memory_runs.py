@@ -59,13 +59,14 @@ TORCH_SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {
 
 
 @functools.cache
-def parallel_state(pp: int, vp: int) -> ParallelState:
-    """The groups of `pp` stages (data parallel over the other ranks), `vp` chunks each.
+def parallel_state(pp: int, vp: int, tp: int = 1) -> ParallelState:
+    """The groups of `pp` stages of `tp` ranks, `vp` chunks each (data parallel: the rest).
 
     Every rank asks for the same sizes in the same order (group creation is collective).
     """
     return ParallelState.create(
         ParallelConfig(
+            tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         )
@@ -82,12 +83,16 @@ class Setup:
     placement: str = "looped"
     microbatches: int = 8
     micro_batch_size: int = 2
+    tp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def label(self) -> str:
         """How the tables name it."""
         chunks = f" vp{self.vp}" if self.vp > 1 else ""
-        return f"pp{self.pp}{chunks} {self.schedule}"
+        tensor = f"tp{self.tp} x " if self.tp > 1 else ""
+        sequence = " sp" if self.sequence_parallel else ""
+        return f"{tensor}pp{self.pp}{chunks} {self.schedule}{sequence}"
 
     def layer_counts(self, num_layers: int) -> tuple[int, ...]:
         """Transformer layers of each virtual stage (an even split)."""
@@ -150,15 +155,16 @@ class Training:
 
     def __init__(self, setup: Setup, gpt: GPTConfig) -> None:
         self.setup, self.gpt = setup, gpt
-        self.state = parallel_state(setup.pp, setup.vp)
+        self.state = parallel_state(setup.pp, setup.vp, setup.tp)
         self.placement = Placement.named(setup.placement, setup.pp, setup.vp)
         self.model, self.optimizer, self.scheduler = self._build()
         resolved = resolve_on_demand(
             setup.schedule, pp_size=setup.pp, vp_size=setup.vp, placement=self.placement
         )
         self.executor: PipelineExecutor = build_forward_backward_func(
-            self.state, self.model, self.optimizer, hidden_size=gpt.hidden_size, resolved=resolved
-        )
+            self.state, self.model, self.optimizer, hidden_size=gpt.hidden_size, resolved=resolved,
+            sequence_parallel=setup.sequence_parallel,
+        )  # fmt: skip
         dp = self.state.group_size("dp")
         self.streams = [
             microbatches(CorpusDataset(_corpus(), gpt.seq_length, seed=3), consumed_samples=0,
@@ -177,7 +183,9 @@ class Training:
             layers = chunk_layers(gpt.num_layers, setup.pp, setup.vp, rank, vp_stage,
                                   placement=self.placement)  # fmt: skip
             return GPTChunk(gpt, layers=layers, pre_process=pre_process,
-                            post_process=post_process, seed=SEED, rng_tracker=tracker)  # fmt: skip
+                            post_process=post_process, seed=SEED, rng_tracker=tracker,
+                            tp_group=self.state.group("tp") if setup.tp > 1 else None,
+                            sequence_parallel=setup.sequence_parallel)  # fmt: skip
 
         model, optimizer, scheduler, _ = setup_model_and_optimizer(
             provider, self.state, optimizer_config=OPTIMIZER,

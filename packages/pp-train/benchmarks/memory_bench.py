@@ -20,7 +20,12 @@ a breakdown: tensors autograd saved for backward.
    bytes over steps 2 and 3. Beside them: the same peak by a second instrument (one more step
    under torch.profiler, its allocator events added up from the probe's count at the step's
    start) over the measured one, and the byte model of pp-train 0.12 (saved tensors only, no
-   frames, no transients) over the measured one.
+   frames, no transients) over the measured one. Then tensor parallelism on the four ranks:
+   tp 2 x pp 2 1f1b (sequence parallelism off and on), tp 2 x pp 2 zbv with sequence
+   parallelism, tp 2 x dp 2, each without and with full recomputation, the parts measured
+   split over the run's tensor-parallel groups (the ranks of data-parallel replica 0 shown);
+   beside them the model of parts measured whole (parameters per rank, the whole layer's
+   bytes: pp-train before per-rank figures) over the measured peak.
 2. **Recomputation** (goals: full recompute cuts activation bytes by >= 70% at <= 1.4x step
    time; selective measured and reported). pp 2 x dp 2, 1f1b, 8 microbatches, a GPT of 8
    layers, hidden 128, sequence 128 (compute dominates, a step takes about a second). Peak
@@ -80,7 +85,7 @@ from pp_schedules import MemoryProbe
 from pp_schedules.planning import MemoryTrack, TransferBuffers, simulate
 from pp_train import RecomputeConfig
 from pp_train.app import GPTConfig
-from pp_train.app.auto_schedule import model_figures
+from pp_train.app.auto_schedule import model_figures, warmup_tensor_parallel_group
 from pp_train.memory_plan import ModelFigures, memory_model
 
 GPT = GPTConfig(
@@ -169,8 +174,13 @@ def profiled_peak(training: runs.Training, probe: MemoryProbe) -> int:
     return start + peak
 
 
-def accuracy_record(setup: runs.Setup, mode: str, figures: ModelFigures) -> dict[str, Any]:
-    """One rank's predicted and measured peak for one configuration."""
+def accuracy_record(
+    setup: runs.Setup, mode: str, figures: ModelFigures, *, whole: ModelFigures | None = None
+) -> dict[str, Any]:
+    """One rank's predicted and measured peak for one configuration.
+
+    With `whole`, the prediction from parts measured whole over the measured peak too.
+    """
     training = runs.Training(setup, dataclasses.replace(GPT, recompute=RECOMPUTE[mode]))
     probe = training.probed_steps(2, warm=1)  # Adam's moments and the frames made in step 1
     peak = max(probe.samples, key=lambda s: s.peak_live_bytes or 0)
@@ -191,6 +201,10 @@ def accuracy_record(setup: runs.Setup, mode: str, figures: ModelFigures) -> dict
     record["saved_only_ratio"] = old.peak / measured
     record["profiled_ratio"] = record["profiled_bytes"] / measured
     record["passed"] = ACCURACY[0] <= record["ratio"] <= ACCURACY[1]
+    record["first_replica"] = training.state.group_rank("dp") == 0
+    record["whole_parts_ratio"] = (
+        record["ratio"] if whole is None else predicted_track(training, whole).peak / measured
+    )
     return record
 
 
@@ -202,6 +216,39 @@ def accuracy_records(emit: Callable[[dict[str, Any]], None]) -> None:
             for mode in RECOMPUTE:
                 for record in gathered(accuracy_record(setup, mode, figures)):
                     emit(record)
+    tensor_parallel_records(emit)
+
+
+TENSOR_PARALLEL = (
+    runs.Setup(2, "1f1b", tp=2),
+    runs.Setup(2, "1f1b", tp=2, sequence_parallel=True),
+    runs.Setup(2, "zbv", vp=2, placement="v", tp=2, sequence_parallel=True),
+    runs.Setup(1, "1f1b", tp=2),
+)
+"""Table 1's tensor-parallel rows: tp 2 x pp 2 (sequence parallelism off and on) and
+tp 2 x dp 2 (pp 1), on the four ranks."""
+
+
+def tensor_parallel_records(emit: Callable[[dict[str, Any]], None]) -> None:
+    """Table 1's tensor-parallel rows, with and without full recomputation.
+
+    The parts are measured split over the run's tensor-parallel groups, as the command's
+    warm-up measures them; beside the ratio, the model of parts measured whole (pp-train
+    before tensor-parallel figures: parameters per rank, bytes of the whole layer) over the
+    measured peak.
+    """
+    whole = model_figures(GPT, micro_batch_size=2, seed=runs.SEED, rounds=1,
+                          tensor_model_parallel_size=2)  # fmt: skip
+    for setup in TENSOR_PARALLEL:
+        with warmup_tensor_parallel_group(2, setup.pp) as group:
+            figures = model_figures(GPT, micro_batch_size=2, seed=runs.SEED, rounds=1,
+                                    tp_group=group,
+                                    sequence_parallel=setup.sequence_parallel)  # fmt: skip
+        for mode in ("none", "full uniform 1"):
+            record = accuracy_record(setup, mode, figures, whole=whole)
+            for each in gathered(record):
+                if each["first_replica"]:
+                    emit(each)
 
 
 ACCURACY_COLUMNS = (
@@ -213,6 +260,7 @@ ACCURACY_COLUMNS = (
     runs.Column("ratio", 6, runs.fixed("ratio", 3)),
     runs.Column("profiler/measured", 17, runs.fixed("profiled_ratio", 4)),
     runs.Column("saved-only model", 16, runs.fixed("saved_only_ratio", 3)),
+    runs.Column("whole-parts model", 17, runs.fixed("whole_parts_ratio", 3)),
     runs.Column("pass", -4, runs.verdict),
 )
 

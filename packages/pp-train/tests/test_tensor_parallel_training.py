@@ -23,7 +23,11 @@ from pp_state import ParallelConfig, ParallelState, Placement
 from pp_testing import run_distributed
 from pp_train import build_forward_backward_func, microbatches, setup_model_and_optimizer
 from pp_train.app import CorpusDataset, GPTChunk, GPTConfig, build_parser, main, validate_args
-from pp_train.app.auto_schedule import model_figures
+from pp_train.app.auto_schedule import (
+    model_figures,
+    received_activations,
+    warmup_tensor_parallel_group,
+)
 from pp_train.app.command import gpt_forward_step, run
 from pp_train.arguments import ModelArgs, ParallelArgs, PretrainConfig
 from pp_train.memory_plan import memory_model, stage_memory
@@ -348,3 +352,40 @@ def test_the_byte_model_counts_a_tensor_parallel_rank_s_share_of_the_parameters(
         for figures in (one, two)
     ]
     assert static[1] == pytest.approx(static[0] / 2, rel=0.02)
+
+
+def _rank_figures(sequence_parallel: bool) -> tuple[list[int], int, tuple[int, int], int]:
+    """A layer measured on the warm-up's group of 2 (of 4 ranks, pp 2): the group's ranks,
+    the received activations' length, the layer's activation and output bytes, and its
+    parameters."""
+    with warmup_tensor_parallel_group(2, 2) as group:
+        assert group is not None
+        figures = model_figures(SHAPE, micro_batch_size=2, seed=0, rounds=1, tp_group=group,
+                                sequence_parallel=sequence_parallel)  # fmt: skip
+        chunk = GPTChunk(SHAPE, layers=range(1), pre_process=False, post_process=False, seed=0,
+                         tp_group=group, sequence_parallel=sequence_parallel)  # fmt: skip
+        ranks = dist.get_process_group_ranks(group)
+    layer = figures.layer.memory
+    assert layer is not None
+    length = received_activations(chunk, 2).shape[0]
+    return ranks, length, (layer.activation_bytes, layer.output_bytes), figures.layer.parameters
+
+
+def test_the_warm_up_measures_a_layer_as_one_tensor_parallel_rank_holds_it() -> None:
+    """On the run's tensor-parallel groups ([0, 1] and [2, 3] at tp 2 x pp 2) the layer's
+    figures are one rank's: half the weights, the attention heads and the MLP's hidden layer
+    split, and under sequence parallelism half the sequence received and sent."""
+    whole = model_figures(SHAPE, micro_batch_size=2, seed=0, rounds=1).layer
+    assert whole.memory is not None
+    plain = run_distributed(_rank_figures, 4, False, timeout=120)
+    split = run_distributed(_rank_figures, 4, True, timeout=120)
+    assert [r[0] for r in plain] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert {r[1] for r in plain} == {16}
+    assert {r[1] for r in split} == {8}
+    assert len({r[2] for r in plain + split}) == 2, "every rank counts the same bytes"
+    (kept, output), (kept_sp, output_sp) = plain[0][2], split[0][2]
+    assert output == whole.memory.output_bytes
+    assert output_sp == output // 2
+    assert kept < 0.8 * whole.memory.activation_bytes
+    assert kept_sp < kept
+    assert plain[0][3] == pytest.approx(whole.parameters / 2, rel=0.01)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import functools
 import os
 import signal
@@ -25,7 +26,12 @@ from pp_schedules import Costs
 from pp_state import ParallelState
 from pp_state.store_channel import StoreChannel, StoreTimeoutError
 from pp_tensor import get_rng_tracker, pad_vocab_size
-from pp_train.app.auto_schedule import layout_times, model_figures, warmup_costs
+from pp_train.app.auto_schedule import (
+    layout_times,
+    model_figures,
+    warmup_costs,
+    warmup_tensor_parallel_group,
+)
 from pp_train.app.corpus import (
     CorpusDataset,
     check_corpus_seq_length,
@@ -341,11 +347,18 @@ def run(args: argparse.Namespace) -> str:
         # One warm-up for both the balanced split's costs and the byte model.
         half = config.optimizer.bf16 or config.optimizer.fp16
         dtype = (torch.bfloat16 if config.optimizer.bf16 else torch.float16) if half else None
-        return model_figures(
-            gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
-            dtype=dtype or torch.float32,
-            tensor_model_parallel_size=config.parallel.tensor_model_parallel_size, tied=tied,
-        )  # fmt: skip
+        # Each part is measured split over a tensor-parallel group as the run splits it, so
+        # the figures are one rank's bytes (sequence-sharded under --sequence-parallel).
+        parallel = config.parallel
+        with warmup_tensor_parallel_group(
+            parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+            timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes),
+        ) as tp_group:  # fmt: skip
+            return model_figures(
+                gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
+                dtype=dtype or torch.float32, tied=tied, tp_group=tp_group,
+                sequence_parallel=parallel.sequence_parallel_in_use,
+            )  # fmt: skip
 
     def measure_layout() -> tuple[Costs, float, float]:
         return layout_times(measure_memory(), gpt.recompute)
