@@ -78,6 +78,7 @@ SELECTIVE = ["--recompute-granularity", "selective", "--attention-dropout", "0.1
 TP2 = ["--tensor-model-parallel-size", "2"]
 SP = ["--sequence-parallel"]
 TP2DP2 = [*TP2, "--global-batch-size", "16"]
+CP2 = ["--context-parallel-size", "2", "--attention-dropout", "0", "--global-batch-size", "16"]
 CASES = {
     "pp2-1f1b": (2, [*PP2, "--pipeline-schedule", "1f1b"]),
     "pp2-interleaved": (2, [*PP2, "--pipeline-schedule", "interleaved_1f1b", *VP2]),
@@ -100,6 +101,10 @@ CASES = {
     "tp2xpp2-sp-zbv": (4, [*TP2, *PP2, *SP, "--pipeline-schedule", "zbv", *VP2]),
     "tp2xdp2": (4, TP2DP2),
     "tp2xdp2-distributed-optimizer": (4, [*TP2DP2, "--use-distributed-optimizer"]),
+    "cp2": (2, CP2),
+    "cp2-all-gather": (2, [*CP2, "--cp-comm-type", "all_gather"]),
+    "cp2xpp2": (4, [*CP2, "--pipeline-model-parallel-size", "2"]),
+    "cp2xtp2-sp": (4, [*CP2, *TP2, *SP]),
 }
 
 
@@ -113,7 +118,8 @@ def test_the_predicted_peak_is_within_two_percent_of_what_the_run_allocates(case
     found = peaks(ranks, flags)
     pipeline = _size(flags, "--pipeline-model-parallel-size")
     tensor = _size(flags, "--tensor-model-parallel-size")
-    assert len(found) == pipeline * tensor, "every rank of the first replica reports"
+    context = _size(flags, "--context-parallel-size")
+    assert len(found) == pipeline * tensor * context, "every rank of the first replica reports"
     for rank, (measured, predicted) in found.items():
         assert predicted == pytest.approx(measured, rel=0.02), (case, rank, measured, predicted)
 

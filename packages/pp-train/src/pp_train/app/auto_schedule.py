@@ -25,6 +25,7 @@ import datetime
 import statistics
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ __all__ = [
     "part_memory",
     "received_activations",
     "sequence_shards",
+    "warmup_context_parallel_group",
     "warmup_costs",
     "warmup_tensor_parallel_group",
 ]
@@ -162,6 +164,8 @@ def model_figures(
     tied: bool = True,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
+    cp_group: dist.ProcessGroup | None = None,
+    cp_comm_type: str = "p2p",
 ) -> ModelFigures:
     """Each part of the GPT alone, one microbatch: parameters, bytes and times, per rank.
 
@@ -178,6 +182,9 @@ def model_figures(
     `tensor_model_parallel_size` > 1 the parts are measured whole: only the parameters are
     one rank's share (`_rank_elements`), the bytes and times the whole's (an upper bound).
     `tied`: the output layer is the word embedding's copy, kept once by a stage with both.
+    With `cp_group` (`warmup_context_parallel_group`) the parts hold this rank's part of the
+    sequence and their attention runs over the group (`cp_comm_type`), so the key and value
+    blocks in flight count among their transients.
 
     Raises:
         ValueError: `tensor_model_parallel_size` is not 1 or the size of `tp_group`.
@@ -185,8 +192,9 @@ def model_figures(
             backward; the message says which part (its activation bytes cannot be measured).
     """
     tp = _checked_tensor_parallel(tensor_model_parallel_size, tp_group)
-    tokens = torch.randint(config.vocab_size, (micro_batch_size, config.seq_length))
-    parallel = TensorParallelism(tp_group, sequence_parallel, None)
+    parallel = TensorParallelism(tp_group, sequence_parallel, None, cp_group, cp_comm_type)
+    local = config.seq_length // parallel.cp_size  # this rank's part of the sequence
+    tokens = torch.randint(config.vocab_size, (micro_batch_size, local))
     built = {}
     for name, (recompute, pre, post, layers) in _PARTS.items():
         shape = dataclasses.replace(config, recompute=recompute)
@@ -222,6 +230,7 @@ def warmup_tensor_parallel_group(
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
     *,
+    context_parallel_size: int = 1,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
 ) -> Iterator[dist.ProcessGroup | None]:
     """This rank's tensor-parallel group for the warm-up, before the run's parallel state.
@@ -232,29 +241,60 @@ def warmup_tensor_parallel_group(
 
     Args:
         tensor_model_parallel_size: The run's tensor-parallel size.
-        pipeline_model_parallel_size: The run's pipeline size (with the world, it fixes
-            the data-parallel size and so which ranks share a group).
+        pipeline_model_parallel_size: The run's pipeline size (with the world and the
+            context-parallel size, it fixes which ranks share a group).
+        context_parallel_size: The run's context-parallel size.
         timeout: How long the groups' collectives may wait.
 
     Raises:
         ValueError: The sizes do not fit the job's world (`pp_state.rank_layout`'s message),
             or the size is over 1 without an initialised default process group.
     """
-    if tensor_model_parallel_size == 1:
+    sizes = (tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size)
+    with _warmup_group("tp", *sizes, timeout=timeout) as group:
+        yield group
+
+
+@contextlib.contextmanager
+def warmup_context_parallel_group(
+    tensor_model_parallel_size: int,
+    context_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    *,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+) -> Iterator[dist.ProcessGroup | None]:
+    """This rank's context-parallel group for the warm-up, as `warmup_tensor_parallel_group`.
+
+    Parts measured on it run `pp_tensor.context_parallel_attention` over it, so their figures
+    hold this rank's part of the sequence and the key and value blocks in flight.
+    """
+    sizes = (tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size)
+    with _warmup_group("cp", *sizes, timeout=timeout) as group:
+        yield group
+
+
+@contextlib.contextmanager
+def _warmup_group(
+    kind: Literal["tp", "cp"], tp: int, cp: int, pp: int, *, timeout: datetime.timedelta
+) -> Iterator[dist.ProcessGroup | None]:
+    """This rank's group of `kind` ("tp" or "cp") in the run's layout; None at size 1."""
+    size = {"tp": tp, "cp": cp}[kind]
+    if size == 1:
         yield None
         return
     if not dist.is_initialized():
+        name = {"tp": "tensor", "cp": "context"}[kind]
         raise ValueError(
-            f"measuring a tensor-parallel size of {tensor_model_parallel_size} needs the job's "
-            "default process group; initialise torch.distributed first"
+            f"measuring a {name}-parallel size of {size} needs the job's default process "
+            "group; initialise torch.distributed first"
         )
     layout = rank_layout(
-        dist.get_world_size(), tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        dist.get_world_size(), tensor_model_parallel_size=tp, context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
     )  # fmt: skip
-    groups = [dist.new_group(ranks, timeout=timeout, backend="gloo") for ranks in layout["tp"]]
+    groups = [dist.new_group(ranks, timeout=timeout, backend="gloo") for ranks in layout[kind]]
     rank = dist.get_rank()
-    own = next(g for g, ranks in zip(groups, layout["tp"], strict=True) if rank in ranks)
+    own = next(g for g, ranks in zip(groups, layout[kind], strict=True) if rank in ranks)
     try:
         yield own
     finally:
@@ -305,8 +345,9 @@ def _measured_part(
         part = GPTChunk(
             shape, layers=range(layers), pre_process=pre, post_process=post, seed=seed,
             tp_group=group, sequence_parallel=parallel.sequence_parallel, rng_tracker=tracker,
+            cp_group=parallel.cp_group, cp_comm_type=parallel.cp_comm_type,
         ).to(dtype)  # fmt: skip
-        tries = 1 if group is None else _TRIES
+        tries = 1 if group is None and parallel.cp_group is None else _TRIES
         measured = _least([part_memory(part, tokens) for _ in range(tries)])
         return part, _saved_bytes(part, tokens), measured
     except (RuntimeError, ValueError) as error:
@@ -389,17 +430,16 @@ def _rank_elements(param: torch.Tensor, tp: int) -> int:
 def sequence_shards(part: GPTChunk) -> int:
     """How many ranks split the sequence of the activations `part` takes and hands on.
 
-    The tensor-parallel size under sequence parallelism, else 1. This is the one place the
-    warm-up learns how the run shards a microbatch's sequence: the activations received
-    between stages, and so every figure measured downstream of them, are this rank's
-    ``seq_length / sequence_shards`` positions. A split over context parallelism multiplies
-    in here (each rank then holds ``1 / cp`` of the sequence); the key and value blocks its
-    attention holds in flight are allocated inside the part's forward and backward, so a
-    part run on its context-parallel group counts them in its transients, as the
-    tensor-parallel collectives' buffers are counted (see docs/memory.md).
+    The context-parallel size, times the tensor-parallel size under sequence parallelism.
+    This is the one place the warm-up learns how the run shards a microbatch's sequence: the
+    activations received between stages, and so every figure measured downstream of them,
+    are this rank's ``seq_length / sequence_shards`` positions. The key and value blocks
+    context-parallel attention holds in flight are allocated inside the part's forward and
+    backward, so a part run on its context-parallel group counts them in its transients, as
+    the tensor-parallel collectives' buffers are counted (see docs/memory.md).
     """
     parallel = part.parallel
-    return parallel.size if parallel.sequence_parallel else 1
+    return (parallel.size if parallel.sequence_parallel else 1) * parallel.cp_size
 
 
 def received_activations(part: GPTChunk, micro_batch_size: int) -> torch.Tensor:
@@ -437,6 +477,7 @@ def part_memory(part: GPTChunk, tokens: torch.Tensor) -> StageMemory:
         )
         part.set_input_tensor([None])  # as the executor: the chunk keeps no input
         _settled(part.parallel.group)
+        _settled(part.parallel.cp_group)
         return output.float().mean() if post else output
 
     return measure_stage(forward, given, part.parameters(), loss=post)

@@ -29,6 +29,7 @@ from pp_tensor import get_rng_tracker, pad_vocab_size
 from pp_train.app.auto_schedule import (
     layout_times,
     model_figures,
+    warmup_context_parallel_group,
     warmup_costs,
     warmup_tensor_parallel_group,
 )
@@ -314,6 +315,33 @@ def _gpt_provider(
     return model_provider
 
 
+def _measure_memory(config: PretrainConfig, gpt: GPTConfig, seed: int, tied: bool) -> ModelFigures:
+    """One warm-up for both the balanced split's costs and the byte model.
+
+    Each part is measured split over tensor- and context-parallel groups as the run splits
+    it, so the figures are one rank's bytes (sequence-sharded under --sequence-parallel and
+    context parallelism, the key and value blocks in flight counted).
+    """
+    half = config.optimizer.bf16 or config.optimizer.fp16
+    dtype = (torch.bfloat16 if config.optimizer.bf16 else torch.float16) if half else None
+    parallel = config.parallel
+    sizes = (parallel.tensor_model_parallel_size, parallel.context_parallel_size,
+             parallel.pipeline_model_parallel_size)  # fmt: skip
+    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+    with (
+        warmup_tensor_parallel_group(
+            sizes[0], sizes[2], context_parallel_size=sizes[1], timeout=timeout
+        ) as tp_group,
+        warmup_context_parallel_group(*sizes, timeout=timeout) as cp_group,
+    ):
+        return model_figures(
+            gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
+            dtype=dtype or torch.float32, tied=tied, tp_group=tp_group,
+            sequence_parallel=parallel.sequence_parallel_in_use, cp_group=cp_group,
+            cp_comm_type=parallel.cp_comm_type,
+        )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> str:
     """Trains the GPT with validated `args` through `pretrain`; returns the exit reason."""
     config: PretrainConfig = args.config
@@ -342,23 +370,7 @@ def run(args: argparse.Namespace) -> str:
         batch = config.training.micro_batch_size
         return warmup_costs(gpt, layers=layers, micro_batch_size=batch, seed=seed)
 
-    @functools.cache
-    def measure_memory() -> ModelFigures:
-        # One warm-up for both the balanced split's costs and the byte model.
-        half = config.optimizer.bf16 or config.optimizer.fp16
-        dtype = (torch.bfloat16 if config.optimizer.bf16 else torch.float16) if half else None
-        # Each part is measured split over a tensor-parallel group as the run splits it, so
-        # the figures are one rank's bytes (sequence-sharded under --sequence-parallel).
-        parallel = config.parallel
-        with warmup_tensor_parallel_group(
-            parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-            timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes),
-        ) as tp_group:  # fmt: skip
-            return model_figures(
-                gpt, micro_batch_size=config.training.micro_batch_size, seed=seed,
-                dtype=dtype or torch.float32, tied=tied, tp_group=tp_group,
-                sequence_parallel=parallel.sequence_parallel_in_use,
-            )  # fmt: skip
+    measure_memory = functools.cache(functools.partial(_measure_memory, config, gpt, seed, tied))
 
     def measure_layout() -> tuple[Costs, float, float]:
         return layout_times(measure_memory(), gpt.recompute)
