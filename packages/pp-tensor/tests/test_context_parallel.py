@@ -10,6 +10,7 @@ see a later token or another document would change the output or a gradient.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,3 +257,54 @@ def _refusals_at_cp_2() -> None:
 
 def test_refusals_at_cp_2_come_before_any_communication() -> None:
     run_distributed(_refusals_at_cp_2, 2, timeout=30.0, pg_timeout=5.0)
+
+
+def _lose_a_rank(marks: str, victim: int, comm_type: str) -> tuple[str, str, float]:
+    """Every rank runs attention forward and backward; `victim` is killed before it starts."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from pp_state.collectives import CollectiveError
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, grad = (split_for_context_parallel(t, size, rank, seq_dim=2)
+                     for t in _inputs(32, HEADS, torch.float32))  # fmt: skip
+    if rank == victim:
+        Path(marks, "killed").write_text(repr(time.monotonic()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    try:
+        for _ in range(100):
+            out = context_parallel_attention(*leaves, group=dist.group.WORLD, comm_type=comm_type)
+            out.backward(grad)
+    except CollectiveError as error:
+        return type(error).__name__, str(error), time.monotonic()
+    return "none", "", time.monotonic()
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_a_rank_lost_mid_attention_is_an_error_naming_the_exchange(
+    comm_type: str, tmp_path: Path
+) -> None:
+    """No wait hangs: every survivor raises within twice the group's timeout, naming the
+    context-parallel exchange it was in and the peer's address (a lost peer closes the ring
+    and the all-gather; where endpoints are published, as `watch_pipeline` does, pp-state
+    names the peer's rank from that address)."""
+    from pp_testing.distributed import DistributedTestError
+
+    timeout = 10.0
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(
+            _lose_a_rank, 4, str(tmp_path), 2, comm_type, pg_timeout=timeout, timeout=90
+        )
+    killed_at = float((tmp_path / "killed").read_text())
+    outcomes = caught.value.results
+    assert sorted(outcomes) == [0, 1, 3]
+    for rank, (kind, message, raised_at) in outcomes.items():
+        assert kind == "CollectiveError", (rank, message)
+        assert message.startswith(f"rank {rank}: context-parallel "), message
+        assert "over ranks [0, 1, 2, 3] failed: peer rank" in message, message
+        assert raised_at - killed_at < 2 * timeout
