@@ -114,10 +114,10 @@ def torch_context_parallel(whole: Inputs) -> str:
     from torch.distributed.tensor.experimental import context_parallel
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    buffers = [t.clone() for t in whole]
+    q, k, v = (t.clone() for t in whole)
     try:
-        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
-            torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     except (NotImplementedError, RuntimeError) as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0]}"
     return "runs (not timed by this script)"
