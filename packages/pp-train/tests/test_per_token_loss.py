@@ -171,15 +171,19 @@ def test_per_token_loss_does_not_depend_on_how_the_batch_is_cut(samples: str) ->
     assert plain_alone[0] == pytest.approx(alone[0], rel=1e-6)
 
 
-def test_packed_documents_at_context_parallel_2_train_as_one_process() -> None:
-    """cp 2 x dp 2 with per-token loss: each rank holds half of every packed sample (its
-    position ids split, the document ids whole) and trains the one process's weights."""
-    alone = run_distributed(_pretrain, 1, _config(1, 1, True), "packed-documents", timeout=180)
-    split = run_distributed(
-        _pretrain, 4, _config(1, 2, True, cp=2), "packed-documents", timeout=240
-    )
+@pytest.mark.parametrize("per_token", [True, False], ids=["per-token", "per-microbatch"])
+def test_packed_documents_at_context_parallel_2_train_as_at_1(per_token: bool) -> None:
+    """dp 2 at cp 2 against cp 1, the same microbatches: each cp rank holds half of every
+    packed sample (its position ids split, the document ids whole) and its loss mask leaves
+    the two halves different token counts; the losses are cp 1's with either loss."""
+    config = _config(1, 2, per_token)
+    alone = run_distributed(_pretrain, 2, config, "packed-documents", timeout=180)
+    split_config = _config(1, 2, per_token, cp=2)
+    split = run_distributed(_pretrain, 4, split_config, "packed-documents", timeout=240)
     assert _logged(split) == pytest.approx(_logged(alone), rel=2e-6)
     assert len(_logged(split)) == STEPS
+    counts = [count for rows, _ in split for _, count in rows]
+    assert len(set(counts)) > 1, "the cp ranks' halves hold different numbers of loss tokens"
 
 
 def test_the_flag_is_megatrons_and_sums_the_gradients() -> None:

@@ -21,9 +21,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 from pp_schedules import Costs
 from pp_state import ParallelState
+from pp_state.collectives import collective
 from pp_state.store_channel import StoreChannel, StoreTimeoutError
 from pp_tensor import get_rng_tracker, pad_vocab_size
 from pp_train.app.auto_schedule import (
@@ -206,6 +208,25 @@ def _check_attention_dropout(config: PretrainConfig) -> None:
         )
 
 
+def _count_over_context_parallel(
+    num_tokens: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The microbatch's token count as each context-parallel rank divides its loss sum by.
+
+    The cp ranks' counts summed over the group, over the group's size: each rank's gradient
+    is then its tokens' share of the whole sequence's mean (DDP averages over the cp ranks),
+    so the loss equals cp 1's even where the loss mask leaves the ranks different counts;
+    summed over the ranks (per-token loss) it is the sequence's count. At cp 1: the count.
+    """
+    size = 1 if group is None else dist.get_world_size(group)
+    if size == 1:
+        return num_tokens
+    total = num_tokens.detach().clone()
+    with collective("token count all-reduce over context parallel", group=group):
+        dist.all_reduce(total, group=group)
+    return total / size
+
+
 _GPTLossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -240,7 +261,8 @@ def gpt_forward_step(
             mask = loss_mask.to(device=losses.device, dtype=torch.float32).view_as(losses)
         loss_sum = (losses * mask).sum()
         num_tokens = mask.sum()
-        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
+        reported = {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
+        return loss_sum, _count_over_context_parallel(num_tokens, cp_group), reported
 
     return output, loss_func
 
