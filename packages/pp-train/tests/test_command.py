@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from pp_testing import run_distributed
-from pp_train import CheckpointError
-from pp_train.app import build_parser, load_corpus, main, validate_args
-from pp_train.app.command import run
+from pp_testing.distributed import DistributedTestError
+from pp_train import CheckpointError, pretrain
+from pp_train.app import GPTChunk, GPTConfig, build_parser, load_corpus, main, validate_args
+from pp_train.app.command import gpt_forward_step, run
 from pp_train.data import IndexedDatasetBuilder
+from pp_train.models import check_document_ids_chunk
 from pp_train.preprocess import main as preprocess
 
 TINY = [
@@ -451,19 +453,53 @@ def test_help_lists_the_packed_document_flags() -> None:
         assert f"{flag} Megatron's ``{flag}``:" in text
 
 
-def test_the_packed_document_flags_train_on_indexed_data(tmp_path: Path) -> None:
-    """The three flags on --data-path: every microbatch carries its fields through 2 stages."""
+PACKING = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+
+
+def _packed_documents(folder: Path) -> list[str]:
+    """300 documents of 1 to 39 letters, each ended by EOD (256), as --data-path flags."""
     generator = torch.Generator().manual_seed(0)
-    with IndexedDatasetBuilder(tmp_path / "docs") as builder:
+    with IndexedDatasetBuilder(folder / "docs") as builder:
         for _ in range(300):
             length = int(torch.randint(1, 40, (1,), generator=generator))
             builder.add_document([*torch.randint(97, 123, (length,)).tolist(), 256])
         builder.finalize()
-    packing = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
-    flags = [*PP2, "--data-path", str(tmp_path / "docs"), "--split", "90,10,0", *packing]
+    return ["--data-path", str(folder / "docs"), "--split", "90,10,0"]
+
+
+def test_the_packed_document_flags_train_on_indexed_data(tmp_path: Path) -> None:
+    """The three flags on --data-path: every microbatch carries its fields through 2 stages."""
+    flags = [*PP2, *_packed_documents(tmp_path), *PACKING]
     losses = _losses(_train([*flags, "--train-iters", "2"]))
     assert len(losses) == 2
     assert all(math.isfinite(loss) for loss in losses)
+
+
+def _pretrain_a_plain_model(argv: list[str]) -> None:
+    parser = build_parser()
+    config = validate_args(parser, parser.parse_args(argv), dist.get_world_size()).config
+
+    def provider(**_: object) -> torch.nn.Module:
+        return torch.nn.Linear(4, 4)
+
+    pretrain(lambda sizes: (None, None, None), provider, gpt_forward_step, config=config)
+
+
+def test_document_masks_with_a_model_that_cannot_take_them_are_refused(tmp_path: Path) -> None:
+    """A model without ``takes_document_ids`` would let tokens attend across documents."""
+    check_document_ids_chunk(GPTChunk(
+        GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8,
+                  vocab_size=16),
+        layers=range(1), pre_process=True, post_process=True, seed=0,
+    ))  # fmt: skip
+    argv = [*_packed_documents(tmp_path), *PACKING, "--train-iters", "1"]
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(_pretrain_a_plain_model, 1, argv, timeout=120)
+    message = str(caught.value)
+    assert (
+        "--reset-attention-mask gives every microbatch document_ids, but the model chunk "
+        "Linear does not say that its attention takes them" in message
+    )
 
 
 def test_the_command_converts_a_checkpoint_that_then_resumes_exactly(tmp_path: Path) -> None:

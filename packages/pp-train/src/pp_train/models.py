@@ -32,6 +32,7 @@ __all__ = [
     "ModelProvider",
     "ModelType",
     "check_context_parallel_chunk",
+    "check_document_ids_chunk",
     "checked_placement",
     "get_model",
     "setup_model_and_optimizer",
@@ -188,6 +189,32 @@ def check_context_parallel_chunk(chunk: torch.nn.Module, cp_size: int) -> None:
         "the sequence. Build its attention with pp_tensor.context_parallel_attention over the "
         f"context-parallel group and set chunk.context_parallel_size = {cp_size}, or use "
         "context-parallel size 1"
+    )
+
+
+def check_document_ids_chunk(chunk: torch.nn.Module) -> None:
+    """With ``--reset-attention-mask``, `chunk` must say its attention takes document ids.
+
+    Every microbatch then carries ``document_ids`` (which document each token belongs to); a
+    model whose attention ignores them would let tokens attend across documents without any
+    error. A chunk declares it with an attribute ``takes_document_ids = True`` (the bundled
+    GPT's chunks have it; `pp_tensor.context_parallel_attention` takes ``document_ids=``).
+
+    Raises:
+        ValueError: The chunk (under its wrappers) does not declare it; the message names the
+            flag and the fix.
+    """
+    inner = chunk
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        inner = inner.module
+    if getattr(inner, "takes_document_ids", False) is True:
+        return
+    raise ValueError(
+        f"--reset-attention-mask gives every microbatch document_ids, but the model chunk "
+        f"{type(inner).__name__} does not say that its attention takes them (no "
+        "takes_document_ids = True): its tokens would attend across documents. Pass the ids "
+        "to its attention (e.g. pp_tensor.context_parallel_attention(..., document_ids=)) "
+        "and set takes_document_ids = True on the chunk, or drop --reset-attention-mask"
     )
 
 

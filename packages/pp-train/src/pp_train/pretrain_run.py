@@ -32,6 +32,7 @@ from pp_train.checkpoint import (
 from pp_train.checkpoint.tracker import iteration_directory
 from pp_train.data import SampleDataset, microbatches
 from pp_train.memory import host_bytes
+from pp_train.models import check_document_ids_chunk
 from pp_train.processes import progress_line
 from pp_train.reporting import TrainingLogger
 from pp_train.run_plan import RunPlan
@@ -223,7 +224,7 @@ class PretrainRun:
     ) -> Any:
         """The chunks, optimizer, scheduler and what was loaded from ``--load``."""
         config = self.config
-        return setup_model_and_optimizer(
+        built = setup_model_and_optimizer(
             model_provider,
             self.state,
             optimizer_config=config.optimizer,
@@ -239,6 +240,10 @@ class PretrainRun:
             placement=self.run_plan.placement,
             model_type=model_type,
         )
+        if config.data.reset_attention_mask:  # before any step: tokens must not cross documents
+            for chunk in built[0]:
+                check_document_ids_chunk(chunk)
+        return built
 
     def _convert(
         self,

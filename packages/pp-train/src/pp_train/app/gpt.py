@@ -189,6 +189,8 @@ class GPTChunk(torch.nn.Module):
     """
 
     output_layer: OutputLayer | None
+    takes_document_ids = True
+    """Its attention keeps each token inside its document (``forward(..., document_ids=)``)."""
 
     def __init__(
         self,
