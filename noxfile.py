@@ -427,10 +427,12 @@ def examples(session: nox.Session) -> None:
     """docs/examples' trainers of any model (nn.Sequential, Hugging Face Llama and GPT-2).
 
     Every schedule at pp 2 and dp 2 x pp 2 against the model trained whole in one process
-    (through its own forward); PP_HF_EXAMPLES=1 makes a missing transformers a failure.
+    (through its own forward), and Llama at context parallelism 2 through pp-tensor's
+    transformers attention; PP_HF_EXAMPLES=1 makes a missing transformers a failure.
     """
-    _install(session, ["pp-optim", "pp-schedules", TEST_HELPERS], *TEST_TOOLS, TRANSFORMERS)
-    inputs = [*_package_inputs("pp-schedules"), *_package_inputs("pp-optim"), "docs/examples",
+    own = ["pp-optim", "pp-schedules", "pp-tensor"]  # the layers the examples import
+    _install(session, [*own, TEST_HELPERS], *TEST_TOOLS, TRANSFORMERS)
+    inputs = [*(path for dist in own for path in _package_inputs(dist)), "docs/examples",
               "integration_tests/conftest.py", str(ANY_MODEL.relative_to(ROOT))]  # fmt: skip
     with _unless_passed(session, inputs):
         _pytest(session, str(ANY_MODEL), "--durations=10", env={**TEST_ENV, "PP_HF_EXAMPLES": "1"})
