@@ -411,6 +411,60 @@ def _block_backward(
     return torch.cat(grad_q, dim=-2), grad_k, grad_v
 
 
+_FUSED_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _fused(setup: _Setup) -> bool:
+    """Whether ring blocks run torch's fused CPU attention: on the CPU, without documents.
+
+    Every ring block is then causal (a rank's own block, its positions in order) or seen
+    whole, which the fused kernel takes as it is; it returns the log-sum-exp the merge needs
+    and never materialises a score matrix.
+    """
+    return setup.documents is None and setup.device.type == "cpu"
+
+
+def _fused_block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_block_forward` by torch's fused kernel (grouped `q`; keys repeated per query head)."""
+    batch, kv_heads, group, length, dim = q.shape
+    out, lse = _FUSED_FORWARD(
+        q.reshape(batch, kv_heads * group, length, dim), k.repeat_interleave(group, 1),
+        v.repeat_interleave(group, 1), 0.0, causal, scale=scale,
+    )  # fmt: skip
+    return out.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def _fused_block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_block_backward` by torch's fused kernel.
+
+    `grads` holds the output's gradient, the final log-sum-exp and the final output (rows of
+    `q`), so the block's probabilities are the final ones.
+    """
+    grad_out, lse, out = grads
+    batch, kv_heads, group, _, dim = q.shape
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(batch, kv_heads * group, *x.shape[3:]).contiguous()
+
+    grad_q, grad_k, grad_v = _FUSED_BACKWARD(
+        heads(grad_out), heads(q), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+        heads(out), heads(lse), 0.0, causal, scale=scale,
+    )  # fmt: skip
+    keys = (batch, kv_heads, group, k.shape[2], dim)
+    return grad_q.reshape(q.shape), grad_k.reshape(keys).sum(2), grad_v.reshape(keys).sum(2)
+
+
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return t[..., rows, :]
 
@@ -496,7 +550,12 @@ def _ring_forward(
         last = block.step == setup.size - 1
         passing = None if last else _RingPass(kv, setup, _RING)  # overlaps this block
         k, v, mask = _block_inputs(setup, block, kv)
-        block_out, block_lse = _block_forward(_rows(q, block.rows), k, v, setup.scale, mask)
+        if _fused(setup):
+            block_out, block_lse = _fused_block_forward(
+                _rows(q, block.rows), k, v, setup.scale, block.causal
+            )
+        else:
+            block_out, block_lse = _block_forward(_rows(q, block.rows), k, v, setup.scale, mask)
         out[..., block.rows, :], lse[..., block.rows] = _merge(
             _rows(out, block.rows), lse[..., block.rows], block_out, block_lse
         )
@@ -506,7 +565,11 @@ def _ring_forward(
 
 
 def _ring_backward(
-    setup: _Setup, q: torch.Tensor, kv: torch.Tensor, grads: tuple[torch.Tensor, ...]
+    setup: _Setup,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of grouped `q` and of this rank's `kv`:'s keys and values.
 
@@ -521,8 +584,14 @@ def _ring_backward(
         passing = None if last else _RingPass(kv, setup, _RING)
         k, v, mask = _block_inputs(setup, block, kv)
         rows = block.rows
-        block_grads = (_rows(grad_out, rows), lse[..., rows], delta[..., rows])
-        dq, dk, dv = _block_backward(_rows(q, rows), k, v, mask, block_grads, scale=setup.scale)
+        if _fused(setup):
+            fused_grads = (_rows(grad_out, rows), lse[..., rows], _rows(out, rows))
+            dq, dk, dv = _fused_block_backward(
+                _rows(q, rows), k, v, block.causal, fused_grads, scale=setup.scale
+            )
+        else:
+            block_grads = (_rows(grad_out, rows), lse[..., rows], delta[..., rows])
+            dq, dk, dv = _block_backward(_rows(q, rows), k, v, mask, block_grads, scale=setup.scale)
         grad_q[..., rows, :] += dq
         grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32)
         grad_kv[0, ..., block.cols, :] = dk
@@ -556,8 +625,9 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         grads = _output_grads(grad_output, out, lse, k.size(1))
         grad_q, grad_kv = _ring_backward(
-            ctx.setup, _grouped(q, k.size(1)), torch.stack([k, v]), grads
-        )
+            ctx.setup, _grouped(q, k.size(1)), torch.stack([k, v]), grads,
+            _grouped(out, k.size(1)),
+        )  # fmt: skip
         return (
             grad_q.reshape(q.shape).to(q.dtype),
             grad_kv[0].to(k.dtype),
