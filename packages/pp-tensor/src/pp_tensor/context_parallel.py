@@ -664,13 +664,36 @@ def _gather_forward(
     q_pos = setup.positions(setup.rank)
     for rows, keys in _own_chunks(setup):
         k, v = kv[0, ..., :keys, :].float(), kv[1, ..., :keys, :].float()
+        if _fused(setup):
+            out[..., rows, :], lse[..., rows] = _fused_chunk_forward(setup, _rows(q, rows), k, v)
+            continue
         mask = _mask(setup, q_pos[rows], torch.arange(keys, device=setup.device), True)
         out[..., rows, :], lse[..., rows] = _block_forward(_rows(q, rows), k, v, setup.scale, mask)
     return out, lse
 
 
+def _fused_chunk_forward(
+    setup: _Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of queries over the keys up to its end, by fused kernels.
+
+    The chunk's own keys causally, the earlier ones whole, merged by their log-sum-exp.
+    """
+    own = slice(k.shape[2] - q.shape[3], None)
+    out, lse = _fused_block_forward(q, _rows(k, own), _rows(v, own), setup.scale, True)
+    if own.start:
+        earlier = slice(0, own.start)
+        before = _fused_block_forward(q, _rows(k, earlier), _rows(v, earlier), setup.scale, False)
+        out, lse = _merge(*before, out, lse)
+    return out, lse
+
+
 def _gather_backward(
-    setup: _Setup, q: torch.Tensor, kv: torch.Tensor, grads: tuple[torch.Tensor, ...]
+    setup: _Setup,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of the gradients of grouped `q` and of the whole `kv`."""
     grad_out, lse, delta = grads
@@ -679,13 +702,40 @@ def _gather_backward(
     q_pos = setup.positions(setup.rank)
     for rows, keys in _own_chunks(setup):
         k, v = kv[0, ..., :keys, :].float(), kv[1, ..., :keys, :].float()
-        mask = _mask(setup, q_pos[rows], torch.arange(keys, device=setup.device), True)
-        block_grads = (_rows(grad_out, rows), lse[..., rows], delta[..., rows])
-        dq, dk, dv = _block_backward(_rows(q, rows), k, v, mask, block_grads, scale=setup.scale)
+        if _fused(setup):
+            final = (_rows(grad_out, rows), lse[..., rows], _rows(out, rows))
+            dq, dk, dv = _fused_chunk_backward(setup, _rows(q, rows), k, v, final)
+        else:
+            mask = _mask(setup, q_pos[rows], torch.arange(keys, device=setup.device), True)
+            block_grads = (_rows(grad_out, rows), lse[..., rows], delta[..., rows])
+            dq, dk, dv = _block_backward(_rows(q, rows), k, v, mask, block_grads, scale=setup.scale)
         grad_q[..., rows, :] = dq
         grad_kv[0, ..., :keys, :] += dk
         grad_kv[1, ..., :keys, :] += dv
     return grad_q, grad_kv
+
+
+def _fused_chunk_backward(
+    setup: _Setup,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    final: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_fused_chunk_forward`'s gradients: dq, and dk, dv of the keys up to the chunk's end."""
+    own = slice(k.shape[2] - q.shape[3], None)
+    dq, dk_own, dv_own = _fused_block_backward(
+        q, _rows(k, own), _rows(v, own), True, final, scale=setup.scale
+    )
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk[..., own, :], dv[..., own, :] = dk_own, dv_own
+    if own.start:
+        earlier = slice(0, own.start)
+        dq_before, dk[..., earlier, :], dv[..., earlier, :] = _fused_block_backward(
+            q, _rows(k, earlier), _rows(v, earlier), False, final, scale=setup.scale
+        )
+        dq = dq + dq_before
+    return dq, dk, dv
 
 
 def _gather_sequence(setup: _Setup, kv: torch.Tensor) -> torch.Tensor:
@@ -727,7 +777,9 @@ class _AllGatherAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         kv_heads = kv.size(2)
         grads = _output_grads(grad_output, out, lse, kv_heads)
-        grad_q, grad_kv = _gather_backward(ctx.setup, _grouped(q, kv_heads), kv, grads)
+        grad_q, grad_kv = _gather_backward(
+            ctx.setup, _grouped(q, kv_heads), kv, grads, _grouped(out, kv_heads)
+        )
         mine = _scatter_sequence(ctx.setup, grad_kv)
         dtype = kv.dtype
         return grad_q.reshape(q.shape).to(q.dtype), mine[0].to(dtype), mine[1].to(dtype), None
