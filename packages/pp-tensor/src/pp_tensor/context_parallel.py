@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pp_state.collectives import collective
+from pp_tensor._fused_blocks import fused_block_backward, fused_block_forward
 from pp_tensor.utils import start_all_gather_first, start_reduce_scatter_first
 
 __all__ = [
@@ -411,10 +412,6 @@ def _block_backward(
     return torch.cat(grad_q, dim=-2), grad_k, grad_v
 
 
-_FUSED_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
 def _fused(setup: _Setup) -> bool:
     """Whether ring blocks run torch's fused CPU attention: on the CPU, without documents.
 
@@ -423,46 +420,6 @@ def _fused(setup: _Setup) -> bool:
     and never materialises a score matrix.
     """
     return setup.documents is None and setup.device.type == "cpu"
-
-
-def _fused_block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_block_forward` by torch's fused kernel (grouped `q`; keys repeated per query head)."""
-    batch, kv_heads, group, length, dim = q.shape
-    out, lse = _FUSED_FORWARD(
-        q.reshape(batch, kv_heads * group, length, dim), k.repeat_interleave(group, 1),
-        v.repeat_interleave(group, 1), 0.0, causal, scale=scale,
-    )  # fmt: skip
-    return out.reshape(q.shape), lse.reshape(q.shape[:-1])
-
-
-def _fused_block_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    *,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_block_backward` by torch's fused kernel.
-
-    `grads` holds the output's gradient, the final log-sum-exp and the final output (rows of
-    `q`), so the block's probabilities are the final ones.
-    """
-    grad_out, lse, out = grads
-    batch, kv_heads, group, _, dim = q.shape
-
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(batch, kv_heads * group, *x.shape[3:]).contiguous()
-
-    grad_q, grad_k, grad_v = _FUSED_BACKWARD(
-        heads(grad_out), heads(q), k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-        heads(out), heads(lse), 0.0, causal, scale=scale,
-    )  # fmt: skip
-    keys = (batch, kv_heads, group, k.shape[2], dim)
-    return grad_q.reshape(q.shape), grad_k.reshape(keys).sum(2), grad_v.reshape(keys).sum(2)
 
 
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -551,7 +508,7 @@ def _ring_forward(
         passing = None if last else _RingPass(kv, setup, _RING)  # overlaps this block
         k, v, mask = _block_inputs(setup, block, kv)
         if _fused(setup):
-            block_out, block_lse = _fused_block_forward(
+            block_out, block_lse = fused_block_forward(
                 _rows(q, block.rows), k, v, setup.scale, block.causal
             )
         else:
@@ -586,7 +543,7 @@ def _ring_backward(
         rows = block.rows
         if _fused(setup):
             fused_grads = (_rows(grad_out, rows), lse[..., rows], _rows(out, rows))
-            dq, dk, dv = _fused_block_backward(
+            dq, dk, dv = fused_block_backward(
                 _rows(q, rows), k, v, block.causal, fused_grads, scale=setup.scale
             )
         else:
@@ -680,10 +637,10 @@ def _fused_chunk_forward(
     The chunk's own keys causally, the earlier ones whole, merged by their log-sum-exp.
     """
     own = slice(k.shape[2] - q.shape[3], None)
-    out, lse = _fused_block_forward(q, _rows(k, own), _rows(v, own), setup.scale, True)
+    out, lse = fused_block_forward(q, _rows(k, own), _rows(v, own), setup.scale, True)
     if own.start:
         earlier = slice(0, own.start)
-        before = _fused_block_forward(q, _rows(k, earlier), _rows(v, earlier), setup.scale, False)
+        before = fused_block_forward(q, _rows(k, earlier), _rows(v, earlier), setup.scale, False)
         out, lse = _merge(*before, out, lse)
     return out, lse
 
@@ -724,14 +681,14 @@ def _fused_chunk_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_fused_chunk_forward`'s gradients: dq, and dk, dv of the keys up to the chunk's end."""
     own = slice(k.shape[2] - q.shape[3], None)
-    dq, dk_own, dv_own = _fused_block_backward(
+    dq, dk_own, dv_own = fused_block_backward(
         q, _rows(k, own), _rows(v, own), True, final, scale=setup.scale
     )
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dk[..., own, :], dv[..., own, :] = dk_own, dv_own
     if own.start:
         earlier = slice(0, own.start)
-        dq_before, dk[..., earlier, :], dv[..., earlier, :] = _fused_block_backward(
+        dq_before, dk[..., earlier, :], dv[..., earlier, :] = fused_block_backward(
             q, _rows(k, earlier), _rows(v, earlier), False, final, scale=setup.scale
         )
         dq = dq + dq_before
