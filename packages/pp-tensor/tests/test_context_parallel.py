@@ -9,13 +9,17 @@ see a later token or another document would change the output or a gradient.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from pp_state.collectives import CollectiveError
 from pp_tensor import (
     context_parallel_attention,
     context_parallel_positions,
@@ -23,6 +27,7 @@ from pp_tensor import (
     split_for_context_parallel,
 )
 from pp_testing import run_distributed
+from pp_testing.distributed import DistributedTestError
 
 BATCH, HEADS, DIM = 2, 4, 8
 THREE_DOCUMENTS = ((5, 8, 3), (9, 4, 3))  # per batch element: uneven lengths, 16 tokens
@@ -261,12 +266,6 @@ def test_refusals_at_cp_2_come_before_any_communication() -> None:
 
 def _lose_a_rank(marks: str, victim: int, comm_type: str) -> tuple[str, str, float]:
     """Every rank runs attention forward and backward; `victim` is killed before it starts."""
-    import os
-    import signal
-    import time
-    from pathlib import Path
-
-    from pp_state.collectives import CollectiveError
 
     size, rank = dist.get_world_size(), dist.get_rank()
     q, k, v, grad = (split_for_context_parallel(t, size, rank, seq_dim=2)
@@ -293,8 +292,6 @@ def test_a_rank_lost_mid_attention_is_an_error_naming_the_exchange(
     context-parallel exchange it was in and the peer's address (a lost peer closes the ring
     and the all-gather; where endpoints are published, as `watch_pipeline` does, pp-state
     names the peer's rank from that address)."""
-    from pp_testing.distributed import DistributedTestError
-
     timeout = 10.0
     with pytest.raises(DistributedTestError) as caught:
         run_distributed(

@@ -489,9 +489,14 @@ def _ring_blocks(setup: _Setup) -> Iterator[_RingBlock]:
 def _block_inputs(
     setup: _Setup, block: _RingBlock, kv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The block's keys and values (fp32, trimmed) and its mask."""
+    """The block's keys and values (fp32, trimmed) and its mask.
+
+    No mask for the fused kernel, which takes the block's causality as a flag.
+    """
     k = _rows(kv[0], block.cols).float()
     v = _rows(kv[1], block.cols).float()
+    if _fused(setup):
+        return k, v, None
     q_pos = setup.positions(setup.rank)[block.rows]
     k_pos = setup.positions(block.owner)[block.cols]
     return k, v, _mask(setup, q_pos, k_pos, block.causal)

@@ -26,6 +26,7 @@ from pp_state import ParallelState, Placement
 from pp_tensor import set_defaults_if_not_set_tensor_model_parallel_attributes
 from pp_train.checkpoint import CkptFormat, LoadedCheckpoint, load_checkpoint
 from pp_train.embeddings import sync_shared_embeddings
+from pp_train.wrappers import unwrap_model
 
 __all__ = [
     "EncoderDecoderModelProvider",
@@ -204,9 +205,7 @@ def check_document_ids_chunk(chunk: torch.nn.Module) -> None:
         ValueError: The chunk (under its wrappers) does not declare it; the message names the
             flag and the fix.
     """
-    inner = chunk
-    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
-        inner = inner.module
+    inner = unwrap_model(chunk)
     if getattr(inner, "takes_document_ids", False) is True:
         return
     raise ValueError(

@@ -49,6 +49,7 @@ from pp_tensor import (
 )
 from pp_tensor.layers import split_parameter
 from pp_train.app.gpt_config import GPTConfig
+from pp_train.data import attention_mask_from_document_ids
 
 __all__ = [
     "MLP",
@@ -218,11 +219,7 @@ def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
         (scaled_dot_product_attention's convention; Megatron's ``attention_mask`` is its
         negation).
     """
-    documents = document_ids.reshape(-1, document_ids.shape[-1])
-    length = documents.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
-    same = documents.unsqueeze(-1) == documents.unsqueeze(-2)
-    return (same & causal).unsqueeze(1)
+    return ~attention_mask_from_document_ids(document_ids.reshape(-1, document_ids.shape[-1]))
 
 
 class SelfAttention(torch.nn.Module):
